@@ -1,0 +1,117 @@
+"""Shared helpers for the benchmark scripts: machine description, tables, BENCHMARKS.md sections.
+
+Each benchmark owns one section of BENCHMARKS.md, delimited by
+``<!-- bench:NAME -->`` ... ``<!-- /bench:NAME -->``; re-running a benchmark replaces only its
+own section (under a lock file, so benchmarks can run at the same time).
+"""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH_MD = os.path.join(ROOT, "BENCHMARKS.md")
+HEADER = (
+    "# Benchmarks\n\n"
+    "Every figure is produced by a script in `scripts/` (command given per section) and is reported\n"
+    "as a ratio against a reference measured in the same run on the same machine. Re-run a script\n"
+    "to refresh its section.\n"
+)
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as fd:
+            for line in fd:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    gpu = ""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
+        if out.returncode == 0 and out.stdout.strip():
+            gpu = ", GPU " + out.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return f"{platform.node()}: {os.cpu_count()} cores ({cpu}), {mem:.0f} GiB RAM{gpu}, Python {platform.python_version()}"
+
+
+def command_line() -> str:
+    script = os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)
+    return " ".join(shlex.quote(a) for a in ["python", script, *sys.argv[1:]])
+
+
+def table(rows: list[dict], columns: list[str] | None = None) -> str:
+    """Markdown table from a list of dicts (floats shown with 3 significant digits)."""
+    if not rows:
+        return "(no rows)\n"
+    columns = columns or list(rows[0])
+
+    def fmt(v) -> str:
+        if isinstance(v, float):
+            if v != 0 and (abs(v) >= 1e5 or abs(v) < 1e-2):
+                return f"{v:.3g}"
+            return f"{v:,.3f}".rstrip("0").rstrip(".") if abs(v) < 100 else f"{v:,.0f}"
+        if isinstance(v, int) and not isinstance(v, bool):
+            return f"{v:,}"
+        return str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def record(name: str, title: str, body: str, path: str = BENCH_MD) -> None:
+    """Replace (or append) section ``name`` of BENCHMARKS.md with title, command, machine, date, body."""
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    section = (
+        f"<!-- bench:{name} -->\n## {title}\n\n"
+        f"- command: `{command_line()}`\n- machine: {machine()}\n- date: {now}\n\n{body.rstrip()}\n"
+        f"<!-- /bench:{name} -->\n"
+    )
+    lock = path + ".lock"
+    with open(lock, "w") as lk:
+        fcntl.flock(lk, fcntl.LOCK_EX)
+        text = open(path).read() if os.path.exists(path) else HEADER
+        pat = re.compile(rf"<!-- bench:{re.escape(name)} -->.*?<!-- /bench:{re.escape(name)} -->\n", re.S)
+        if pat.search(text):
+            text = pat.sub(lambda _m: section, text)
+        else:
+            text = text.rstrip() + "\n\n" + section
+        tmp = path + ".tmp"
+        with open(tmp, "w") as fd:
+            fd.write(text)
+        os.replace(tmp, path)
+    try:
+        os.unlink(lock)
+    except FileNotFoundError:
+        pass
+
+
+def drop_caches(paths: list[str]) -> str:
+    """Evict files from the page cache: drop_caches as root, else posix_fadvise DONTNEED."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as fd:
+            fd.write("3\n")
+        return "drop_caches"
+    except OSError:
+        for p in paths:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        return "fadvise"

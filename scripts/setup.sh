@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Create (or update) the project's virtual env in .venv and install actcache with its dev extra.
+# torch is pinned first to the CPU wheel 2.13.0: an unpinned torch would pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv .venv
+fi
+stamp=.venv/.actcache-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
+    .venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}" 2>&1 | grep -v '^WARNING: Location' || true
+    .venv/bin/python -m pip install -q -e '.[dev]' 2>&1 | grep -v '^WARNING: Location' || true
+    .venv/bin/python -c "import actcache, torch, transformers, snakemake" 
+    touch "$stamp"
+fi

@@ -1,0 +1,103 @@
+"""Atomic file writes: temporary name in the same directory, fsync, rename, fsync the directory.
+
+A reader never sees half a file; a killed writer leaves only a temporary name (``.*.tmp-*``),
+which :func:`remove_stale_temps` cleans up and no reader mistakes for a finished file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import socket
+import time
+
+TMP_MARK = ".tmp-"
+
+
+def tmp_name(path: str) -> str:
+    """A unique temporary sibling of ``path`` (hidden, with the writer's pid)."""
+    directory, base = os.path.split(path)
+    host = socket.gethostname().replace("-", "_")
+    return os.path.join(directory, f".{base}{TMP_MARK}{host}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def fsync_dir(directory: str) -> None:
+    fd = os.open(directory or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_open(path: str, mode: str = "wb"):
+    """Open a temporary sibling for writing; on success fsync + rename it to ``path``.
+
+    On any exception the temporary file is removed and ``path`` is untouched.
+    """
+    tmp = tmp_name(path)
+    fd = open(tmp, mode)
+    try:
+        yield fd
+        fd.flush()
+        os.fsync(fd.fileno())
+        fd.close()
+        os.replace(tmp, path)
+        fsync_dir(os.path.dirname(path))
+    except BaseException:
+        fd.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    with atomic_open(path, "wb") as fd:
+        fd.write(data)
+
+
+def is_temp(name: str) -> bool:
+    return name.startswith(".") and TMP_MARK in name
+
+
+def remove_stale_temps(directory: str, only_dead_writers: bool = True, max_age_s: float = 6 * 3600) -> list[str]:
+    """Remove temporary files left by killed writers; returns the names removed.
+
+    With ``only_dead_writers`` a temp is kept while its writer may still be working: on this
+    host, while the writer's pid is alive; from another host (a shared filesystem), until it is
+    ``max_age_s`` old.
+    """
+    removed = []
+    me = socket.gethostname().replace("-", "_")
+    for name in sorted(os.listdir(directory)):
+        if not is_temp(name):
+            continue
+        if only_dead_writers:
+            host, _, rest = name.rsplit(TMP_MARK, 1)[1].partition("-")
+            pid_part = rest.split("-", 1)[0]
+            if host == me:
+                if pid_part.isdigit() and _pid_alive(int(pid_part)):
+                    continue
+            else:
+                try:
+                    age = time.time() - os.stat(os.path.join(directory, name)).st_mtime
+                except FileNotFoundError:
+                    continue
+                if age < max_age_s:
+                    continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as fd:
+            state = fd.read().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except (FileNotFoundError, IndexError, PermissionError):
+        return False

@@ -1,0 +1,384 @@
+"""The sharded-activation file protocol v1: the only module that knows the byte layout.
+
+Normative source: the protocol sheet (``shared/seeds/000_...``). In short::
+
+    <dump_to>/<HASH>/metadata.json   the data-generating config (hash input)
+    <dump_to>/<HASH>/shards.json     [{"name": "acts000000.bin", "n_imgs": N}, ...]
+    <dump_to>/<HASH>/actsNNNNNN.bin  C-contiguous float32 (n_imgs_in_shard, L, T, D)
+
+    HASH = sha256(json.dumps(metadata, sort_keys=True, separators=(",", ":")).encode("utf-8"))
+
+This module imports neither torch nor snakemake. Validation of a whole directory lives in
+:mod:`actcache.validate`; atomic file writes in :mod:`actcache.fsutil`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import warnings
+
+from actcache.errors import ProtocolError, VersionError
+
+PROTOCOL_VERSION = "1.0.0"
+FAMILIES = ("clip", "siglip", "dinov2")
+DTYPES = {"float32": 4}
+METADATA_FILE = "metadata.json"
+SHARDS_FILE = "shards.json"
+DEFAULT_MAX_PATCHES_PER_SHARD = 2_400_000
+
+
+class ProtocolWarning(UserWarning):
+    """A cache is readable but deviates from the protocol in a tolerated way."""
+
+
+def shard_name(shard_idx: int) -> str:
+    """File name of shard ``shard_idx`` (zero-padded width 6)."""
+    if shard_idx < 0:
+        raise ValueError(f"shard index must be >= 0, got {shard_idx}")
+    return f"acts{shard_idx:06d}.bin"
+
+
+def parse_version(version: str, where: str = METADATA_FILE) -> tuple[int, int, int]:
+    """'1.2.3' -> (1, 2, 3); anything else is a ProtocolError."""
+    parts = version.split(".") if isinstance(version, str) else []
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        raise ProtocolError(
+            f"{where}: field 'protocol' is {version!r}, not a version like '1.0.0'. "
+            "Was this cache written by a protocol-v1 writer?"
+        )
+    return int(parts[0]), int(parts[1]), int(parts[2])
+
+
+def check_version(version: str, where: str = METADATA_FILE) -> None:
+    """Refuse another major version; warn about a newer minor version (spec §5)."""
+    major, minor, _ = parse_version(version, where)
+    ours = parse_version(PROTOCOL_VERSION)
+    if major != ours[0]:
+        raise VersionError(
+            f"{where}: the cache uses protocol {version}, but this actcache reads protocol "
+            f"{PROTOCOL_VERSION} (major {ours[0]}) only. Use a reader for protocol {major}.x, "
+            "or re-dump the activations with this version."
+        )
+    if minor > ours[1]:
+        warnings.warn(
+            f"{where}: protocol {version} is newer than {PROTOCOL_VERSION}; reading it as "
+            f"{PROTOCOL_VERSION} and ignoring fields this version does not know.",
+            ProtocolWarning,
+            stacklevel=3,
+        )
+
+
+def canonical_json(obj: object) -> bytes:
+    """The hash input exactly as the spec defines it."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
+def content_hash(metadata_dict: dict) -> str:
+    """sha256 hex digest (64 characters) of the canonical JSON of a metadata dict."""
+    return hashlib.sha256(canonical_json(metadata_dict)).hexdigest()
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# field name -> (checker, description) for metadata.json; order is the spec's table order.
+_FIELDS: dict[str, tuple] = {
+    "vit_family": (lambda v: isinstance(v, str), "a string"),
+    "vit_ckpt": (lambda v: isinstance(v, str), "a string"),
+    "layers": (lambda v: isinstance(v, (list, tuple)) and all(_is_int(x) for x in v), "a list of integers"),
+    "n_patches_per_img": (_is_int, "an integer"),
+    "cls_token": (lambda v: isinstance(v, bool), "true or false"),
+    "d_vit": (_is_int, "an integer"),
+    "n_imgs": (_is_int, "an integer"),
+    "max_patches_per_shard": (_is_int, "an integer"),
+    "data": (lambda v: isinstance(v, dict), "a JSON object"),
+    "dtype": (lambda v: isinstance(v, str), "a string"),
+    "protocol": (lambda v: isinstance(v, str), "a string"),
+}
+
+
+@dataclasses.dataclass(frozen=True, eq=True)
+class Metadata:
+    """metadata.json of protocol v1. Validated on construction.
+
+    ``extra`` holds keys that this version does not know (from a newer minor version); they are
+    written back and hashed unchanged, so the content hash of such a cache stays the same.
+    """
+
+    vit_family: str
+    vit_ckpt: str
+    layers: tuple[int, ...]
+    n_patches_per_img: int
+    cls_token: bool
+    d_vit: int
+    n_imgs: int
+    max_patches_per_shard: int
+    data: dict = dataclasses.field(hash=False)
+    dtype: str = "float32"
+    protocol: str = PROTOCOL_VERSION
+    extra: dict = dataclasses.field(default_factory=dict, hash=False, compare=True)
+
+    def __post_init__(self) -> None:
+        where = METADATA_FILE
+        if isinstance(self.layers, list):
+            object.__setattr__(self, "layers", tuple(self.layers))
+        for name, (ok, what) in _FIELDS.items():
+            value = getattr(self, name)
+            if not ok(value):
+                raise ProtocolError(f"{where}: field '{name}' must be {what}, got {value!r}.")
+        if self.vit_family not in FAMILIES:
+            raise ProtocolError(
+                f"{where}: field 'vit_family' is {self.vit_family!r}; allowed: {', '.join(FAMILIES)}."
+            )
+        if not self.layers:
+            raise ProtocolError(f"{where}: field 'layers' is empty; record at least one layer.")
+        if len(set(self.layers)) != len(self.layers):
+            raise ProtocolError(f"{where}: field 'layers' has repeated values: {list(self.layers)}.")
+        for name in ("n_patches_per_img", "d_vit", "n_imgs", "max_patches_per_shard"):
+            if getattr(self, name) < 1:
+                raise ProtocolError(f"{where}: field '{name}' must be >= 1, got {getattr(self, name)}.")
+        if self.dtype not in DTYPES:
+            raise ProtocolError(
+                f"{where}: field 'dtype' is {self.dtype!r}; protocol v1 allows only 'float32'."
+            )
+        if "__class__" not in self.data:
+            warnings.warn(
+                f"{where}: field 'data' has no '__class__' key (the spec asks for the dataset "
+                "config's class name); the cache is still readable.",
+                ProtocolWarning,
+                stacklevel=3,
+            )
+        check_version(self.protocol, where)
+        if self.n_imgs_per_shard < 1:
+            raise ProtocolError(
+                f"{where}: max_patches_per_shard={self.max_patches_per_shard} cannot hold one image "
+                f"({self.n_tokens_per_img} tokens x {len(self.layers)} layers = "
+                f"{self.n_tokens_per_img * len(self.layers)} vectors). Increase max_patches_per_shard "
+                f"to at least {self.n_tokens_per_img * len(self.layers)}."
+            )
+
+    # ---- (de)serialisation -------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        """The JSON document (and hash input): the spec's fields plus unknown newer-minor keys."""
+        out = {
+            "vit_family": self.vit_family,
+            "vit_ckpt": self.vit_ckpt,
+            "layers": list(self.layers),
+            "n_patches_per_img": self.n_patches_per_img,
+            "cls_token": self.cls_token,
+            "d_vit": self.d_vit,
+            "n_imgs": self.n_imgs,
+            "max_patches_per_shard": self.max_patches_per_shard,
+            "data": self.data,
+            "dtype": self.dtype,
+            "protocol": self.protocol,
+        }
+        out.update(self.extra)
+        return out
+
+    @classmethod
+    def from_dict(cls, doc: object, where: str = METADATA_FILE) -> Metadata:
+        if not isinstance(doc, dict):
+            raise ProtocolError(f"{where}: expected a JSON object, got {type(doc).__name__}.")
+        missing = [k for k in _FIELDS if k not in doc]
+        if missing:
+            raise ProtocolError(
+                f"{where}: missing required field(s) {', '.join(missing)}. A protocol-v1 "
+                f"metadata.json has: {', '.join(_FIELDS)}."
+            )
+        for name, (ok, what) in _FIELDS.items():
+            if not ok(doc[name]):
+                raise ProtocolError(f"{where}: field '{name}' must be {what}, got {doc[name]!r}.")
+        check_version(doc["protocol"], where)
+        extra = {k: v for k, v in doc.items() if k not in _FIELDS}
+        if extra and parse_version(doc["protocol"], where)[1] == parse_version(PROTOCOL_VERSION)[1]:
+            warnings.warn(
+                f"{where}: unknown field(s) {', '.join(sorted(extra))} for protocol "
+                f"{doc['protocol']}; kept as they are (they are part of the hash).",
+                ProtocolWarning,
+                stacklevel=2,
+            )
+        try:
+            return cls(**{k: doc[k] for k in _FIELDS}, extra=extra)
+        except ProtocolError as err:
+            raise ProtocolError(str(err).replace(METADATA_FILE, where, 1)) from None
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Metadata:
+        """Read metadata.json (a file path, or a cache directory)."""
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            path = os.path.join(path, METADATA_FILE)
+        return cls.from_dict(read_json(path), where=path)
+
+    def dump(self, directory: str | os.PathLike) -> str:
+        """Write metadata.json into ``directory`` atomically; returns the path."""
+        from actcache.fsutil import atomic_write_bytes
+
+        path = os.path.join(os.fspath(directory), METADATA_FILE)
+        text = json.dumps(self.to_dict(), indent=4, sort_keys=True) + "\n"
+        atomic_write_bytes(path, text.encode("utf-8"))
+        return path
+
+    @property
+    def hash(self) -> str:
+        return content_hash(self.to_dict())
+
+    # ---- shard sizing (spec §3) ---------------------------------------------------------------
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def n_tokens_per_img(self) -> int:
+        return self.n_patches_per_img + int(self.cls_token)
+
+    @property
+    def n_imgs_per_shard(self) -> int:
+        return self.max_patches_per_shard // (self.n_tokens_per_img * len(self.layers))
+
+    @property
+    def n_shards(self) -> int:
+        """Shards holding at least one image (an exact multiple makes no empty trailing shard)."""
+        return math.ceil(self.n_imgs / self.n_imgs_per_shard)
+
+    @property
+    def shard_shape(self) -> tuple[int, int, int, int]:
+        return (self.n_imgs_per_shard, len(self.layers), self.n_tokens_per_img, self.d_vit)
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype]
+
+    @property
+    def bytes_per_vector(self) -> int:
+        return self.d_vit * self.itemsize
+
+    @property
+    def bytes_per_img(self) -> int:
+        return len(self.layers) * self.n_tokens_per_img * self.bytes_per_vector
+
+    @property
+    def shard_nbytes(self) -> int:
+        """Size of a full shard file (also of a padded last shard)."""
+        return self.n_imgs_per_shard * self.bytes_per_img
+
+    def shard_n_imgs(self, shard_idx: int) -> int:
+        """How many images shard ``shard_idx`` holds in a complete cache."""
+        if not 0 <= shard_idx < self.n_shards:
+            raise IndexError(f"shard {shard_idx} out of range [0, {self.n_shards})")
+        start = shard_idx * self.n_imgs_per_shard
+        return min(self.n_imgs_per_shard, self.n_imgs - start)
+
+    def shard_img_range(self, shard_idx: int) -> tuple[int, int]:
+        """Global image range [start, end) of shard ``shard_idx``."""
+        start = shard_idx * self.n_imgs_per_shard
+        return start, start + self.shard_n_imgs(shard_idx)
+
+    def expected_shards(self) -> list[ShardInfo]:
+        """The shard table of a complete cache written by actcache."""
+        return [ShardInfo(shard_name(i), self.shard_n_imgs(i)) for i in range(self.n_shards)]
+
+    def layer_index(self, layer: int) -> int:
+        """Position of a layer *value* in ``layers`` (spec §4.2); a clear error if not recorded."""
+        if _is_int(layer) and layer in self.layers:
+            return self.layers.index(layer)
+        raise LayerNotRecordedError(
+            f"layer {layer!r} is not recorded in this cache; recorded layers: {list(self.layers)}. "
+            "Pick one of those values (layers are matched by value, so -2 and 10 differ)."
+        )
+
+    def locate(self, img: int, layer: int, token: int) -> Location:
+        """Logical coordinate -> (shard file, byte offset) of its D-vector (spec §4.2)."""
+        if not _is_int(img) or not 0 <= img < self.n_imgs:
+            raise IndexError(f"image index {img!r} out of range [0, {self.n_imgs})")
+        if not _is_int(token) or not 0 <= token < self.n_tokens_per_img:
+            raise IndexError(
+                f"token index {token!r} out of range [0, {self.n_tokens_per_img}) "
+                f"({'CLS at 0, then ' if self.cls_token else ''}{self.n_patches_per_img} patches)"
+            )
+        layer_idx = self.layer_index(layer)
+        shard_idx, img_in_shard = divmod(img, self.n_imgs_per_shard)
+        L, T = len(self.layers), self.n_tokens_per_img
+        offset_vectors = img_in_shard * L * T + layer_idx * T + token
+        return Location(shard_idx, shard_name(shard_idx), img_in_shard, offset_vectors * self.bytes_per_vector)
+
+
+class LayerNotRecordedError(ProtocolError, KeyError):
+    """A layer value that the cache does not record."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class Location:
+    shard_idx: int
+    shard: str
+    img_in_shard: int
+    offset_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardInfo:
+    """One entry of shards.json."""
+
+    name: str
+    n_imgs: int
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "n_imgs": self.n_imgs}
+
+
+def read_json(path: str) -> object:
+    """Parse a JSON file; a missing file or bad JSON is a ProtocolError naming the file."""
+    try:
+        with open(path, "rb") as fd:
+            raw = fd.read()
+    except FileNotFoundError:
+        raise ProtocolError(f"{path}: file not found.") from None
+    except IsADirectoryError:
+        raise ProtocolError(f"{path}: is a directory, expected a JSON file.") from None
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ProtocolError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}).") from None
+    except json.JSONDecodeError as err:
+        raise ProtocolError(
+            f"{path}: not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})."
+        ) from None
+
+
+def parse_shards(doc: object, where: str = SHARDS_FILE) -> list[ShardInfo]:
+    if not isinstance(doc, list):
+        raise ProtocolError(f"{where}: expected a JSON array of {{name, n_imgs}} objects, got {type(doc).__name__}.")
+    shards = []
+    for i, entry in enumerate(doc):
+        if not isinstance(entry, dict) or "name" not in entry or "n_imgs" not in entry:
+            raise ProtocolError(f"{where}: entry {i} must be an object with 'name' and 'n_imgs', got {entry!r}.")
+        if not isinstance(entry["name"], str) or not _is_int(entry["n_imgs"]) or entry["n_imgs"] < 0:
+            raise ProtocolError(
+                f"{where}: entry {i} needs a string 'name' and an integer 'n_imgs' >= 0, got {entry!r}."
+            )
+        shards.append(ShardInfo(entry["name"], entry["n_imgs"]))
+    return shards
+
+
+def read_shards(directory: str | os.PathLike) -> list[ShardInfo]:
+    path = os.path.join(os.fspath(directory), SHARDS_FILE)
+    return parse_shards(read_json(path), where=path)
+
+
+def write_shards(directory: str | os.PathLike, shards: list[ShardInfo]) -> str:
+    """Write shards.json atomically; returns its path."""
+    from actcache.fsutil import atomic_write_bytes
+
+    path = os.path.join(os.fspath(directory), SHARDS_FILE)
+    text = json.dumps([s.to_dict() for s in shards], indent=4) + "\n"
+    atomic_write_bytes(path, text.encode("utf-8"))
+    return path

@@ -1,0 +1,284 @@
+"""Validation of a cache directory against protocol v1.
+
+:func:`check_dir` collects every problem (it never raises for a bad cache) so that
+``actcache inspect`` can show them all; :func:`validate_dir` raises one error listing them.
+
+Compatibility with caches written by the seed's own writer (the protocol's reference code):
+it pads the last shard with zeros to the full shard size, and when n_imgs is an exact multiple
+of n_imgs_per_shard it adds a trailing all-zero shard listed with n_imgs 0. Both are accepted
+(the second with a warning). Any other deviation is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import threading
+import warnings
+
+import numpy as np
+
+from actcache.errors import CacheIncompleteError, ProtocolError
+from actcache.protocol import (
+    METADATA_FILE,
+    SHARDS_FILE,
+    Metadata,
+    ProtocolWarning,
+    ShardInfo,
+    read_shards,
+    shard_name,
+)
+
+HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclasses.dataclass
+class ShardStatus:
+    name: str
+    n_imgs: int
+    size: int | None  # bytes on disk, None when missing
+    expected: tuple[int, ...]  # sizes accepted for this shard
+    padded: bool = False
+    n_nonfinite: int | None = None  # filled by a deep check
+
+
+@dataclasses.dataclass
+class Report:
+    path: str
+    metadata: Metadata | None = None
+    shards: list[ShardStatus] = dataclasses.field(default_factory=list)
+    problems: list[str] = dataclasses.field(default_factory=list)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    incomplete: bool = False  # shards.json missing: the dump has not been gathered
+    error_cls: type = ProtocolError  # raised by raise_for_problems (VersionError for a version)
+    deep: bool = False
+    n_nonfinite: int | None = None
+    bytes_read: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def raise_for_problems(self) -> None:
+        if self.problems:
+            cls = CacheIncompleteError if self.incomplete else self.error_cls
+            lines = "\n  - ".join(self.problems)
+            raise cls(f"{self.path} is not a valid protocol-v1 cache:\n  - {lines}")
+
+
+def check_dir(path: str | os.PathLike, deep: bool = False, check_hash: bool = True) -> Report:
+    path = os.fspath(path)
+    rep = Report(path=path, deep=deep)
+    if not os.path.exists(path):
+        rep.problems.append(f"{path}: directory not found. Check the path (it is <dump_to>/<HASH>).")
+        return rep
+    if not os.path.isdir(path):
+        rep.problems.append(f"{path}: not a directory. A cache is a directory <dump_to>/<HASH>.")
+        return rep
+
+    md_path = os.path.join(path, METADATA_FILE)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            md = Metadata.load(md_path)
+        except ProtocolError as err:
+            rep.problems.append(str(err))
+            rep.error_cls = type(err)
+            return rep
+    rep.warnings += [str(w.message) for w in caught if issubclass(w.category, ProtocolWarning)]
+    rep.metadata = md
+
+    if check_hash:
+        _check_hash(path, md, rep)
+
+    sh_path = os.path.join(path, SHARDS_FILE)
+    if not os.path.exists(sh_path):
+        rep.incomplete = True
+        present = sorted(n for n in os.listdir(path) if re.fullmatch(r"acts\d{6}\.bin", n))
+        rep.problems.append(
+            f"{sh_path}: missing, so the dump is unfinished or was never gathered "
+            f"({len(present)} of {md.n_shards} shard files present). Finish the dump, then run "
+            f"`actcache gather {path}`."
+        )
+        return rep
+    try:
+        shards = read_shards(path)
+    except ProtocolError as err:
+        rep.problems.append(str(err))
+        return rep
+    _check_table(path, md, shards, rep)
+    if deep and rep.ok:
+        deep_scan(path, md, rep)
+    return rep
+
+
+def validate_dir(path: str | os.PathLike, deep: bool = False, check_hash: bool = True) -> Report:
+    """check_dir, then raise one ProtocolError/CacheIncompleteError listing every problem.
+
+    Tolerated deviations are re-emitted as ProtocolWarning.
+    """
+    rep = check_dir(path, deep=deep, check_hash=check_hash)
+    rep.raise_for_problems()
+    for msg in rep.warnings:
+        warnings.warn(msg, ProtocolWarning, stacklevel=2)
+    return rep
+
+
+def _check_hash(path: str, md: Metadata, rep: Report) -> None:
+    name = os.path.basename(os.path.normpath(path))
+    if not HEX64.match(name):
+        real = os.path.basename(os.path.realpath(path))
+        if HEX64.match(real):
+            name = real
+    digest = md.hash
+    if HEX64.match(name):
+        if name != digest:
+            rep.problems.append(
+                f"{path}: the directory name is not the hash of its metadata.json (config drift): "
+                f"metadata.json hashes to {digest}. metadata.json was edited after the dump, or the "
+                "directory was renamed; restore the original metadata.json or re-dump."
+            )
+    else:
+        rep.warnings.append(
+            f"{path}: directory name {name!r} is not a content hash; caches normally live at "
+            f"<dump_to>/{digest}."
+        )
+
+
+def _check_table(path: str, md: Metadata, shards: list[ShardInfo], rep: Report) -> None:
+    where = os.path.join(path, SHARDS_FILE)
+    S, full = md.n_imgs_per_shard, md.shard_nbytes
+    # The seed's writer adds an all-zero trailing shard listed with n_imgs 0 on exact multiples.
+    trailing_zero = None
+    if len(shards) >= 2 and shards[-1].n_imgs == 0 and sum(s.n_imgs for s in shards) == md.n_imgs:
+        trailing_zero = shards[-1]
+        shards = shards[:-1]
+        rep.warnings.append(
+            f"{where}: trailing entry {trailing_zero.name} lists n_imgs 0 (written by the seed's "
+            "writer when n_imgs is an exact multiple of the shard size); it is ignored."
+        )
+    if not shards:
+        rep.problems.append(f"{where}: lists no shards; expected {md.n_shards}.")
+        return
+    total = sum(s.n_imgs for s in shards)
+    if total != md.n_imgs:
+        rep.problems.append(
+            f"{where}: shard n_imgs add up to {total}, but metadata.json says n_imgs={md.n_imgs}. "
+            f"Re-run `actcache gather {path}`, or re-dump if shards are missing."
+        )
+    for i, s in enumerate(shards):
+        if s.name != shard_name(i):
+            rep.problems.append(f"{where}: entry {i} is named {s.name!r}; expected {shard_name(i)!r}.")
+        last = i == len(shards) - 1
+        if not last and s.n_imgs != S:
+            rep.problems.append(
+                f"{where}: {s.name} lists n_imgs={s.n_imgs}; every shard but the last must hold "
+                f"n_imgs_per_shard={S} (max_patches_per_shard // (tokens x layers))."
+            )
+        if last and not 1 <= s.n_imgs <= S:
+            rep.problems.append(f"{where}: last shard {s.name} lists n_imgs={s.n_imgs}; expected 1..{S}.")
+        exact = s.n_imgs * md.bytes_per_img
+        expected = (exact,) if not last or exact == full else (exact, full)
+        rep.shards.append(_stat_shard(path, s, expected, rep))
+    if trailing_zero is not None:
+        rep.shards.append(_stat_shard(path, trailing_zero, (full, 0), rep))
+
+
+def _stat_shard(path: str, s: ShardInfo, expected: tuple[int, ...], rep: Report) -> ShardStatus:
+    fpath = os.path.join(path, s.name)
+    try:
+        size = os.stat(fpath).st_size
+    except FileNotFoundError:
+        rep.problems.append(
+            f"{fpath}: missing (listed in shards.json with n_imgs={s.n_imgs}). Re-run the dump for "
+            "this shard, then `actcache gather`."
+        )
+        return ShardStatus(s.name, s.n_imgs, None, expected)
+    st = ShardStatus(s.name, s.n_imgs, size, expected, padded=len(expected) == 2 and size == expected[1] != expected[0])
+    if size not in expected:
+        want = " or ".join(f"{e:,}" for e in expected)
+        kind = "truncated" if size < min(expected) else "too large"
+        rep.problems.append(
+            f"{fpath}: {size:,} bytes, expected {want} ({s.n_imgs} images x {rep.metadata.bytes_per_img:,} "
+            f"bytes each); the file is {kind}. Delete it and re-run the dump for this shard."
+        )
+    return st
+
+
+# ---- deep scan: read every byte once ---------------------------------------------------------
+
+CHUNK = 16 * 2**20
+
+
+def _count_nonfinite(buf_f32: np.ndarray) -> int:
+    # A finite sum proves every element finite (one fast pass); only otherwise count exactly.
+    s = np.add.reduce(buf_f32, dtype=np.float32)
+    if np.isfinite(s):
+        return 0
+    return int(buf_f32.size - np.count_nonzero(np.isfinite(buf_f32)))
+
+
+def deep_scan(path: str, md: Metadata, rep: Report) -> None:
+    """Read every stored byte once (reader thread + checker thread) and count NaN/Inf.
+
+    Only the images' bytes are checked; a padded tail is read too (every byte once) but its
+    values are not counted.
+    """
+    import queue
+
+    total_bad = 0
+    for st in rep.shards:
+        if st.size is None:
+            continue
+        fpath = os.path.join(path, st.name)
+        valid = st.n_imgs * md.bytes_per_img
+        bufs = [bytearray(CHUNK) for _ in range(3)]
+        free: queue.Queue = queue.Queue()
+        for b in bufs:
+            free.put(b)
+        full: queue.Queue = queue.Queue()
+        counts = [0]
+
+        def checker():
+            while True:
+                item = full.get()
+                if item is None:
+                    return
+                buf, start, n = item
+                stop = min(start + n, valid)
+                if stop > start:
+                    arr = np.frombuffer(buf, dtype=np.float32, count=(stop - start) // 4)
+                    counts[0] += _count_nonfinite(arr)
+                free.put(buf)
+
+        th = threading.Thread(target=checker, daemon=True)
+        th.start()
+        pos = 0
+        try:
+            with open(fpath, "rb", buffering=0) as fd:
+                try:
+                    os.posix_fadvise(fd.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                except (AttributeError, OSError):
+                    pass
+                while True:
+                    buf = free.get()
+                    n = fd.readinto(buf)
+                    if not n:
+                        free.put(buf)
+                        break
+                    full.put((buf, pos, n))
+                    pos += n
+        finally:
+            full.put(None)
+            th.join()
+        rep.bytes_read += pos
+        st.n_nonfinite = counts[0]
+        total_bad += counts[0]
+        if counts[0]:
+            rep.problems.append(
+                f"{fpath}: {counts[0]:,} NaN/Inf values among its {st.n_imgs} images. The model "
+                "produced non-finite activations (check the checkpoint and dtype) or the file is "
+                "corrupt; re-dump this shard."
+            )
+    rep.n_nonfinite = total_bad

@@ -1,0 +1,46 @@
+"""Shared test helpers: small real caches written through the project's own writer."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from actcache.protocol import Metadata
+from actcache.writer import write_cache_from_array
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def make_metadata(n_imgs=10, layers=(3, 7), n_patches=4, cls=True, d=8, max_patches=None, imgs_per_shard=4, **kw) -> Metadata:
+    T = n_patches + int(cls)
+    if max_patches is None:
+        max_patches = imgs_per_shard * T * len(layers)
+    return Metadata(
+        vit_family=kw.pop("vit_family", "clip"),
+        vit_ckpt=kw.pop("vit_ckpt", "test/ckpt"),
+        layers=tuple(layers),
+        n_patches_per_img=n_patches,
+        cls_token=cls,
+        d_vit=d,
+        n_imgs=n_imgs,
+        max_patches_per_shard=max_patches,
+        data=kw.pop("data", {"__class__": "Test", "seed": 0}),
+        **kw,
+    )
+
+
+def make_cache(root, seed=0, labels=None, class_names=None, **kw):
+    """Write a cache of random activations; returns (path, metadata, full logical array)."""
+    md = make_metadata(**kw)
+    rng = np.random.default_rng(seed)
+    acts = rng.standard_normal((md.n_imgs, len(md.layers), md.n_tokens_per_img, md.d_vit), dtype=np.float32)
+    path = write_cache_from_array(root, md, acts, labels=labels, class_names=class_names)
+    return path, md, acts
+
+
+@pytest.fixture
+def small_cache(tmp_path):
+    return make_cache(tmp_path)

@@ -1,0 +1,82 @@
+"""actcache hash / inspect / verify / gather through the real console script."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from actcache.protocol import canonical_json, shard_name
+from tests.conftest import make_cache
+
+
+def run(*args, check=None):
+    proc = subprocess.run([sys.executable, "-m", "actcache.cli", *args], capture_output=True, text=True, timeout=120)
+    if check is not None:
+        assert proc.returncode == check, proc.stdout + proc.stderr
+    return proc
+
+
+def test_hash(small_cache):
+    path, md, _ = small_cache
+    doc = json.load(open(os.path.join(path, "metadata.json")))
+    want = hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    assert canonical_json(doc) == json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    out = run("hash", os.path.join(path, "metadata.json"), check=0)
+    assert out.stdout.strip() == want == os.path.basename(path)
+    assert run("hash", path, check=0).stdout.strip() == want
+
+
+def test_inspect_and_verify_ok(small_cache):
+    path, md, _ = small_cache
+    out = run("inspect", path, check=0).stdout
+    assert md.hash in out and "OK" in out and shard_name(2) in out and "zero-padded" in out
+    info = json.loads(run("inspect", path, "--json", check=0).stdout)
+    assert info["ok"] and info["derived"]["n_shards"] == 3 and len(info["shards"]) == 3
+    deep = run("verify", "--deep", path, check=0).stdout
+    assert "0 NaN/Inf" in deep
+
+
+def test_verify_deep_counts_nan_inf(small_cache):
+    path, md, _ = small_cache
+    mm = np.memmap(os.path.join(path, shard_name(1)), np.float32, "r+", shape=md.shard_shape)
+    mm[0, 0, 0, :3] = [np.nan, np.inf, -np.inf]
+    mm.flush()
+    del mm
+    run("verify", path, check=0)  # the shallow check does not read values
+    proc = run("verify", "--deep", path, check=1)
+    assert "3 NaN/Inf" in proc.stdout and shard_name(1) in proc.stdout
+    info = json.loads(run("verify", "--deep", "--json", path, check=1).stdout)
+    assert info["n_nonfinite"] == 3
+
+
+def test_verify_reports_problems(small_cache):
+    path, md, _ = small_cache
+    with open(os.path.join(path, shard_name(0)), "r+b") as fd:
+        fd.truncate(10)
+    proc = run("verify", path, check=1)
+    assert "INVALID" in proc.stdout and "truncated" in proc.stdout
+    proc = run("verify", os.path.join(path, "nope"), check=1)
+    assert "directory not found" in proc.stdout
+
+
+def test_user_errors_have_no_traceback(tmp_path):
+    bad = tmp_path / "metadata.json"
+    bad.write_text("{not json")
+    proc = run("hash", str(bad), check=2)
+    assert "not valid JSON" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_gather_refuses_and_lists(tmp_path):
+    path, md, _ = make_cache(tmp_path, n_imgs=10, imgs_per_shard=4)
+    os.unlink(os.path.join(path, "shards.json"))
+    os.unlink(os.path.join(path, shard_name(0)))
+    with open(os.path.join(path, shard_name(2)), "r+b") as fd:
+        fd.truncate(7)
+    proc = run("gather", path, check=2)
+    assert shard_name(0) in proc.stderr and "missing" in proc.stderr and shard_name(2) in proc.stderr
+    assert not os.path.exists(os.path.join(path, "shards.json"))
