@@ -1,0 +1,539 @@
+"""Image datasets with a fixed size and a stable order, and the per-checkpoint image transform.
+
+A dataset is described by a small frozen config (``ImageFolder``, ``HfDiskDataset``,
+``SyntheticImages``); ``metadata_data(cfg)`` is what goes into a cache's ``metadata.json``
+``data`` field, so the same config always gives the same dict (and the same cache hash).
+``open_dataset(cfg)`` gives a ``torch.utils.data.Dataset`` of ``(PIL RGB image, label)``.
+
+``ImageTransform`` is the preprocessing of Hugging Face's PIL ("slow") image processors
+(resize, center crop, rescale, normalize) written with PIL and numpy only; ``actcache.models``
+builds one from a checkpoint's ``preprocessor_config.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import time
+
+import numpy as np
+import PIL.Image
+import torch.utils.data
+
+from actcache.errors import ConfigError, DumpError
+from actcache.fsutil import atomic_write_bytes
+
+logger = logging.getLogger(__name__)
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+LISTING_VERSION = 1
+# A folder modified less than this long ago may still change within the same mtime tick; its
+# listing is not cached (the "racy git" problem).
+_RACY_S = 2.0
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _abs(path: str) -> str:
+    return os.path.normpath(os.path.abspath(os.path.expanduser(path)))
+
+
+def _check_str(cls: str, field: str, value: object, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if not isinstance(value, str) or not value:
+        allowed = "a non-empty string" + (" or null" if optional else "")
+        raise ConfigError(f"{cls}.{field} must be {allowed}, got {value!r}")
+
+
+def _check_int(cls: str, field: str, value: object, minimum: int) -> None:
+    if not _is_int(value) or value < minimum:
+        raise ConfigError(f"{cls}.{field} must be an integer >= {minimum}, got {value!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageFolder:
+    """Every image file under ``root`` (sorted by relative path); ``root/<class>/...`` gives labels."""
+
+    root: str
+
+    def __post_init__(self) -> None:
+        _check_str("ImageFolder", "root", self.root)
+        object.__setattr__(self, "root", _abs(self.root))
+
+
+@dataclasses.dataclass(frozen=True)
+class HfDiskDataset:
+    """A Hugging Face dataset written with ``save_to_disk`` (a ``DatasetDict`` needs ``split``)."""
+
+    path: str
+    split: str | None = None
+    image_key: str = "image"
+    label_key: str | None = "label"
+
+    def __post_init__(self) -> None:
+        _check_str("HfDiskDataset", "path", self.path)
+        _check_str("HfDiskDataset", "split", self.split, optional=True)
+        _check_str("HfDiskDataset", "image_key", self.image_key)
+        _check_str("HfDiskDataset", "label_key", self.label_key, optional=True)
+        object.__setattr__(self, "path", _abs(self.path))
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticImages:
+    """``n_imgs`` deterministic random RGB images; image ``i`` depends only on ``(seed, i)``."""
+
+    n_imgs: int
+    seed: int = 0
+    size: int = 64
+    n_classes: int = 0
+
+    def __post_init__(self) -> None:
+        _check_int("SyntheticImages", "n_imgs", self.n_imgs, 1)
+        _check_int("SyntheticImages", "seed", self.seed, 0)
+        _check_int("SyntheticImages", "size", self.size, 1)
+        _check_int("SyntheticImages", "n_classes", self.n_classes, 0)
+
+
+DataConfig = ImageFolder | HfDiskDataset | SyntheticImages
+DATA_KINDS: dict[str, type] = {"image_folder": ImageFolder, "hf_disk": HfDiskDataset, "synthetic": SyntheticImages}
+
+
+def data_config_from_dict(d: object, where: str) -> DataConfig:
+    """The YAML ``data:`` mapping (``kind:`` plus the fields) → a config; errors name ``where``."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where}: 'data' must be a mapping with a 'kind' key, got {d!r}")
+    kind = d.get("kind")
+    if kind not in DATA_KINDS:
+        raise ConfigError(f"{where}: data.kind must be one of {sorted(DATA_KINDS)}, got {kind!r}")
+    return _build(DATA_KINDS[kind], {k: v for k, v in d.items() if k != "kind"}, where, f"data (kind {kind})")
+
+
+def data_config_from_metadata(d: object, where: str = "metadata.json") -> DataConfig:
+    """Inverse of :func:`metadata_data`: a cache's ``data`` object → the config that made it."""
+    classes = {cls.__name__: cls for cls in DATA_KINDS.values()}
+    if not isinstance(d, dict) or d.get("__class__") not in classes:
+        got = d.get("__class__") if isinstance(d, dict) else d
+        raise ConfigError(f"{where}: data.__class__ must be one of {sorted(classes)}, got {got!r}")
+    return _build(classes[d["__class__"]], {k: v for k, v in d.items() if k != "__class__"}, where, "data")
+
+
+def _build(cls: type, fields: dict, where: str, what: str) -> DataConfig:
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(fields) - set(known))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown} in {what}; allowed: {sorted(known)}")
+    required = [n for n, f in known.items() if f.default is dataclasses.MISSING]
+    missing = [n for n in required if n not in fields]
+    if missing:
+        raise ConfigError(f"{where}: {what} is missing required key(s) {missing}")
+    try:
+        return cls(**fields)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def metadata_data(cfg: DataConfig) -> dict:
+    """The cache metadata's ``data`` object: ``asdict(cfg)`` plus ``__class__``."""
+    return {**dataclasses.asdict(cfg), "__class__": type(cfg).__name__}
+
+
+def count_images(cfg: DataConfig, listing_cache: str | None = None) -> int:
+    """The dataset size, without decoding any image."""
+    if isinstance(cfg, SyntheticImages):
+        return cfg.n_imgs
+    if isinstance(cfg, ImageFolder):
+        return len(list_image_folder(cfg.root, listing_cache).files)
+    if isinstance(cfg, HfDiskDataset):
+        return len(_load_hf(cfg))
+    raise ConfigError(f"unknown data config {cfg!r}; use one of {sorted(c.__name__ for c in DATA_KINDS.values())}")
+
+
+def open_dataset(cfg: DataConfig, listing_cache: str | None = None) -> ImageDataset:
+    if isinstance(cfg, SyntheticImages):
+        return SyntheticDataset(cfg)
+    if isinstance(cfg, ImageFolder):
+        return FolderDataset(cfg, list_image_folder(cfg.root, listing_cache))
+    if isinstance(cfg, HfDiskDataset):
+        return HfDataset(cfg, _load_hf(cfg))
+    raise ConfigError(f"unknown data config {cfg!r}; use one of {sorted(c.__name__ for c in DATA_KINDS.values())}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Image folder listing (optionally cached)
+
+
+class _Strings:
+    """Many strings in one bytes blob + offsets: compact and cheap to share with forked workers."""
+
+    def __init__(self, strings: list[str]):
+        encoded = [os.fsencode(s) for s in strings]
+        self.offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+        np.cumsum([len(b) for b in encoded], out=self.offsets[1:])
+        self.blob = b"".join(encoded)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> str:
+        return os.fsdecode(self.blob[self.offsets[i] : self.offsets[i + 1]])
+
+
+@dataclasses.dataclass(frozen=True)
+class FolderListing:
+    root: str
+    files: _Strings  # relative paths with "/" separators, sorted
+    labels: np.ndarray  # int64, -1 for images directly in root
+    classes: tuple[str, ...]
+
+
+def _folder_key(root: str) -> dict:
+    subdirs = {}
+    with os.scandir(root) as it:
+        for entry in it:
+            if entry.is_dir() and not entry.name.startswith("."):
+                subdirs[entry.name] = entry.stat().st_mtime_ns
+    return {"root": root, "mtime_ns": os.stat(root).st_mtime_ns, "subdirs": dict(sorted(subdirs.items()))}
+
+
+def _walk_images(root: str) -> list[str]:
+    """Relative paths (with "/") of image files under root; hidden files and folders are skipped."""
+    found = []
+    seen = set()
+
+    def fail(e: OSError) -> None:
+        raise ConfigError(f"cannot list {e.filename!r} under image folder {root!r} ({e.strerror}); fix its permissions")
+
+    for dirpath, dirnames, filenames in os.walk(root, onerror=fail, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if real in seen:  # a symlink loop
+            dirnames[:] = []
+            continue
+        seen.add(real)
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        rel = os.path.relpath(dirpath, root)
+        prefix = "" if rel == "." else rel.replace(os.sep, "/") + "/"
+        for name in filenames:
+            if not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS):
+                found.append(prefix + name)
+    found.sort()
+    return found
+
+
+def list_image_folder(root: str, listing_cache: str | None = None) -> FolderListing:
+    """Sorted image files under ``root``, with labels from the first subfolder name.
+
+    With ``listing_cache`` (a directory), the listing is stored there keyed by the root path, the
+    root's mtime and the mtimes of its immediate subfolders; a change to any of those re-lists.
+    (Changes deeper down, in ``root/a/b/``, are not seen: touch ``root/a`` after such edits.)
+    """
+    root = _abs(root)
+    if not os.path.isdir(root):
+        raise ConfigError(f"image folder {root!r} does not exist or is not a directory; fix data.root")
+    try:
+        key = _folder_key(root)
+    except OSError as e:
+        raise ConfigError(f"image folder {root!r} cannot be read ({e}); fix data.root or its permissions") from e
+    cache_path = None
+    files = None
+    if listing_cache is not None:
+        name = "imagefolder-" + hashlib.sha256(root.encode("utf-8", "surrogateescape")).hexdigest()[:20] + ".json"
+        cache_path = os.path.join(_abs(listing_cache), name)
+        files = _read_listing(cache_path, key)
+    if files is None:
+        t0 = time.perf_counter()
+        files = _walk_images(root)
+        logger.info("listed %d images under %s in %.1f s", len(files), root, time.perf_counter() - t0)
+        if not files:
+            raise ConfigError(
+                f"image folder {root!r} holds no image files (looked for {', '.join(IMAGE_EXTENSIONS)}, "
+                "any case, at any depth); fix data.root"
+            )
+        newest_ns = max([key["mtime_ns"], *key["subdirs"].values()])
+        if cache_path is not None and time.time() - newest_ns / 1e9 > _RACY_S:
+            doc = {"version": LISTING_VERSION, "key": key, "files": files}
+            os.makedirs(os.path.dirname(cache_path), exist_ok=True)
+            atomic_write_bytes(cache_path, json.dumps(doc).encode("utf-8"))
+    classes = sorted({f.split("/", 1)[0] for f in files if "/" in f})
+    index = {c: i for i, c in enumerate(classes)}
+    labels = np.array([index[f.split("/", 1)[0]] if "/" in f else -1 for f in files], dtype=np.int64)
+    return FolderListing(root=root, files=_Strings(files), labels=labels, classes=tuple(classes))
+
+
+def _read_listing(path: str, key: dict) -> list[str] | None:
+    try:
+        with open(path, "rb") as f:
+            doc = json.loads(f.read())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        logger.warning("ignoring unreadable image listing cache %s (%s); listing again", path, e)
+        return None
+    if not isinstance(doc, dict) or doc.get("version") != LISTING_VERSION or doc.get("key") != key:
+        return None
+    files = doc.get("files")
+    return files if isinstance(files, list) and files else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Datasets
+
+
+class ImageDataset(torch.utils.data.Dataset):
+    """``ds[i] -> (PIL RGB image, label)``; label is -1 when the dataset has none."""
+
+    class_names: list[str] | None = None
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def __getitem__(self, i: int) -> tuple[PIL.Image.Image, int]:
+        raise NotImplementedError
+
+    def labels(self) -> np.ndarray | None:
+        raise NotImplementedError
+
+    def describe(self, i: int) -> str:
+        raise NotImplementedError
+
+    def _check_index(self, i: int) -> int:
+        n = len(self)
+        if not _is_int(i) and not isinstance(i, np.integer):
+            raise TypeError(f"image index must be an integer, got {i!r}")
+        i = int(i)
+        if not 0 <= i < n:
+            raise IndexError(f"image index {i} out of range for a dataset of {n} images")
+        return i
+
+
+class FolderDataset(ImageDataset):
+    def __init__(self, cfg: ImageFolder, listing: FolderListing):
+        self.cfg = cfg
+        self._listing = listing
+        self.class_names = list(listing.classes) or None
+
+    def __len__(self) -> int:
+        return len(self._listing.files)
+
+    def describe(self, i: int) -> str:
+        return os.path.join(self._listing.root, self._listing.files[i])
+
+    def labels(self) -> np.ndarray | None:
+        return self._listing.labels.copy() if self.class_names else None
+
+    def __getitem__(self, i: int) -> tuple[PIL.Image.Image, int]:
+        i = self._check_index(i)
+        path = self.describe(i)
+        try:
+            with PIL.Image.open(path) as img:
+                rgb = to_rgb(img)
+        except (OSError, ValueError, SyntaxError, PIL.Image.DecompressionBombError) as e:
+            raise DumpError(
+                f"cannot decode image {i} of {self.cfg.root!r}: file {path!r} ({type(e).__name__}: {e}). "
+                "Replace it with a valid image (deleting it changes the dataset, so the cache hash too)."
+            ) from e
+        return rgb, int(self._listing.labels[i])
+
+
+def _load_hf(cfg: HfDiskDataset):
+    import datasets
+
+    if not os.path.isdir(cfg.path):
+        raise ConfigError(f"HfDiskDataset.path {cfg.path!r} does not exist; it must be a save_to_disk directory")
+    try:
+        ds = datasets.load_from_disk(cfg.path)
+    except (FileNotFoundError, ValueError, OSError) as e:
+        raise ConfigError(f"HfDiskDataset.path {cfg.path!r} is not a dataset written by save_to_disk: {e}") from e
+    if isinstance(ds, datasets.DatasetDict):
+        if cfg.split not in ds:
+            raise ConfigError(
+                f"HfDiskDataset.split is {cfg.split!r} but {cfg.path!r} holds splits {sorted(ds)}; set split to one"
+            )
+        ds = ds[cfg.split]
+    elif cfg.split is not None:
+        raise ConfigError(
+            f"HfDiskDataset.split is {cfg.split!r} but {cfg.path!r} is a single Dataset, not a DatasetDict; "
+            "set split: null"
+        )
+    for field in ("image_key", "label_key"):
+        col = getattr(cfg, field)
+        if col is not None and col not in ds.column_names:
+            hint = " (or null if the dataset has no labels)" if field == "label_key" else ""
+            raise ConfigError(
+                f"HfDiskDataset.{field} is {col!r} but {cfg.path!r} has columns {ds.column_names}; "
+                f"set {field} to one of them{hint}"
+            )
+    return ds
+
+
+class HfDataset(ImageDataset):
+    def __init__(self, cfg: HfDiskDataset, ds):
+        import datasets
+
+        self.cfg = cfg
+        self._ds = ds.select_columns([cfg.image_key])
+        self._labels = None
+        self.class_names = None
+        if cfg.label_key is not None:
+            feature = ds.features[cfg.label_key]
+            labels = np.asarray(ds.with_format("numpy", columns=[cfg.label_key])[cfg.label_key])
+            if not np.issubdtype(labels.dtype, np.integer):
+                raise ConfigError(
+                    f"HfDiskDataset.label_key {cfg.label_key!r} in {cfg.path!r} holds {labels.dtype} values, "
+                    "not integer class ids; use an integer/ClassLabel column or label_key: null"
+                )
+            self._labels = labels.astype(np.int64)
+            if isinstance(feature, datasets.ClassLabel):
+                self.class_names = list(feature.names)
+
+    def __len__(self) -> int:
+        return len(self._ds)
+
+    def describe(self, i: int) -> str:
+        split = f" split {self.cfg.split!r}" if self.cfg.split else ""
+        return f"{self.cfg.path}{split} row {i}"
+
+    def labels(self) -> np.ndarray | None:
+        return None if self._labels is None else self._labels.copy()
+
+    def __getitem__(self, i: int) -> tuple[PIL.Image.Image, int]:
+        i = self._check_index(i)
+        try:
+            value = self._ds[i][self.cfg.image_key]
+            if isinstance(value, dict) and (value.get("bytes") or value.get("path")):
+                import io
+
+                value = PIL.Image.open(io.BytesIO(value["bytes"]) if value.get("bytes") else value["path"])
+            if not isinstance(value, PIL.Image.Image):
+                raise DumpError(
+                    f"{self.describe(i)}: column {self.cfg.image_key!r} holds {type(value).__name__}, not an image; "
+                    "set image_key to the image column"
+                )
+            rgb = to_rgb(value)
+        except (OSError, ValueError, SyntaxError, PIL.Image.DecompressionBombError) as e:
+            raise DumpError(f"cannot decode image {i}: {self.describe(i)} ({type(e).__name__}: {e})") from e
+        return rgb, -1 if self._labels is None else int(self._labels[i])
+
+
+class SyntheticDataset(ImageDataset):
+    def __init__(self, cfg: SyntheticImages):
+        self.cfg = cfg
+        self.class_names = [f"class{k}" for k in range(cfg.n_classes)] or None
+
+    def __len__(self) -> int:
+        return self.cfg.n_imgs
+
+    def describe(self, i: int) -> str:
+        return f"synthetic image {i} (seed {self.cfg.seed}, size {self.cfg.size})"
+
+    def labels(self) -> np.ndarray | None:
+        if not self.cfg.n_classes:
+            return None
+        return np.arange(self.cfg.n_imgs, dtype=np.int64) % self.cfg.n_classes
+
+    def __getitem__(self, i: int) -> tuple[PIL.Image.Image, int]:
+        i = self._check_index(i)
+        rng = np.random.default_rng([self.cfg.seed, i])
+        pixels = rng.integers(0, 256, size=(self.cfg.size, self.cfg.size, 3), dtype=np.uint8)
+        label = i % self.cfg.n_classes if self.cfg.n_classes else -1
+        return PIL.Image.fromarray(pixels), label
+
+
+# ---------------------------------------------------------------------------------------------
+# Image transform (matches transformers' PIL image processors)
+
+
+def to_rgb(img: PIL.Image.Image) -> PIL.Image.Image:
+    """A decoded RGB copy; transparency is composited onto white (as transformers does)."""
+    img.load()
+    if "A" in img.getbands() or img.info.get("transparency") is not None:
+        rgba = img.convert("RGBA")
+        white = PIL.Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return PIL.Image.alpha_composite(white, rgba).convert("RGB")
+    return img.convert("RGB")
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageTransform:
+    """Resize → center crop → rescale → normalize; ``__call__(PIL image) -> (3, H, W) float32``.
+
+    ``resize`` is ``None`` (no resize), ``("shortest_edge", s)``, ``("shortest_edge", s, longest)``
+    or ``("hw", height, width)``; ``crop`` is ``(height, width)`` or ``None``.
+    """
+
+    resize: tuple | None
+    resample: int
+    crop: tuple[int, int] | None
+    rescale_factor: float | None
+    mean: tuple[float, float, float] | None
+    std: tuple[float, float, float] | None
+
+    def output_size(self) -> tuple[int, int] | None:
+        """(height, width) of every output, or None when it depends on the input image."""
+        if self.crop is not None:
+            return self.crop
+        if self.resize is not None and self.resize[0] == "hw":
+            return self.resize[1], self.resize[2]
+        return None
+
+    def _resize_hw(self, height: int, width: int) -> tuple[int, int]:
+        if self.resize[0] == "hw":
+            return self.resize[1], self.resize[2]
+        size = self.resize[1]
+        if len(self.resize) == 3 and self.resize[2]:
+            return _size_with_aspect_ratio(height, width, size, self.resize[2])
+        short, long = (width, height) if width <= height else (height, width)
+        new_short, new_long = size, int(size * long / short)
+        return (new_long, new_short) if width <= height else (new_short, new_long)
+
+    def __call__(self, img: PIL.Image.Image) -> np.ndarray:
+        img = to_rgb(img)
+        if self.resize is not None:
+            h, w = self._resize_hw(img.height, img.width)
+            img = img.resize((w, h), resample=self.resample)
+        x_HWC = np.asarray(img)
+        if self.crop is not None:
+            x_HWC = _center_crop(x_HWC, *self.crop)
+        if self.rescale_factor is not None:
+            x_HWC = (x_HWC.astype(np.float64) * self.rescale_factor).astype(np.float32)
+        else:
+            x_HWC = x_HWC.astype(np.float32)
+        if self.mean is not None:
+            x_HWC = (x_HWC - np.asarray(self.mean, np.float32)) / np.asarray(self.std, np.float32)
+        return np.ascontiguousarray(x_HWC.transpose(2, 0, 1), dtype=np.float32)
+
+
+def _size_with_aspect_ratio(height: int, width: int, size: int, max_size: int) -> tuple[int, int]:
+    raw_size = None
+    lo, hi = float(min(height, width)), float(max(height, width))
+    if hi / lo * size > max_size:
+        raw_size = max_size * lo / hi
+        size = int(round(raw_size))
+    if (height <= width and height == size) or (width <= height and width == size):
+        return height, width
+    if width < height:
+        return (int(raw_size * height / width) if raw_size is not None else int(size * height / width)), size
+    return size, (int(raw_size * width / height) if raw_size is not None else int(size * width / height))
+
+
+def _center_crop(x_HWC: np.ndarray, crop_h: int, crop_w: int) -> np.ndarray:
+    """Center crop; an image smaller than the crop is zero-padded (as transformers does)."""
+    h, w = x_HWC.shape[:2]
+    top, left = (h - crop_h) // 2, (w - crop_w) // 2
+    if top >= 0 and left >= 0:
+        return x_HWC[top : top + crop_h, left : left + crop_w]
+    new_h, new_w = max(crop_h, h), max(crop_w, w)
+    padded = np.zeros((new_h, new_w, x_HWC.shape[2]), dtype=x_HWC.dtype)
+    top_pad, left_pad = -(-(new_h - h) // 2), -(-(new_w - w) // 2)
+    padded[top_pad : top_pad + h, left_pad : left_pad + w] = x_HWC
+    top, left = top + top_pad, left + left_pad
+    return padded[max(0, top) : min(new_h, top + crop_h), max(0, left) : min(new_w, left + crop_w)]
