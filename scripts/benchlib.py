@@ -75,7 +75,7 @@ def table(rows: list[dict], columns: list[str] | None = None) -> str:
 
 def record(name: str, title: str, body: str, path: str = BENCH_MD) -> None:
     """Replace (or append) section ``name`` of BENCHMARKS.md with title, command, machine, date, body."""
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     section = (
         f"<!-- bench:{name} -->\n## {title}\n\n"
         f"- command: `{command_line()}`\n- machine: {machine()}\n- date: {now}\n\n{body.rstrip()}\n"

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tests.conftest import make_cache, make_metadata
 
 from actcache import ActCacheError, ActivationCache
 from actcache.errors import CacheIncompleteError, ConfigError, ProtocolError, VersionError
 from actcache.index import ActIndex
 from actcache.protocol import Metadata, shard_name
-from tests.conftest import make_cache, make_metadata
 
 params = st.fixed_dictionaries(
     {

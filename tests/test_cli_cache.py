@@ -9,9 +9,9 @@ import subprocess
 import sys
 
 import numpy as np
+from tests.conftest import make_cache
 
 from actcache.protocol import canonical_json, shard_name
-from tests.conftest import make_cache
 
 
 def run(*args, check=None):

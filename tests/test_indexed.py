@@ -7,10 +7,10 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from tests.conftest import make_cache
 
 from actcache.errors import ConfigError, ProtocolError
 from actcache.loaders import IndexedDataset
-from tests.conftest import make_cache
 
 
 @pytest.mark.parametrize("cls", [True, False])
@@ -23,7 +23,7 @@ def test_every_combination(tmp_path, cls, patches, layer):
         return
     ds = IndexedDataset(path, patches=patches, layer=layer)
     layer_pos = [0, 1] if layer == "all" else [md.layers.index(layer)]
-    P, T = md.n_patches_per_img, md.n_tokens_per_img
+    T = md.n_tokens_per_img
     tokens = {"cls": [0], "image": list(range(int(cls), T)), "all": list(range(T))}[patches]
     expected = [(i, lp, t) for i in range(md.n_imgs) for lp in layer_pos for t in tokens]
     assert len(ds) == len(expected)

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.conftest import make_metadata
 
 from actcache.errors import ProtocolError, VersionError
 from actcache.protocol import Metadata, ProtocolWarning, content_hash, read_shards, shard_name, write_shards
-from tests.conftest import make_metadata
 
 # Canonical JSON written out by hand (sorted keys, no spaces, ASCII escapes), hashed with hashlib
 # directly: the expected digests do not go through protocol.py.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import queue
 import re
 import threading
 import warnings
@@ -219,65 +220,67 @@ def _count_nonfinite(buf_f32: np.ndarray) -> int:
     return int(buf_f32.size - np.count_nonzero(np.isfinite(buf_f32)))
 
 
+def _checker(full, free, valid: int, counts: list) -> None:
+    """Consume (buffer, file offset, n bytes) items; count NaN/Inf within the first ``valid`` bytes."""
+    while True:
+        item = full.get()
+        if item is None:
+            return
+        buf, start, n = item
+        stop = min(start + n, valid)
+        if stop > start:
+            arr = np.frombuffer(buf, dtype=np.float32, count=(stop - start) // 4)
+            counts[0] += _count_nonfinite(arr)
+        free.put(buf)
+
+
+def _scan_file(fpath: str, valid: int) -> tuple[int, int]:
+    """Read a file once with a reader (this thread) and a checker thread; (bytes read, NaN/Inf count)."""
+    free: queue.Queue = queue.Queue()
+    for _ in range(3):
+        free.put(bytearray(CHUNK))
+    full: queue.Queue = queue.Queue()
+    counts = [0]
+    th = threading.Thread(target=_checker, args=(full, free, valid, counts), daemon=True)
+    th.start()
+    pos = 0
+    try:
+        with open(fpath, "rb", buffering=0) as fd:
+            try:
+                os.posix_fadvise(fd.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            except (AttributeError, OSError):
+                pass
+            while True:
+                buf = free.get()
+                n = fd.readinto(buf)
+                if not n:
+                    break
+                full.put((buf, pos, n))
+                pos += n
+    finally:
+        full.put(None)
+        th.join()
+    return pos, counts[0]
+
+
 def deep_scan(path: str, md: Metadata, rep: Report) -> None:
-    """Read every stored byte once (reader thread + checker thread) and count NaN/Inf.
+    """Read every stored byte once and count NaN/Inf.
 
     Only the images' bytes are checked; a padded tail is read too (every byte once) but its
     values are not counted.
     """
-    import queue
-
     total_bad = 0
     for st in rep.shards:
         if st.size is None:
             continue
         fpath = os.path.join(path, st.name)
-        valid = st.n_imgs * md.bytes_per_img
-        bufs = [bytearray(CHUNK) for _ in range(3)]
-        free: queue.Queue = queue.Queue()
-        for b in bufs:
-            free.put(b)
-        full: queue.Queue = queue.Queue()
-        counts = [0]
-
-        def checker():
-            while True:
-                item = full.get()
-                if item is None:
-                    return
-                buf, start, n = item
-                stop = min(start + n, valid)
-                if stop > start:
-                    arr = np.frombuffer(buf, dtype=np.float32, count=(stop - start) // 4)
-                    counts[0] += _count_nonfinite(arr)
-                free.put(buf)
-
-        th = threading.Thread(target=checker, daemon=True)
-        th.start()
-        pos = 0
-        try:
-            with open(fpath, "rb", buffering=0) as fd:
-                try:
-                    os.posix_fadvise(fd.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                except (AttributeError, OSError):
-                    pass
-                while True:
-                    buf = free.get()
-                    n = fd.readinto(buf)
-                    if not n:
-                        free.put(buf)
-                        break
-                    full.put((buf, pos, n))
-                    pos += n
-        finally:
-            full.put(None)
-            th.join()
-        rep.bytes_read += pos
-        st.n_nonfinite = counts[0]
-        total_bad += counts[0]
-        if counts[0]:
+        n_read, bad = _scan_file(fpath, st.n_imgs * md.bytes_per_img)
+        rep.bytes_read += n_read
+        st.n_nonfinite = bad
+        total_bad += bad
+        if bad:
             rep.problems.append(
-                f"{fpath}: {counts[0]:,} NaN/Inf values among its {st.n_imgs} images. The model "
+                f"{fpath}: {bad:,} NaN/Inf values among its {st.n_imgs} images. The model "
                 "produced non-finite activations (check the checkpoint and dtype) or the file is "
                 "corrupt; re-dump this shard."
             )

@@ -16,7 +16,7 @@ import numpy as np
 
 from actcache.errors import CacheIncompleteError, DumpError, ProtocolError
 from actcache.fsutil import atomic_open, remove_stale_temps
-from actcache.protocol import METADATA_FILE, Metadata, ShardInfo, shard_name, write_shards
+from actcache.protocol import METADATA_FILE, Metadata, shard_name, write_shards
 
 log = logging.getLogger(__name__)
 
@@ -106,13 +106,28 @@ class open_shard_writer:
         return self._w
 
     def __exit__(self, et, ev, tb):
-        if et is None:
-            try:
-                self._w.finish()
-            except BaseException as err:
-                self._cm.__exit__(type(err), err, err.__traceback__)
-                raise
-        return self._cm.__exit__(et, ev, tb)
+        tmp = self._w.fd.name
+        try:
+            if et is None:
+                try:
+                    self._w.finish()
+                except BaseException as err:
+                    self._cm.__exit__(type(err), err, err.__traceback__)
+                    raise
+            return self._cm.__exit__(et, ev, tb)
+        except BaseException:
+            _remove_quietly(tmp)  # atomic_open skips its cleanup when closing the file fails too (EFBIG)
+            raise
+        finally:
+            if et is not None:
+                _remove_quietly(tmp)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def missing_shards(path: str, md: Metadata) -> list[int]:

@@ -1,0 +1,111 @@
+"""Benchmark `actcache verify --deep` against the raw sequential read speed of the same files.
+
+    python scripts/bench_verify.py [--size-gib 4] [--cache-dir bench-out/verify] [--rounds 3]
+
+Reference (same run, same files): one thread reading every shard with 8 MiB reads into one reused
+buffer. Cold rounds drop the page cache before each measurement and alternate reference/verify
+(the virtual disk here is cached by the host, so cold figures swing between runs; the ratio
+within a round is what counts). Target: verify --deep >= 0.70 of the reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchlib  # noqa: E402
+
+from actcache.protocol import Metadata, shard_name  # noqa: E402
+from actcache.validate import check_dir  # noqa: E402
+from actcache.writer import write_cache  # noqa: E402
+
+
+def build(cache_root: str, size_gib: float) -> str:
+    d, T = 768, 197
+    per_img = T * d * 4
+    n_imgs = int(size_gib * 2**30 // per_img)
+    md = Metadata(
+        vit_family="clip", vit_ckpt="bench/synthetic", layers=(-2,), n_patches_per_img=196, cls_token=True,
+        d_vit=d, n_imgs=n_imgs, max_patches_per_shard=2_400_000, data={"__class__": "BenchVerify", "n": n_imgs},
+    )
+    path = os.path.join(cache_root, md.hash)
+    if os.path.exists(os.path.join(path, "shards.json")):
+        return path
+    base = np.random.default_rng(0).standard_normal((256, 1, T, d), dtype=np.float32)
+
+    def fill(start, end):
+        idx = np.arange(start, end) % base.shape[0]
+        return base[idx]
+
+    return write_cache(cache_root, md, fill)
+
+
+def files_of(path: str) -> list[str]:
+    md = Metadata.load(path)
+    return [os.path.join(path, shard_name(i)) for i in range(md.n_shards)]
+
+
+def raw_read(files: list[str], chunk: int = 8 * 2**20) -> tuple[float, int]:
+    buf = bytearray(chunk)
+    n = 0
+    t0 = time.perf_counter()
+    for f in files:
+        with open(f, "rb", buffering=0) as fd:
+            while True:
+                k = fd.readinto(buf)
+                if not k:
+                    break
+                n += k
+    return time.perf_counter() - t0, n
+
+
+def deep_verify(path: str) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    rep = check_dir(path, deep=True)
+    dt = time.perf_counter() - t0
+    assert rep.ok, rep.problems
+    return dt, rep.bytes_read
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size-gib", type=float, default=4.0)
+    ap.add_argument("--cache-dir", default=os.path.join(benchlib.ROOT, "bench-out", "verify"))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-record", action="store_true")
+    args = ap.parse_args()
+    path = build(args.cache_dir, args.size_gib)
+    files = files_of(path)
+    rows = []
+    for mode in ("warm", "cold"):
+        refs, vers = [], []
+        for r in range(args.rounds):
+            for which in (("ref", "verify") if r % 2 == 0 else ("verify", "ref")):
+                if mode == "cold":
+                    benchlib.drop_caches(files)
+                else:
+                    raw_read(files)  # make it warm
+                dt, n = raw_read(files) if which == "ref" else deep_verify(path)
+                (refs if which == "ref" else vers).append(n / dt / 1e9)
+        ref, ver = statistics.median(refs), statistics.median(vers)
+        rows.append({"page cache": mode, "ref GB/s (8 MiB reads)": ref, "verify --deep GB/s": ver, "ratio": ver / ref,
+                     "rounds": args.rounds})
+        print(rows[-1], flush=True)
+    size = sum(os.path.getsize(f) for f in files)
+    body = (
+        f"Cache: {size / 2**30:.2f} GiB in {len(files)} shards (d=768, 197 tokens, 1 layer). "
+        "Medians over alternating rounds; target ratio >= 0.70.\n\n" + benchlib.table(rows)
+    )
+    print(body)
+    if not args.no_record:
+        benchlib.record("verify", "verify --deep vs. sequential read", body)
+
+
+if __name__ == "__main__":
+    main()
