@@ -1,0 +1,326 @@
+"""Sparse autoencoders on ViT activations: a frozen config and a plain ``nn.Module``.
+
+    cfg = SAEConfig(d_vit=768, exp_factor=16, activation="topk", k=32)
+    sae = SAE(cfg)
+    sae.init_b_dec(sample_ND)                 # geometric median of a data sample
+    x_hat_BD, f_BS, aux = sae(x_BD)           # aux["pre_BS"]: pre-activations (for AuxK)
+    sae.save("runs/HASH/sae-0"); SAE.load("runs/HASH/sae-0")
+
+Shapes: B batch, D = d_vit, S = width (number of latents), N a data sample.
+The encoder is ``pre_BS = (x_BD - b_dec) @ W_enc + b_enc``; the decoder ``f_BS @ W_dec + b_dec``.
+
+Activations
+- ``relu``: ``f = relu(pre)``.
+- ``topk``: per example, keep the k largest pre-activations (relu'd), zero the rest.
+- ``batchtopk``: in train mode keep the B*k largest (relu'd) pre-activations of the whole batch,
+  so examples share a budget of k on average; every train-mode forward also updates ``threshold``,
+  an EMA of the smallest kept value. In eval mode ``f = pre * (pre > threshold)``, which needs no
+  batch and so gives each example its own number of latents.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+import torch
+from torch import nn
+
+from actcache.errors import ConfigError, TrainError
+from actcache.fsutil import atomic_write_bytes
+
+ACTIVATIONS = ("relu", "topk", "batchtopk")
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+WEIGHTS_FILE = "sae.safetensors"
+CONFIG_FILE = "config.json"
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class SAEConfig:
+    """Shape and activation of one SAE. Give ``width`` or ``exp_factor`` (width = d_vit * exp_factor).
+
+    ``normalize_decoder`` (keep decoder rows at unit norm) defaults to True for topk/batchtopk,
+    where only MSE shapes the decoder and a free row norm would let latents trade scale with the
+    encoder (and make top-k selection compare pre-activations on unequal scales), and False for
+    relu, whose L1 term is weighted by decoder row norms and so is already invariant to that trade.
+    ``threshold_decay`` is the EMA decay of the batchtopk inference threshold.
+    After construction ``width`` and ``normalize_decoder`` always hold their resolved values.
+    """
+
+    d_vit: int
+    width: int | None = None
+    exp_factor: float | None = None
+    activation: str = "topk"
+    k: int | None = None
+    normalize_decoder: bool | None = None
+    seed: int = 0
+    dtype: str = "float32"
+    threshold_decay: float = 0.99
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.d_vit) or self.d_vit < 1:
+            raise ConfigError(f"SAEConfig.d_vit must be an integer >= 1, got {self.d_vit!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ConfigError(f"SAEConfig.activation must be one of {list(ACTIVATIONS)}, got {self.activation!r}")
+        width = self._resolve_width()
+        object.__setattr__(self, "width", width)
+        if self.activation == "relu":
+            if self.k is not None:
+                raise ConfigError(
+                    f"SAEConfig.k={self.k!r} is only used by activation 'topk' or 'batchtopk'; "
+                    "remove it for activation 'relu'"
+                )
+        else:
+            if not _is_int(self.k):
+                raise ConfigError(f"SAEConfig.k must be an integer for activation {self.activation!r}, got {self.k!r}")
+            if not 1 <= self.k <= width:
+                raise ConfigError(f"SAEConfig.k must satisfy 1 <= k <= width, got k={self.k} with width={width}")
+        if self.normalize_decoder is None:
+            object.__setattr__(self, "normalize_decoder", self.activation != "relu")
+        elif not isinstance(self.normalize_decoder, bool):
+            raise ConfigError(f"SAEConfig.normalize_decoder must be true or false, got {self.normalize_decoder!r}")
+        if not _is_int(self.seed):
+            raise ConfigError(f"SAEConfig.seed must be an integer, got {self.seed!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"SAEConfig.dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        td = self.threshold_decay
+        if isinstance(td, bool) or not isinstance(td, int | float) or not 0.0 <= td < 1.0:
+            raise ConfigError(f"SAEConfig.threshold_decay must be a number in [0, 1), got {td!r}")
+
+    def _resolve_width(self) -> int:
+        w, ef = self.width, self.exp_factor
+        if w is None and ef is None:
+            raise ConfigError("SAEConfig: give width (number of latents) or exp_factor (width = d_vit * exp_factor)")
+        if w is not None and (not _is_int(w) or w < 1):
+            raise ConfigError(f"SAEConfig.width must be an integer >= 1, got {w!r}")
+        if ef is None:
+            return w
+        if isinstance(ef, bool) or not isinstance(ef, int | float) or not math.isfinite(ef) or ef <= 0:
+            raise ConfigError(f"SAEConfig.exp_factor must be a positive number, got {ef!r}")
+        from_ef = self.d_vit * ef
+        if abs(from_ef - round(from_ef)) > 1e-9 or round(from_ef) < 1:
+            raise ConfigError(
+                f"SAEConfig.exp_factor={ef!r} with d_vit={self.d_vit} gives a non-integer width {from_ef!r}"
+            )
+        from_ef = int(round(from_ef))
+        if w is not None and w != from_ef:
+            raise ConfigError(
+                f"SAEConfig: width={w} disagrees with exp_factor={ef!r} * d_vit={self.d_vit} = {from_ef}; give one"
+            )
+        return from_ef
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, indent=2)
+
+    @classmethod
+    def from_dict(cls, doc: object) -> SAEConfig:
+        allowed = [f.name for f in dataclasses.fields(cls)]
+        if not isinstance(doc, dict):
+            raise ConfigError(f"SAEConfig: expected an object with keys from {allowed}, got {doc!r}")
+        unknown = sorted(set(doc) - set(allowed))
+        if unknown:
+            raise ConfigError(f"SAEConfig: unknown key(s) {unknown}; allowed: {allowed}")
+        if "d_vit" not in doc:
+            raise ConfigError("SAEConfig: missing required key 'd_vit'")
+        return cls(**doc)
+
+    @classmethod
+    def from_json(cls, text: str) -> SAEConfig:
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"SAEConfig: not JSON ({err.msg})") from None
+        return cls.from_dict(doc)
+
+
+def geometric_median(x_ND: torch.Tensor, max_iter: int = 100, tol: float = 1e-6) -> torch.Tensor:
+    """Weiszfeld iterations from the mean; stops after ``max_iter`` or when the point moves less
+    than ``tol`` times the data's RMS spread. Computed in float64; returns x's dtype."""
+    if x_ND.ndim != 2 or x_ND.shape[0] < 1:
+        raise TrainError(f"geometric_median: expected a non-empty (N, D) sample, got shape {tuple(x_ND.shape)}")
+    x = x_ND.detach().to(torch.float64)
+    y = x.mean(0)
+    scale = float((x - y).pow(2).sum(1).mean().sqrt())
+    if scale == 0.0:
+        return y.to(x_ND.dtype)
+    eps = 1e-12 * scale
+    for _ in range(max_iter):
+        w_N = 1.0 / (x - y).norm(dim=1).clamp_min(eps)
+        y_next = (w_N[:, None] * x).sum(0) / w_N.sum()
+        moved = float((y_next - y).norm())
+        y = y_next
+        if moved <= tol * scale:
+            break
+    return y.to(x_ND.dtype)
+
+
+class SAE(nn.Module):
+    """W_enc (D, S), b_enc (S,), W_dec (S, D), b_dec (D,); buffer ``threshold`` (batchtopk)."""
+
+    def __init__(self, cfg: SAEConfig):
+        super().__init__()
+        if not isinstance(cfg, SAEConfig):
+            raise ConfigError(f"SAE needs an SAEConfig, got {type(cfg).__name__}")
+        self.cfg = cfg
+        d, s, dtype = cfg.d_vit, cfg.width, cfg.torch_dtype
+        gen = torch.Generator().manual_seed(cfg.seed)
+        W_dec = torch.randn(s, d, generator=gen, dtype=torch.float64)
+        W_dec /= W_dec.norm(dim=1, keepdim=True)
+        self.W_dec = nn.Parameter(W_dec.to(dtype))
+        self.W_enc = nn.Parameter(W_dec.T.contiguous().to(dtype))  # tied init
+        self.b_enc = nn.Parameter(torch.zeros(s, dtype=dtype))
+        self.b_dec = nn.Parameter(torch.zeros(d, dtype=dtype))
+        # NaN until the first train-mode batchtopk forward estimates it.
+        self.register_buffer("threshold", torch.tensor(float("nan"), dtype=torch.float32))
+
+    # -- encoder / decoder ------------------------------------------------------------------------
+
+    def _check_x(self, x_BD: torch.Tensor) -> None:
+        if not isinstance(x_BD, torch.Tensor) or x_BD.ndim != 2 or x_BD.shape[1] != self.cfg.d_vit:
+            shape = tuple(x_BD.shape) if isinstance(x_BD, torch.Tensor) else type(x_BD).__name__
+            raise TrainError(f"SAE expects activations shaped (B, d_vit={self.cfg.d_vit}), got {shape}")
+
+    def pre_acts(self, x_BD: torch.Tensor) -> torch.Tensor:
+        self._check_x(x_BD)
+        x_BD = x_BD.to(self.W_enc.dtype)
+        return (x_BD - self.b_dec) @ self.W_enc + self.b_enc
+
+    def activate(self, pre_BS: torch.Tensor) -> torch.Tensor:
+        act = self.cfg.activation
+        if act == "relu":
+            return torch.relu(pre_BS)
+        if act == "topk":
+            vals_BK, idx_BK = pre_BS.topk(self.cfg.k, dim=-1, sorted=False)
+            return torch.zeros_like(pre_BS).scatter(-1, idx_BK, torch.relu(vals_BK))
+        # batchtopk
+        if self.training:
+            return self._batch_topk(pre_BS)
+        if torch.isnan(self.threshold):
+            raise TrainError(
+                "BatchTopK SAE has no inference threshold yet: run training steps in train mode "
+                "(sae.train()) first, or set sae.threshold"
+            )
+        return pre_BS * (pre_BS > self.threshold.to(pre_BS.dtype))
+
+    def _batch_topk(self, pre_BS: torch.Tensor) -> torch.Tensor:
+        flat = pre_BS.reshape(-1)
+        n_keep = min(pre_BS.shape[0] * self.cfg.k, flat.numel())
+        vals, idx = flat.topk(n_keep, sorted=False)
+        vals = torch.relu(vals)
+        f_BS = torch.zeros_like(flat).scatter(0, idx, vals).reshape(pre_BS.shape)
+        with torch.no_grad():
+            pos = vals.detach().float()
+            pos = torch.where(pos > 0, pos, torch.full_like(pos, float("inf")))
+            m = pos.min()  # smallest kept positive value; inf when none is positive
+            decay = self.cfg.threshold_decay
+            th = self.threshold
+            new = torch.where(torch.isnan(th), m, decay * th + (1.0 - decay) * m)
+            self.threshold.copy_(torch.where(torch.isfinite(m), new, th))
+        return f_BS
+
+    def encode(self, x_BD: torch.Tensor) -> torch.Tensor:
+        return self.activate(self.pre_acts(x_BD))
+
+    def decode(self, f_BS: torch.Tensor) -> torch.Tensor:
+        return f_BS @ self.W_dec + self.b_dec
+
+    def forward(self, x_BD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        pre_BS = self.pre_acts(x_BD)
+        f_BS = self.activate(pre_BS)
+        return self.decode(f_BS), f_BS, {"pre_BS": pre_BS}
+
+    # -- data-dependent init and decoder constraint ------------------------------------------------
+
+    @torch.no_grad()
+    def init_b_dec(
+        self, x_ND: torch.Tensor, method: str = "geometric_median", max_iter: int = 100, tol: float = 1e-6
+    ) -> torch.Tensor:
+        """Set b_dec to the geometric median (default) or mean of a data sample; returns it."""
+        self._check_x(x_ND)
+        if x_ND.shape[0] < 1:
+            raise TrainError("init_b_dec: the data sample is empty")
+        if not bool(torch.isfinite(x_ND).all()):
+            raise TrainError("init_b_dec: the data sample contains NaN or inf")
+        if method == "geometric_median":
+            center = geometric_median(x_ND, max_iter=max_iter, tol=tol)
+        elif method == "mean":
+            center = x_ND.detach().to(torch.float64).mean(0)
+        else:
+            raise ConfigError(f"init_b_dec: method must be 'geometric_median' or 'mean', got {method!r}")
+        self.b_dec.copy_(center.to(self.b_dec))
+        return self.b_dec.detach().clone()
+
+    @torch.no_grad()
+    def normalize_decoder_(self) -> None:
+        """Rescale every decoder row to unit L2 norm."""
+        self.W_dec.div_(self.W_dec.norm(dim=1, keepdim=True).clamp_min(torch.finfo(self.W_dec.dtype).tiny))
+
+    @torch.no_grad()
+    def remove_parallel_grads_(self) -> None:
+        """Project out of W_dec.grad the component parallel to each decoder row.
+
+        With unit-norm rows the step is then tangent to the sphere; renormalising after the
+        optimizer step removes the remaining second-order drift.
+        """
+        g = self.W_dec.grad
+        if g is None:
+            return
+        w = self.W_dec
+        coef_S = (g * w).sum(1, keepdim=True) / (w * w).sum(1, keepdim=True).clamp_min(torch.finfo(w.dtype).tiny)
+        g.sub_(coef_S * w)
+
+    # -- persistence ------------------------------------------------------------------------------
+
+    def save(self, directory: str | os.PathLike) -> None:
+        """Write ``sae.safetensors`` and ``config.json`` into ``directory`` (created; atomic writes)."""
+        from safetensors.torch import save as st_save
+
+        directory = os.fspath(directory)
+        os.makedirs(directory, exist_ok=True)
+        tensors = {name: t.detach().cpu().contiguous() for name, t in self.state_dict().items()}
+        atomic_write_bytes(os.path.join(directory, WEIGHTS_FILE), st_save(tensors, metadata={"format": "pt"}))
+        atomic_write_bytes(os.path.join(directory, CONFIG_FILE), (self.cfg.to_json() + "\n").encode())
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike, device: str | torch.device | None = None) -> SAE:
+        from safetensors.torch import load_file
+
+        directory = os.fspath(directory)
+        cfg_path, w_path = os.path.join(directory, CONFIG_FILE), os.path.join(directory, WEIGHTS_FILE)
+        for p in (cfg_path, w_path):
+            if not os.path.isfile(p):
+                raise ConfigError(f"{directory} is not a saved SAE: missing {os.path.basename(p)}")
+        with open(cfg_path, encoding="utf-8") as fh:
+            cfg = SAEConfig.from_json(fh.read())
+        sae = cls(cfg)
+        tensors = load_file(w_path)
+        expected = sae.state_dict()
+        if set(tensors) != set(expected):
+            raise ConfigError(f"{w_path}: tensors {sorted(tensors)} do not match an SAE's {sorted(expected)}")
+        for name, t in tensors.items():
+            if t.shape != expected[name].shape:
+                raise ConfigError(
+                    f"{w_path}: {name} has shape {tuple(t.shape)}, config.json implies {tuple(expected[name].shape)}"
+                )
+        sae.load_state_dict(tensors)
+        if device is not None:
+            sae.to(device)
+        return sae
+
+    def extra_repr(self) -> str:
+        c = self.cfg
+        k = f", k={c.k}" if c.k is not None else ""
+        return f"d_vit={c.d_vit}, width={c.width}, activation={c.activation}{k}"

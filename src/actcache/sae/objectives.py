@@ -1,0 +1,232 @@
+"""Training objectives for :class:`~actcache.sae.modeling.SAE`, with firing statistics.
+
+    obj = make_objective(sae, l1_coeff=1e-3)          # ReLU: needs l1_coeff
+    obj = make_objective(sae)                          # TopK / BatchTopK: MSE + AuxK
+    out = obj(sae, x_BD)                               # LossOut
+    out.loss.backward(); out.to_dict()                 # {"mse": ..., "nmse": ..., "l0": ..., ...}
+
+An objective is stateful: it counts, for each latent, the tokens seen since the latent last fired
+(``FiringStats``), which defines dead latents (no firing within the last ``dead_tokens_threshold``
+tokens) for the metrics and for AuxK. Save ``obj.state_dict()`` with a checkpoint to resume.
+
+Definitions (B batch, D d_vit, S latents):
+- mse: mean over batch and dimensions of (x_hat - x)^2.
+- nmse: mse / mean over dimensions of the batch variance of x (fraction of variance unexplained).
+- l0: mean number of non-zero latents per example.
+- l1: mean over batch of sum_s f_s * ||W_dec[s]|| (the ReLU penalty; reported for every variant).
+- n_dead: latents that have not fired within the last ``dead_tokens_threshold`` tokens.
+- n_dense: latents whose firing frequency (EMA over ~``dead_tokens_threshold`` tokens) exceeds
+  ``dense_frac`` (10%).
+- aux: the AuxK term (Gao et al. 2024) before its coefficient: the normalized MSE
+  ||e_hat - e||^2 / ||e||^2 of reconstructing the (detached) residual e = x - x_hat from the top
+  ``k_aux`` dead latents. As in the paper's nMSE + alpha * aux, it is added to the loss scaled by
+  the batch variance of x (a detached constant), so the loss stays in MSE units:
+  loss = mse + aux_coeff * var(x) * aux.  Zero when no latent is dead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from actcache.errors import ConfigError, TrainError
+from actcache.sae.modeling import SAE
+
+
+@dataclasses.dataclass
+class LossOut:
+    """``loss`` carries the graph (call ``backward``); every other field is a detached 0-d tensor."""
+
+    loss: torch.Tensor
+    mse: torch.Tensor
+    nmse: torch.Tensor
+    l0: torch.Tensor
+    l1: torch.Tensor
+    n_dead: torch.Tensor
+    n_dense: torch.Tensor
+    aux: torch.Tensor
+
+    def to_dict(self) -> dict[str, float]:
+        """All values as Python floats (one device sync); ``loss`` detached."""
+        return {f.name: float(getattr(self, f.name).detach()) for f in dataclasses.fields(self)}
+
+
+class FiringStats:
+    """Per-latent counters: tokens since the latent last fired, and an EMA of its firing rate."""
+
+    def __init__(self, width: int, dead_tokens_threshold: int, dense_frac: float = 0.1):
+        if (
+            not isinstance(dead_tokens_threshold, int)
+            or isinstance(dead_tokens_threshold, bool)
+            or dead_tokens_threshold < 1
+        ):
+            raise ConfigError(f"dead_tokens_threshold must be an integer >= 1, got {dead_tokens_threshold!r}")
+        if not 0.0 < dense_frac < 1.0:
+            raise ConfigError(f"dense_frac must be in (0, 1), got {dense_frac!r}")
+        self.width = width
+        self.dead_tokens_threshold = dead_tokens_threshold
+        self.dense_frac = dense_frac
+        self.tokens_since_fired_S = torch.zeros(width, dtype=torch.int64)
+        self.freq_S = torch.zeros(width, dtype=torch.float32)
+        self.n_tokens = 0
+
+    @torch.no_grad()
+    def update(self, f_BS: torch.Tensor) -> None:
+        if self.tokens_since_fired_S.device != f_BS.device:
+            self.tokens_since_fired_S = self.tokens_since_fired_S.to(f_BS.device)
+            self.freq_S = self.freq_S.to(f_BS.device)
+        fired_BS = f_BS != 0
+        fired_S = fired_BS.any(0)
+        b = f_BS.shape[0]
+        self.tokens_since_fired_S += b
+        self.tokens_since_fired_S.masked_fill_(fired_S, 0)
+        # EMA with a horizon of ~dead_tokens_threshold tokens (the full mean while fewer were seen).
+        self.n_tokens += b
+        a = max(b / self.dead_tokens_threshold, b / self.n_tokens)
+        a = min(a, 1.0)
+        self.freq_S.mul_(1.0 - a).add_(fired_BS.float().mean(0), alpha=a)
+
+    def dead_mask(self) -> torch.Tensor:
+        return self.tokens_since_fired_S >= self.dead_tokens_threshold
+
+    def n_dead(self) -> torch.Tensor:
+        return self.dead_mask().sum()
+
+    def n_dense(self) -> torch.Tensor:
+        return (self.freq_S > self.dense_frac).sum()
+
+    def state_dict(self) -> dict:
+        return {
+            "tokens_since_fired_S": self.tokens_since_fired_S.clone(),
+            "freq_S": self.freq_S.clone(),
+            "n_tokens": self.n_tokens,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        t = state["tokens_since_fired_S"]
+        if tuple(t.shape) != (self.width,):
+            raise TrainError(f"FiringStats state is for width {tuple(t.shape)}, this objective has {self.width}")
+        self.tokens_since_fired_S = t.clone().to(torch.int64)
+        self.freq_S = state["freq_S"].clone().to(torch.float32)
+        self.n_tokens = int(state["n_tokens"])
+
+
+def _base_metrics(sae: SAE, x_BD: torch.Tensor, x_hat_BD: torch.Tensor, f_BS: torch.Tensor):
+    x_BD = x_BD.to(x_hat_BD.dtype)
+    mse = (x_hat_BD - x_BD).pow(2).mean()
+    var_x = x_BD.detach().var(0, unbiased=False).mean()
+    dec_norm_S = sae.W_dec.norm(dim=1)
+    l1 = (f_BS.abs() @ dec_norm_S).mean()
+    return mse, var_x, l1
+
+
+class Objective:
+    """Shared state and metrics; subclasses define the sparsity / auxiliary term."""
+
+    def __init__(self, sae: SAE, dead_tokens_threshold: int = 10_000_000, dense_frac: float = 0.1):
+        self.stats = FiringStats(sae.cfg.width, dead_tokens_threshold, dense_frac)
+
+    def __call__(self, sae: SAE, x_BD: torch.Tensor, *, sparsity_scale: float = 1.0) -> LossOut:
+        if x_BD.ndim != 2 or x_BD.shape[0] < 1:
+            raise TrainError(f"objective: expected a non-empty batch shaped (B, d_vit), got {tuple(x_BD.shape)}")
+        x_hat_BD, f_BS, aux = sae(x_BD)
+        self.stats.update(f_BS)
+        mse, var_x, l1 = _base_metrics(sae, x_BD, x_hat_BD, f_BS)
+        extra, aux_term = self._extra(sae, x_BD, x_hat_BD, f_BS, aux["pre_BS"], mse, var_x, l1, sparsity_scale)
+        nz = f_BS.detach() != 0
+        return LossOut(
+            loss=mse + extra,
+            mse=mse.detach(),
+            nmse=(mse.detach() / var_x.clamp_min(torch.finfo(var_x.dtype).tiny)),
+            l0=nz.sum(1).float().mean(),
+            l1=l1.detach(),
+            n_dead=self.stats.n_dead(),
+            n_dense=self.stats.n_dense(),
+            aux=aux_term.detach(),
+        )
+
+    def _extra(self, sae, x_BD, x_hat_BD, f_BS, pre_BS, mse, var_x, l1, sparsity_scale):
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        return {"stats": self.stats.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stats.load_state_dict(state["stats"])
+
+
+class ReLUObjective(Objective):
+    """loss = MSE + l1_coeff * sparsity_scale * mean_b sum_s f_bs ||W_dec[s]||."""
+
+    def __init__(self, sae: SAE, l1_coeff: float, **kw):
+        if isinstance(l1_coeff, bool) or not isinstance(l1_coeff, int | float) or l1_coeff < 0:
+            raise ConfigError(f"l1_coeff must be a number >= 0, got {l1_coeff!r}")
+        super().__init__(sae, **kw)
+        self.l1_coeff = float(l1_coeff)
+
+    def _extra(self, sae, x_BD, x_hat_BD, f_BS, pre_BS, mse, var_x, l1, sparsity_scale):
+        return self.l1_coeff * sparsity_scale * l1, torch.zeros((), device=l1.device)
+
+
+class AuxKObjective(Objective):
+    """loss = MSE + aux_coeff * var(x) * AuxK (see the module docstring).
+
+    ``k_aux`` defaults to d_vit // 2 and is capped at the number of dead latents.
+    """
+
+    def __init__(self, sae: SAE, aux_coeff: float = 1 / 32, k_aux: int | None = None, **kw):
+        if isinstance(aux_coeff, bool) or not isinstance(aux_coeff, int | float) or aux_coeff < 0:
+            raise ConfigError(f"aux_coeff must be a number >= 0, got {aux_coeff!r}")
+        if k_aux is None:
+            k_aux = max(1, sae.cfg.d_vit // 2)
+        if not isinstance(k_aux, int) or isinstance(k_aux, bool) or k_aux < 1:
+            raise ConfigError(f"k_aux must be an integer >= 1, got {k_aux!r}")
+        super().__init__(sae, **kw)
+        self.aux_coeff = float(aux_coeff)
+        self.k_aux = k_aux
+
+    def _extra(self, sae, x_BD, x_hat_BD, f_BS, pre_BS, mse, var_x, l1, sparsity_scale):
+        aux = auxk_loss(sae, x_BD, x_hat_BD, pre_BS, self.stats.dead_mask(), self.k_aux)
+        return self.aux_coeff * var_x * aux, aux
+
+
+def auxk_loss(
+    sae: SAE,
+    x_BD: torch.Tensor,
+    x_hat_BD: torch.Tensor,
+    pre_BS: torch.Tensor,
+    dead_S: torch.Tensor,
+    k_aux: int,
+) -> torch.Tensor:
+    """Normalized MSE of reconstructing the residual x - x_hat (detached) from the top
+    min(k_aux, n_dead) relu'd pre-activations of the dead latents (decoder without b_dec).
+
+    Zero (with a graph-free zero tensor) when no latent is dead. ``k_aux`` is a Python int; the
+    number of dead latents is read once from the device (one sync per step).
+    """
+    n_dead = int(dead_S.sum())
+    if n_dead == 0:
+        return torch.zeros((), dtype=x_hat_BD.dtype, device=x_hat_BD.device)
+    e_BD = (x_BD.to(x_hat_BD.dtype) - x_hat_BD).detach()
+    k = min(k_aux, n_dead)
+    dead_pre_BS = pre_BS.masked_fill(~dead_S.to(pre_BS.device), float("-inf"))
+    vals_BK, idx_BK = dead_pre_BS.topk(k, dim=-1, sorted=False)
+    f_aux_BS = torch.zeros_like(pre_BS).scatter(-1, idx_BK, torch.relu(vals_BK))
+    e_hat_BD = f_aux_BS @ sae.W_dec
+    denom = e_BD.pow(2).sum().clamp_min(torch.finfo(e_BD.dtype).tiny)
+    return (e_hat_BD - e_BD).pow(2).sum() / denom
+
+
+def make_objective(sae: SAE, *, l1_coeff: float | None = None, **kw) -> Objective:
+    """ReLUObjective for ``relu`` SAEs (``l1_coeff`` required), AuxKObjective otherwise.
+
+    Keyword arguments: dead_tokens_threshold, dense_frac; aux_coeff, k_aux (TopK variants).
+    """
+    if sae.cfg.activation == "relu":
+        if l1_coeff is None:
+            raise ConfigError("a relu SAE needs l1_coeff (the L1 sparsity coefficient)")
+        return ReLUObjective(sae, l1_coeff, **kw)
+    if l1_coeff is not None:
+        raise ConfigError(f"l1_coeff is only used by relu SAEs; this SAE's activation is {sae.cfg.activation!r}")
+    return AuxKObjective(sae, **kw)
