@@ -3,7 +3,8 @@
 A dataset is described by a small frozen config (``ImageFolder``, ``HfDiskDataset``,
 ``SyntheticImages``); ``metadata_data(cfg)`` is what goes into a cache's ``metadata.json``
 ``data`` field, so the same config always gives the same dict (and the same cache hash).
-``open_dataset(cfg)`` gives a ``torch.utils.data.Dataset`` of ``(PIL RGB image, label)``.
+``open_dataset(cfg)`` gives a map-style dataset (``len`` and ``[i]``, usable by a torch DataLoader)
+of ``(PIL RGB image, label)``.
 
 ``ImageTransform`` is the preprocessing of Hugging Face's PIL ("slow") image processors
 (resize, center crop, rescale, normalize) written with PIL and numpy only; ``actcache.models``
@@ -21,7 +22,6 @@ import time
 
 import numpy as np
 import PIL.Image
-import torch.utils.data
 
 from actcache.errors import ConfigError, DumpError
 from actcache.fsutil import atomic_write_bytes
@@ -288,7 +288,7 @@ def _read_listing(path: str, key: dict) -> list[str] | None:
 # Datasets
 
 
-class ImageDataset(torch.utils.data.Dataset):
+class ImageDataset:
     """``ds[i] -> (PIL RGB image, label)``; label is -1 when the dataset has none."""
 
     class_names: list[str] | None = None

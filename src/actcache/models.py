@@ -26,7 +26,6 @@ import os
 
 import numpy as np
 import PIL.Image
-import torch
 
 from actcache.errors import ConfigError, DumpError
 from actcache.images import ImageTransform
@@ -127,10 +126,35 @@ def _is_local(ckpt: str) -> bool:
     return os.path.exists(ckpt) or os.path.isabs(ckpt) or ckpt.startswith((".", "~")) or ckpt.count("/") > 1
 
 
+# Keys describe_checkpoint needs; when a local config.json has them all, it is read as plain JSON
+# (no transformers import: the workflow parses many experiments at start-up).
+_NEEDED = ("hidden_size", "num_hidden_layers", "image_size", "patch_size")
+
+
+def _fast_vision_config(family: str, path: str):
+    """(vision config namespace, model_type) from a local config.json, or None to ask transformers."""
+    import types
+
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as fd:
+            doc = json.load(fd)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    model_type = doc.get("model_type")
+    if model_type not in FAMILY_MODEL_TYPES[family]:
+        return None  # transformers gives the precise error (or knows an alias)
+    vision = doc.get("vision_config") if model_type in ("clip", "siglip") else doc
+    if not isinstance(vision, dict) or not all(isinstance(vision.get(k), int) for k in _NEEDED):
+        return None
+    if model_type == "dinov2_with_registers" and not isinstance(vision.get("num_register_tokens"), int):
+        return None
+    return types.SimpleNamespace(**vision), model_type
+
+
 def _read_vision_config(family: str, ckpt: str):
     """(vision config, model_type of the checkpoint) from its config.json."""
-    import transformers
-
     if not isinstance(ckpt, str) or not ckpt:
         raise ConfigError(f"vit_ckpt must be a Hugging Face model id or a local directory, got {ckpt!r}")
     if _is_local(ckpt):
@@ -143,6 +167,11 @@ def _read_vision_config(family: str, ckpt: str):
                 "save_pretrained (config.json + weights)"
             )
         ckpt = path
+        fast = _fast_vision_config(family, path)
+        if fast is not None:
+            return fast
+    import transformers
+
     try:
         config = transformers.AutoConfig.from_pretrained(ckpt)
     except (OSError, ValueError, KeyError) as e:
@@ -341,6 +370,8 @@ def _model_class(model_type: str):
 
 
 def _find_blocks(model: torch.nn.Module, n_layers: int) -> torch.nn.ModuleList:
+    import torch
+
     for path in ("encoder.layers", "encoder.layer", "vision_model.encoder.layers", "vision_model.encoder.layer"):
         with contextlib.suppress(AttributeError):
             blocks = model.get_submodule(path)
@@ -354,6 +385,8 @@ _UNUSED_TOP = {"head", "post_layernorm", "layernorm", "pooler"}
 
 
 def load_vit(family: str, ckpt: str, device: str | torch.device = "cpu") -> Vit:
+    import torch
+
     """Load a ViT (float32, eval mode) from a Hugging Face Hub id or a local directory."""
     import transformers
 
@@ -400,6 +433,8 @@ class Vit:
         return f"Vit(family={self.family!r}, ckpt={self.ckpt!r}, dims={self.dims})"
 
     def preprocess(self, images: list[PIL.Image.Image]) -> torch.Tensor:
+        import torch
+
         """PIL images (any size or mode) → float32 (B, 3, H, W) on the CPU."""
         s = self.dims.image_size
         if not images:
@@ -407,6 +442,8 @@ class Vit:
         return torch.from_numpy(np.stack([self.transform(img) for img in images]))
 
     def forward(self, pixels_B3HW: torch.Tensor, layers) -> torch.Tensor:
+        import torch
+
         """Residual stream after each block in ``layers`` (in that order) → float32 (B, L, T, D).
 
         T is ``n_patches_per_img`` plus the CLS token (first) when the family has one; DINOv2
