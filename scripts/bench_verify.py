@@ -31,8 +31,15 @@ def build(cache_root: str, size_gib: float) -> str:
     per_img = T * d * 4
     n_imgs = int(size_gib * 2**30 // per_img)
     md = Metadata(
-        vit_family="clip", vit_ckpt="bench/synthetic", layers=(-2,), n_patches_per_img=196, cls_token=True,
-        d_vit=d, n_imgs=n_imgs, max_patches_per_shard=2_400_000, data={"__class__": "BenchVerify", "n": n_imgs},
+        vit_family="clip",
+        vit_ckpt="bench/synthetic",
+        layers=(-2,),
+        n_patches_per_img=196,
+        cls_token=True,
+        d_vit=d,
+        n_imgs=n_imgs,
+        max_patches_per_shard=2_400_000,
+        data={"__class__": "BenchVerify", "n": n_imgs},
     )
     path = os.path.join(cache_root, md.hash)
     if os.path.exists(os.path.join(path, "shards.json")):
@@ -86,7 +93,7 @@ def main() -> None:
     for mode in ("warm", "cold"):
         refs, vers = [], []
         for r in range(args.rounds):
-            for which in (("ref", "verify") if r % 2 == 0 else ("verify", "ref")):
+            for which in ("ref", "verify") if r % 2 == 0 else ("verify", "ref"):
                 if mode == "cold":
                     benchlib.drop_caches(files)
                 else:
@@ -94,8 +101,15 @@ def main() -> None:
                 dt, n = raw_read(files) if which == "ref" else deep_verify(path)
                 (refs if which == "ref" else vers).append(n / dt / 1e9)
         ref, ver = statistics.median(refs), statistics.median(vers)
-        rows.append({"page cache": mode, "ref GB/s (8 MiB reads)": ref, "verify --deep GB/s": ver, "ratio": ver / ref,
-                     "rounds": args.rounds})
+        rows.append(
+            {
+                "page cache": mode,
+                "ref GB/s (8 MiB reads)": ref,
+                "verify --deep GB/s": ver,
+                "ratio": ver / ref,
+                "rounds": args.rounds,
+            }
+        )
         print(rows[-1], flush=True)
     size = sum(os.path.getsize(f) for f in files)
     body = (

@@ -14,7 +14,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-def make_metadata(n_imgs=10, layers=(3, 7), n_patches=4, cls=True, d=8, max_patches=None, imgs_per_shard=4, **kw) -> Metadata:
+def make_metadata(
+    n_imgs=10, layers=(3, 7), n_patches=4, cls=True, d=8, max_patches=None, imgs_per_shard=4, **kw
+) -> Metadata:
     T = n_patches + int(cls)
     if max_patches is None:
         max_patches = imgs_per_shard * T * len(layers)

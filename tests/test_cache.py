@@ -35,7 +35,13 @@ def test_reads_match_reference(tmp_path_factory, p, data):
     root = tmp_path_factory.mktemp("c")
     layers = tuple(range(-1, -1 - p["n_layers"], -1))  # negative layer values, as the seed records them
     path, md, ref = make_cache(
-        root, seed=p["n_imgs"], layers=layers, n_patches=p["n_patches"], cls=p["cls"], d=p["d"], n_imgs=p["n_imgs"],
+        root,
+        seed=p["n_imgs"],
+        layers=layers,
+        n_patches=p["n_patches"],
+        cls=p["cls"],
+        d=p["d"],
+        n_imgs=p["n_imgs"],
         imgs_per_shard=p["imgs_per_shard"],
     )
     cache = ActivationCache.open(path)
@@ -61,7 +67,9 @@ def test_reads_match_reference(tmp_path_factory, p, data):
     np.testing.assert_array_equal(cache[::-2], ref[::-2])
     idx = data.draw(st.lists(st.integers(-n, n - 1), max_size=8))
     np.testing.assert_array_equal(cache[idx], ref[np.asarray(idx, dtype=np.int64)] if idx else ref[:0])
-    np.testing.assert_array_equal(cache[idx, layers[li], tok], ref[np.asarray(idx, dtype=np.int64), li, tok] if idx else ref[:0, li, tok])
+    np.testing.assert_array_equal(
+        cache[idx, layers[li], tok], ref[np.asarray(idx, dtype=np.int64), li, tok] if idx else ref[:0, li, tok]
+    )
     np.testing.assert_array_equal(cache.select(ActIndex(image="all", layer=layers[li], token=tok)), ref[:, li, tok])
 
 

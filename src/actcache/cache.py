@@ -283,4 +283,3 @@ class ActivationCache:
         elif form == "unsupervised":
             out["target"] = act
         return out
-

@@ -46,7 +46,9 @@ def atomic_open(path: str, mode: str = "wb"):
         os.replace(tmp, path)
         fsync_dir(os.path.dirname(path))
     except BaseException:
-        fd.close()
+        # closing may fail again (e.g. the flush of a full disk); the temp must still go
+        with contextlib.suppress(OSError):
+            fd.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise

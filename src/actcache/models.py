@@ -23,12 +23,16 @@ import dataclasses
 import json
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 import PIL.Image
 
 from actcache.errors import ConfigError, DumpError
 from actcache.images import ImageTransform
+
+if TYPE_CHECKING:  # annotations only: torch is imported where a model is built
+    import torch
 
 logger = logging.getLogger(__name__)
 

@@ -132,9 +132,7 @@ class Metadata:
             if not ok(value):
                 raise ProtocolError(f"{where}: field '{name}' must be {what}, got {value!r}.")
         if self.vit_family not in FAMILIES:
-            raise ProtocolError(
-                f"{where}: field 'vit_family' is {self.vit_family!r}; allowed: {', '.join(FAMILIES)}."
-            )
+            raise ProtocolError(f"{where}: field 'vit_family' is {self.vit_family!r}; allowed: {', '.join(FAMILIES)}.")
         if not self.layers:
             raise ProtocolError(f"{where}: field 'layers' is empty; record at least one layer.")
         if len(set(self.layers)) != len(self.layers):
@@ -143,9 +141,7 @@ class Metadata:
             if getattr(self, name) < 1:
                 raise ProtocolError(f"{where}: field '{name}' must be >= 1, got {getattr(self, name)}.")
         if self.dtype not in DTYPES:
-            raise ProtocolError(
-                f"{where}: field 'dtype' is {self.dtype!r}; protocol v1 allows only 'float32'."
-            )
+            raise ProtocolError(f"{where}: field 'dtype' is {self.dtype!r}; protocol v1 allows only 'float32'.")
         if "__class__" not in self.data:
             warnings.warn(
                 f"{where}: field 'data' has no '__class__' key (the spec asks for the dataset "
@@ -349,9 +345,7 @@ def read_json(path: str) -> object:
     except UnicodeDecodeError as err:
         raise ProtocolError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}).") from None
     except json.JSONDecodeError as err:
-        raise ProtocolError(
-            f"{path}: not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})."
-        ) from None
+        raise ProtocolError(f"{path}: not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}).") from None
 
 
 def parse_shards(doc: object, where: str = SHARDS_FILE) -> list[ShardInfo]:

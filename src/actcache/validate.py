@@ -142,8 +142,7 @@ def _check_hash(path: str, md: Metadata, rep: Report) -> None:
             )
     else:
         rep.warnings.append(
-            f"{path}: directory name {name!r} is not a content hash; caches normally live at "
-            f"<dump_to>/{digest}."
+            f"{path}: directory name {name!r} is not a content hash; caches normally live at <dump_to>/{digest}."
         )
 
 
