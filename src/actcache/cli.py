@@ -28,6 +28,7 @@ HANDLERS = {
     "train": "actcache.sae.train:cli_train",
     "visuals": "actcache.visuals:cli_visuals",
     "demo-cache": "actcache.cli:cmd_demo_cache",
+    "demo-assets": "actcache.demo:cli_demo_assets",
 }
 
 
@@ -75,7 +76,40 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default=None)
 
     s = sub.add_parser("visuals", help="top-activating patches per latent, plots and an HTML page")
-    s.add_argument("run_dir")
+    s.add_argument(
+        "run_dirs",
+        nargs="+",
+        metavar="RUN_DIR",
+        help="SAE run directory <runs_to>/<HASH>/<sae-id>/, or a directory holding runs (a sweep)",
+    )
+    s.add_argument("--top-k", type=int, default=16, help="top images kept per latent (default: %(default)s)")
+    s.add_argument("--latents", type=int, default=128, help="latent cards on the page (default: %(default)s)")
+    s.add_argument(
+        "--select",
+        choices=("spread", "frequent", "rare", "strongest"),
+        default="spread",
+        help="which latents get a card: spread over the frequency range (default), the most "
+        "frequent, the rarest, or the largest max activation",
+    )
+    s.add_argument("--latent-ids", default=None, help="comma-separated latent ids to show (overrides --select)")
+    s.add_argument("--cache", default=None, help="cache directory to use instead of the one in run.json")
+    s.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when present)")
+    s.add_argument("--batch-images", type=int, default=None, help="images per batch (default: automatic)")
+    s.add_argument("--no-images", action="store_true", help="no image dataset: heatmaps without images")
+    s.add_argument(
+        "--reuse",
+        action="store_true",
+        help="reuse visuals/latents.npz when it was computed for the same weights and cache",
+    )
+    s.add_argument(
+        "--plots-only",
+        action="store_true",
+        help="only the training curves and the NMSE-L0 plot (no pass over the cache)",
+    )
+    s.add_argument("--out", default=None, help="folder for the sweep plots (default: <common parent>/visuals)")
+
+    s = sub.add_parser("demo-assets", help="write the offline demo's tiny random ViT and image folder")
+    s.add_argument("--root", default="data/demo")
 
     s = sub.add_parser("demo-cache", help="write a small cache of synthetic activations (no model)")
     s.add_argument("--dump-to", default="data/demo-synthetic")
@@ -168,8 +202,12 @@ def _print_report(rep, show_shards: bool) -> None:
             f"tokens    {md.n_tokens_per_img} per image ({'CLS + ' if md.cls_token else ''}"
             f"{md.n_patches_per_img} patches), d_vit {md.d_vit}, {md.dtype}"
         )
-        print(f"images    {md.n_imgs:,} in {md.n_shards} shard(s) of {md.n_imgs_per_shard:,} (max_patches_per_shard {md.max_patches_per_shard:,})")
-        print(f"size      {_fmt_bytes(md.n_imgs * md.bytes_per_img)} of activations ({_fmt_bytes(md.bytes_per_img)} per image)")
+        print(
+            f"images    {md.n_imgs:,} in {md.n_shards} shard(s) of {md.n_imgs_per_shard:,} (max_patches_per_shard {md.max_patches_per_shard:,})"
+        )
+        print(
+            f"size      {_fmt_bytes(md.n_imgs * md.bytes_per_img)} of activations ({_fmt_bytes(md.bytes_per_img)} per image)"
+        )
         print(f"data      {json.dumps(md.data, sort_keys=True)}")
         print(f"protocol  {md.protocol}")
     if show_shards and rep.shards:

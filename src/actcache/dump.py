@@ -1,0 +1,380 @@
+"""`actcache dump`: compute a ViT's activations for shards A..B-1 and write them atomically.
+
+One Slurm job runs one shard range; many jobs write the same ``<dump_to>/<HASH>/`` directory.
+
+Pipeline (each stage overlaps the others)::
+
+    DataLoader workers       decode + preprocess images (n_workers processes), in image order
+          │  (B, 3, H, W) float32 batches
+    main thread              forward pass on the device (stops after the last requested block)
+          │  (B, L, T, D) float32, bounded queue (a few batches)
+    writer thread            streams into the open shard's temporary file; fsync + rename when full
+
+Guarantees:
+
+- A shard file appears only complete (temporary sibling, fsync, rename: ``writer.open_shard_writer``);
+  a killed job leaves a temporary name that the next dump removes. Complete shards are skipped, so
+  re-running the same command resumes.
+- Batches start at the shard's first image and every ``batch_size`` images after it (a batch never
+  spans two shards), so the bytes of a shard do not depend on how the shard range is split into
+  jobs (for the same batch size, device type and number of CPU threads; other settings change
+  only the float rounding).
+- A corrupt image, a write failure (disk full, file size limit) or a worker crash is a
+  ``DumpError`` naming the file; the shard being written is discarded, finished shards are kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import torch
+import torch.utils.data
+
+from actcache.errors import ConfigError, DumpError, ProtocolError
+from actcache.protocol import Metadata, shard_name
+from actcache.sink import QUEUE_DEPTH, PinnedRing, ShardSink
+from actcache.writer import ensure_metadata, shard_is_complete
+
+log = logging.getLogger(__name__)
+
+LOADER_TIMEOUT_S = 900  # a worker that delivers no batch for this long is stuck: fail, don't hang
+
+
+# ---- arguments --------------------------------------------------------------------------------
+
+
+def parse_shard_range(text: str | None) -> tuple[int | None, int | None] | None:
+    """'A:B' -> (A, B); 'A:' / ':B' leave an end open (None); None -> None (all shards)."""
+    if text is None or text.strip() in ("", ":"):
+        return None
+    a, sep, b = text.strip().partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        lo = int(a) if a.strip() else None
+        hi = int(b) if b.strip() else None
+    except ValueError:
+        raise ConfigError(f"--shards {text!r}: expected A:B (shards A..B-1, e.g. 0:4)") from None
+    return lo, hi
+
+
+def check_shard_range(shards, n_shards: int) -> tuple[int, int]:
+    """Resolve ``shards`` ((A, B), open ends allowed, or None for all) against ``n_shards``."""
+    if shards is None:
+        return 0, n_shards
+    a, b = shards
+    a = 0 if a is None else a
+    b = n_shards if b is None else b
+    if not (0 <= a < b <= n_shards):
+        raise ConfigError(
+            f"shard range {a}:{b} is not within this cache's {n_shards} shard(s): use A:B with "
+            f"0 <= A < B <= {n_shards} (shards A..B-1)."
+        )
+    return a, b
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """None / 'auto' -> cuda when available, else cpu; anything else must exist."""
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"device {device!r} is not a torch device; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {device!r}: no CUDA GPU is available here; use --device cpu (or auto)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {device!r}: only {torch.cuda.device_count()} GPU(s) visible")
+    return dev
+
+
+def plan_batches(md: Metadata, shard_ids, batch_size: int) -> list[tuple[int, int, int]]:
+    """[(shard, start, end), ...]: batches aligned to each shard's first image, in image order."""
+    out = []
+    for s in shard_ids:
+        lo, hi = md.shard_img_range(s)
+        out.extend((s, b, min(b + batch_size, hi)) for b in range(lo, hi, batch_size))
+    return out
+
+
+# ---- data loading (worker processes) ------------------------------------------------------------
+
+
+class _BatchError:
+    """A batch whose loading failed (sent from a worker instead of raising: a clean message)."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+class _Pixels(torch.utils.data.Dataset):
+    """Image i -> (preprocessed (3, H, W) float32, None) or (None, error message)."""
+
+    def __init__(self, ds, transform):
+        self.ds, self.transform = ds, transform
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int):
+        try:
+            img, _ = self.ds[i]
+            return self.transform(img), None
+        except DumpError as err:
+            return None, str(err)
+        except Exception as err:  # noqa: BLE001 - any failure on one image names that image
+            try:
+                what = self.ds.describe(i)
+            except Exception:  # noqa: BLE001
+                what = f"image {i}"
+            return None, f"cannot read or preprocess image {i} ({what}): {type(err).__name__}: {err}"
+
+
+def _collate(items):
+    for _, err in items:
+        if err is not None:
+            return _BatchError(err)
+    shape = (len(items), *items[0][0].shape)
+    try:
+        out = torch.empty(shape, dtype=torch.float32)
+        if torch.utils.data.get_worker_info() is not None:
+            # Allocate the shared memory here: a failure in the queue's feeder thread would be
+            # printed and the batch silently lost (the main process would wait for ever).
+            out = out.share_memory_()
+        np.stack([x for x, _ in items], out=out.numpy())
+    except (RuntimeError, OSError) as err:
+        nbytes = int(np.prod(shape)) * 4
+        return _BatchError(
+            f"cannot pass a batch of {shape[0]} images ({nbytes:,} bytes) from an image-loading worker to the "
+            f"main process ({err}): is /dev/shm full, or the file size limit (ulimit -f) too small? "
+            "A smaller --batch-size or --workers 0 needs less shared memory"
+        )
+    return out
+
+
+class _Batches(torch.utils.data.Sampler):
+    def __init__(self, plan):
+        self.plan = plan
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def __iter__(self):
+        for _, lo, hi in self.plan:
+            yield list(range(lo, hi))
+
+
+# ---- the dump -----------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _ignore_sigxfsz():
+    """Exceeding RLIMIT_FSIZE raises OSError(EFBIG) instead of killing the process (SIGXFSZ)."""
+    if not hasattr(signal, "SIGXFSZ") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGXFSZ, old)
+
+
+def _write_labels(path: str, ds) -> None:
+    """labels.npy / labels.json beside the shards; every job may call it (atomic, same content)."""
+    from actcache.labels import read_labels, write_labels
+
+    labels = ds.labels()
+    if labels is None:
+        return
+    labels = np.asarray(labels, dtype=np.int64)
+    names = list(ds.class_names) if ds.class_names else None
+    try:
+        have = read_labels(path, len(labels))
+    except ProtocolError:
+        have = None
+    if have is not None and np.array_equal(have[0], labels) and (names is None or have[1] == names):
+        return
+    write_labels(path, labels, names)
+
+
+def _setup_error(err: OSError, what: str) -> DumpError:
+    return DumpError(f"{what} failed: {err.strerror or err} ({getattr(err, 'filename', None) or ''}). "
+                     "Check that dump_to is writable and has free space.")  # fmt: skip
+
+
+def dump_shards(
+    exp,
+    shards: tuple[int | None, int | None] | None = None,
+    dump_to: str | None = None,
+    device: str | None = None,
+    batch_size: int | None = None,
+    n_workers: int | None = None,
+    progress: bool = True,
+) -> str:
+    """Compute and write shards A..B-1 (``shards=(A, B)``; None: all) of ``exp``'s cache.
+
+    Returns the cache directory ``<dump_to>/<HASH>``. Complete shards are skipped, so re-running
+    after a failure resumes. Raises ConfigError for a bad experiment/range/device (before any
+    work) and DumpError for a failure while computing or writing.
+    """
+    from actcache.images import open_dataset
+    from actcache.models import load_transform, load_vit
+    from actcache.plan import experiment_metadata
+
+    dump_to = dump_to or exp.dump_to
+    if not dump_to:
+        raise ConfigError(
+            f"{exp.source}: no dump_to: pass --dump-to DIR, or set 'dump_to: DIR' in the experiment file "
+            "(the workflow sets it from config/config.yaml)."
+        )
+    batch_size = exp.cache.batch_size if batch_size is None else batch_size
+    n_workers = exp.cache.n_workers if n_workers is None else n_workers
+    if batch_size < 1:
+        raise ConfigError(f"batch size must be >= 1, got {batch_size}")
+    if n_workers < 0:
+        raise ConfigError(f"workers must be >= 0, got {n_workers}")
+    dev = resolve_device(device if device is not None else exp.cache.device)
+    listing_cache = os.path.join(dump_to, ".listings")  # as actcache.plan.plan uses
+    md = experiment_metadata(exp, listing_cache=listing_cache)  # unknown family, bad layer, no images: here
+    a, b = check_shard_range(shards, md.n_shards)
+
+    with _ignore_sigxfsz():
+        try:
+            path = ensure_metadata(dump_to, md)
+            from actcache.fsutil import remove_stale_temps
+
+            stale = remove_stale_temps(path)
+        except OSError as err:
+            raise _setup_error(err, f"creating {os.path.join(dump_to, md.hash)}") from err
+        if stale:
+            log.info("removed %d temporary file(s) of killed writers: %s", len(stale), ", ".join(stale))
+        ds = open_dataset(exp.data, listing_cache=listing_cache)
+        if len(ds) != md.n_imgs:
+            raise DumpError(
+                f"the dataset now holds {len(ds)} images but the cache metadata says {md.n_imgs}; "
+                "did the image folder change during the dump?"
+            )
+        try:
+            _write_labels(path, ds)
+        except OSError as err:
+            raise _setup_error(err, f"writing labels into {path}") from err
+
+        todo = [i for i in range(a, b) if not shard_is_complete(path, md, i)]
+        if len(todo) < b - a:
+            log.info("shards %d..%d: %d already complete, skipped", a, b - 1, b - a - len(todo))
+        if not todo:
+            log.info("%s: shards %d..%d are complete; nothing to do", path, a, b - 1)
+            return path
+        _dump(exp, md, path, todo, dev, batch_size, n_workers, progress, ds, load_transform, load_vit)
+    return path
+
+
+def _dump(exp, md, path, todo, dev, batch_size, n_workers, progress, ds, load_transform, load_vit) -> None:
+    from actcache.progress import Progress
+
+    batches = plan_batches(md, todo, batch_size)
+    n_imgs = sum(hi - lo for _, lo, hi in batches)
+    log.info(
+        "%s: computing %d shard(s) (%s), %d images, batch %d, %d worker(s), device %s",
+        path, len(todo), _ranges(todo), n_imgs, batch_size, n_workers, dev,
+    )  # fmt: skip
+    loader = torch.utils.data.DataLoader(
+        _Pixels(ds, load_transform(exp.vit.family, exp.vit.ckpt)),
+        batch_sampler=_Batches(batches),
+        num_workers=n_workers,
+        collate_fn=_collate,
+        pin_memory=dev.type == "cuda",
+        timeout=LOADER_TIMEOUT_S if n_workers else 0,
+    )
+    batch_iter = iter(loader)  # workers start decoding while the model loads
+    try:
+        t0 = time.monotonic()
+        vit = load_vit(exp.vit.family, exp.vit.ckpt, dev)
+        log.info("loaded %s %s on %s in %.1f s", exp.vit.family, exp.vit.ckpt, dev, time.monotonic() - t0)
+        sink = ShardSink(path, md, on_done=lambda s: log.info("wrote %s", shard_name(s))).start()
+        with Progress(n_imgs, desc="dump", unit="img", enabled=progress) as bar:
+            skipped = _run(md, path, batches, batch_iter, vit, list(exp.vit.layers), dev, sink, bar)
+    finally:
+        # Stop the workers now (a traceback may keep the iterator alive for a while).
+        shutdown = getattr(batch_iter, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        del batch_iter
+    dt = time.monotonic() - bar.t0
+    nbytes = sum(md.shard_n_imgs(s) for s in sink.done) * md.bytes_per_img
+    log.info(
+        "wrote %d shard(s) in %.1f s: %.1f images/s, %.1f MB/s%s",
+        len(sink.done), dt, n_imgs / dt if dt else 0.0, nbytes / dt / 1e6 if dt else 0.0,
+        f" ({len(skipped)} written by another job)" if skipped else "",
+    )  # fmt: skip
+
+
+def _run(md, path, batches, batch_iter, vit, layers, dev, sink: ShardSink, bar) -> set[int]:
+    """The main loop: next batch of pixels -> forward -> writer thread. Returns shards skipped."""
+    pinned = PinnedRing(QUEUE_DEPTH + 2) if dev.type == "cuda" else None
+    skipped: set[int] = set()
+    try:
+        for shard, lo, hi in batches:
+            try:
+                pixels = next(batch_iter)
+            except RuntimeError as err:  # a worker died (killed, out of memory) or is stuck
+                raise DumpError(
+                    f"image loading failed while reading images {lo}..{hi - 1} (shard {shard_name(shard)}, "
+                    f"not written): {err}"
+                ) from err
+            if isinstance(pixels, _BatchError):
+                raise DumpError(f"{pixels.message.rstrip('. ')}. Shard {shard_name(shard)} was not written.")
+            if lo == md.shard_img_range(shard)[0] and shard_is_complete(path, md, shard):
+                log.info("%s was completed by another job meanwhile; skipping it", shard_name(shard))
+                skipped.add(shard)
+            if shard in skipped:
+                bar.update(hi - lo)
+                continue
+            acts = vit.forward(pixels.to(dev, non_blocking=True), layers)
+            if pinned is None:
+                sink.put(shard, acts.numpy())
+            else:
+                host, ready = pinned.copy(acts)
+                sink.put(shard, host, ready)
+            bar.update(hi - lo)
+        sink.finish()
+    except BaseException as err:
+        sink.abort(drain=isinstance(err, DumpError) and sink.error is None)
+        raise
+    return skipped
+
+
+def _ranges(ids: list[int]) -> str:
+    groups: list[list[int]] = []
+    for i in ids:
+        if groups and groups[-1][1] == i - 1:
+            groups[-1][1] = i
+        else:
+            groups.append([i, i])
+    return ", ".join(f"{a}" if a == b else f"{a}..{b}" for a, b in groups)
+
+
+def cli_dump(args) -> int:
+    from actcache.config import load_experiment
+
+    exp = load_experiment(args.experiment)
+    shards = parse_shard_range(args.shards)
+    path = dump_shards(
+        exp,
+        shards,
+        dump_to=args.dump_to,
+        device=args.device,
+        batch_size=args.batch_size,
+        n_workers=args.workers,
+        progress=not args.no_progress,
+    )
+    print(path)
+    return 0

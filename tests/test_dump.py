@@ -1,0 +1,276 @@
+"""actcache dump on a tiny random CLIP checkpoint and real image files (offline, no mocks)."""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+import transformers
+import yaml
+
+from actcache.cache import ActivationCache
+from actcache.config import load_experiment
+from actcache.dump import ShardSink, check_shard_range, dump_shards, parse_shard_range
+from actcache.errors import ConfigError, DumpError
+from actcache.fsutil import is_temp
+from actcache.protocol import SHARDS_FILE, Metadata, shard_name
+from actcache.validate import validate_dir
+from actcache.writer import gather
+from fixtures_vit import make_checkpoint, reference_hidden_states
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAYERS = [-2, 0]  # blocks 1 and 0 of the 3-block test model
+T = 17  # CLS + 16 patches
+IMGS_PER_SHARD = 4
+N_IMGS = 22  # 6 shards, the last one holds 2 images
+
+
+# ---- shared helpers (also used by test_dump_kill.py) --------------------------------------------
+
+
+def make_images(root, n=N_IMGS, seed=0, classes=("cat", "dog")) -> list[str]:
+    """PNG/JPEG files of varied sizes and modes in class folders; returns sorted relative paths."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        cls = classes[i % len(classes)]
+        os.makedirs(os.path.join(root, cls), exist_ok=True)
+        h, w = (int(v) for v in rng.integers(20, 90, 2))
+        arr = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        img = PIL.Image.fromarray(arr, "RGB")
+        if i % 5 == 3:
+            img = img.convert("L")
+        name = f"{cls}/img{i:04d}.{'jpg' if i % 4 == 1 else 'png'}"
+        img.save(os.path.join(root, name))
+        out.append(name)
+    return sorted(out)
+
+
+def write_experiment(path, ckpt, images, family="clip", layers=LAYERS, imgs_per_shard=IMGS_PER_SHARD,
+                     batch_size=3, n_workers=0, dump_to=None) -> str:  # fmt: skip
+    doc = {
+        "vit": {"family": family, "ckpt": str(ckpt), "layers": list(layers)},
+        "data": {"kind": "image_folder", "root": str(images)},
+        "cache": {
+            "max_patches_per_shard": imgs_per_shard * T * len(layers),
+            "batch_size": batch_size,
+            "n_workers": n_workers,
+        },
+    }
+    if dump_to is not None:
+        doc["dump_to"] = str(dump_to)
+    with open(path, "w") as fd:
+        yaml.safe_dump(doc, fd)
+    return str(path)
+
+
+def cli(*args, timeout=120, **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "actcache.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT, **kw)  # fmt: skip
+
+
+def shard_files(path) -> dict[str, bytes]:
+    return {n: open(os.path.join(path, n), "rb").read() for n in sorted(os.listdir(path)) if n.endswith(".bin")}
+
+
+def temp_files(path) -> list[str]:
+    return [n for n in os.listdir(path) if is_temp(n)]
+
+
+def hash_dirs(dump_to) -> list[str]:
+    """Cache directories under dump_to (the image listing cache, .listings, is not one)."""
+    if not os.path.exists(dump_to):
+        return []
+    return [os.path.join(dump_to, n) for n in sorted(os.listdir(dump_to)) if not n.startswith(".")]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "clip"), "clip")
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    root = tmp_path_factory.mktemp("images")
+    make_images(str(root))
+    return str(root)
+
+
+# ---- the cache is right and does not depend on the job split ------------------------------------
+
+
+def test_one_job_equals_three_jobs_and_the_model(tmp_path, ckpt, images):
+    exp = load_experiment(write_experiment(tmp_path / "exp.yaml", ckpt, images))
+    one = dump_shards(exp, None, str(tmp_path / "one"), n_workers=2, progress=False)
+    for a, b in [(0, 2), (2, 3), (3, 6)]:  # three "jobs", in-process, no workers
+        three = dump_shards(exp, (a, b), str(tmp_path / "three"), n_workers=0, progress=False)
+    assert os.path.basename(one) == os.path.basename(three)
+    md = Metadata.load(one)
+    assert md.n_imgs == N_IMGS and md.n_shards == 6 and md.layers == tuple(LAYERS) and md.n_tokens_per_img == T
+    assert not os.path.exists(os.path.join(one, SHARDS_FILE))  # a dump never gathers
+    gather(one)
+    gather(three)
+    for name in [*shard_files(one), SHARDS_FILE, "metadata.json", "labels.npy", "labels.json"]:
+        assert open(os.path.join(one, name), "rb").read() == open(os.path.join(three, name), "rb").read(), name
+    assert len(shard_files(one)) == 6 and not temp_files(one) and not temp_files(three)
+    validate_dir(one, deep=True)
+
+    # Straight from transformers: its own image processor and output_hidden_states.
+    files = sorted(os.path.relpath(os.path.join(d, f), images) for d, _, fs in os.walk(images) for f in fs)
+    pil = [PIL.Image.open(os.path.join(images, f)).convert("RGB") for f in files]
+    proc = transformers.AutoImageProcessor.from_pretrained(ckpt)
+    pixels = torch.as_tensor(np.asarray(proc(images=pil, return_tensors="np")["pixel_values"]))
+    hidden = reference_hidden_states(ckpt, "clip", pixels)
+    want = torch.stack([hidden[1 + (layer % 3)] for layer in LAYERS], dim=1).numpy()  # (N, L, T, D)
+    with ActivationCache.open(one) as cache:
+        got = cache[0:N_IMGS]
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+        np.testing.assert_array_equal(cache[13], got[13])
+        np.testing.assert_array_equal(cache[13, 0, 5], got[13, 1, 5])  # layer value 0 is stored second
+        np.testing.assert_array_equal(cache.labels, [0 if f.startswith("cat/") else 1 for f in files])
+        assert cache.class_names == ["cat", "dog"]
+
+    # Re-running a finished range writes nothing.
+    before = {n: os.stat(os.path.join(one, n)).st_mtime_ns for n in shard_files(one)}
+    dump_shards(exp, (1, 5), str(tmp_path / "one"), progress=False)
+    assert before == {n: os.stat(os.path.join(one, n)).st_mtime_ns for n in shard_files(one)}
+
+
+def test_cli_dump_gather_verify(tmp_path, ckpt, images):
+    exp = write_experiment(tmp_path / "exp.yaml", ckpt, images, n_workers=1)
+    d = tmp_path / "dump"
+    out = cli("dump", "--experiment", exp, "--shards", "0:2", "--dump-to", str(d), "--no-progress")
+    assert out.returncode == 0, out.stderr
+    path = out.stdout.strip().splitlines()[-1]
+    assert os.path.dirname(path) == str(d) and sorted(shard_files(path)) == [shard_name(0), shard_name(1)]
+    out = cli("gather", path)  # shards 2..5 are missing
+    assert out.returncode == 2 and shard_name(2) in out.stderr and "missing" in out.stderr
+    out = cli("dump", "--experiment", exp, "--shards", "2:", "--dump-to", str(d), "--no-progress")
+    assert out.returncode == 0, out.stderr
+    assert "already complete" not in out.stderr
+    assert cli("gather", path).returncode == 0
+    out = cli("verify", path)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
+
+
+# ---- bad input: a clear error, no shard that looks complete -------------------------------------
+
+
+def test_shard_ranges():
+    assert parse_shard_range("0:2") == (0, 2) and parse_shard_range("3:") == (3, None)
+    assert parse_shard_range(None) is None and check_shard_range(None, 6) == (0, 6)
+    assert check_shard_range((None, 2), 6) == (0, 2)
+    for bad in ["2", "a:b", "1-3"]:
+        with pytest.raises(ConfigError, match="A:B"):
+            parse_shard_range(bad)
+    for bad in [(2, 2), (3, 1), (0, 7), (6, 7), (-1, 2)]:
+        with pytest.raises(ConfigError, match="6 shard"):
+            check_shard_range(bad, 6)
+
+
+def test_range_and_dump_to_checked_before_any_work(tmp_path, ckpt, images):
+    exp = load_experiment(write_experiment(tmp_path / "exp.yaml", ckpt, images))
+    with pytest.raises(ConfigError, match=r"4:9.*6 shard"):
+        dump_shards(exp, (4, 9), str(tmp_path / "d"), progress=False)
+    with pytest.raises(ConfigError, match="--dump-to"):
+        dump_shards(exp, None, None, progress=False)
+    assert hash_dirs(tmp_path / "d") == []
+
+
+def test_missing_and_empty_image_folder(tmp_path, ckpt):
+    exp = load_experiment(write_experiment(tmp_path / "exp.yaml", ckpt, tmp_path / "nope"))
+    with pytest.raises(ConfigError, match="nope.*does not exist"):
+        dump_shards(exp, None, str(tmp_path / "d"), progress=False)
+    (tmp_path / "empty" / "cls").mkdir(parents=True)
+    (tmp_path / "empty" / "cls" / "notes.txt").write_text("not an image")
+    exp = load_experiment(write_experiment(tmp_path / "exp.yaml", ckpt, tmp_path / "empty"))
+    with pytest.raises(ConfigError, match="empty.*no image files"):
+        dump_shards(exp, None, str(tmp_path / "d"), progress=False)
+    assert hash_dirs(tmp_path / "d") == []
+
+
+def test_corrupt_image_names_the_file_and_writes_no_shard_for_it(tmp_path, ckpt):
+    root = tmp_path / "imgs"
+    files = make_images(str(root), n=12)
+    bad = root / files[6]  # image 6: shard 1 (images 4..7), in its second batch (6..7)
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n" + b"garbage" * 10 if bad.suffix == ".png" else b"\xff\xd8garbage")
+    exp = load_experiment(write_experiment(tmp_path / "exp.yaml", ckpt, root, n_workers=1))
+    with pytest.raises(DumpError) as info:
+        dump_shards(exp, None, str(tmp_path / "d"), progress=False)
+    assert str(bad) in str(info.value) and shard_name(1) in str(info.value)
+    (path,) = hash_dirs(tmp_path / "d")
+    assert sorted(shard_files(path)) == [shard_name(0)]  # shard 0 was complete before the bad batch
+    assert not temp_files(path)
+
+
+def test_unknown_family_and_wrong_family(tmp_path, ckpt, images):
+    yml = write_experiment(tmp_path / "exp.yaml", ckpt, images, family="vitx")
+    with pytest.raises(ConfigError, match="vitx"):
+        load_experiment(yml)
+    out = cli("dump", "--experiment", yml, "--dump-to", str(tmp_path / "d"))
+    assert out.returncode == 2 and "vitx" in out.stderr and "Traceback" not in out.stderr
+    exp = load_experiment(write_experiment(tmp_path / "exp.yaml", ckpt, images, family="dinov2"))
+    with pytest.raises(ConfigError, match="clip"):
+        dump_shards(exp, None, str(tmp_path / "d"), progress=False)
+    assert hash_dirs(tmp_path / "d") == []
+
+
+def test_layer_beyond_the_model(tmp_path, ckpt, images):
+    for layers in ([3], [0, -4]):
+        exp = load_experiment(write_experiment(tmp_path / "exp.yaml", ckpt, images, layers=layers))
+        with pytest.raises(ConfigError, match=r"3 blocks"):
+            dump_shards(exp, None, str(tmp_path / "d"), progress=False)
+    assert hash_dirs(tmp_path / "d") == []
+
+
+def _dump_with_file_size_limit(exp, dump_to, limit):
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return cli("dump", "--experiment", exp, "--dump-to", dump_to, "--no-progress", preexec_fn=small_files)
+
+
+def test_write_failure_file_size_limit(tmp_path, ckpt, images):
+    # A 17,408-byte shard exceeds the limit; metadata.json, the labels and a 1-image batch
+    # (12,288 bytes of shared memory from the worker) do not.
+    exp = write_experiment(tmp_path / "exp.yaml", ckpt, images, batch_size=1, n_workers=1)
+    out = _dump_with_file_size_limit(exp, str(tmp_path / "d"), 15_000)
+    assert out.returncode == 2, out.stderr
+    assert shard_name(0) in out.stderr and "EFBIG" in out.stderr and "Traceback" not in out.stderr
+    (path,) = hash_dirs(tmp_path / "d")
+    assert shard_files(path) == {} and not temp_files(path)
+    # Without the limit the same dump completes.
+    assert dump_shards(load_experiment(exp), None, str(tmp_path / "d"), progress=False) == path
+    assert len(shard_files(path)) == 6 and gather(path)
+
+
+def test_worker_cannot_share_a_batch_fails_without_hanging(tmp_path, ckpt, images):
+    # The limit also caps the worker's shared-memory batch (3 images, 36,864 bytes), as a full
+    # /dev/shm would: a clear error, not a main process waiting for a batch that never comes.
+    exp = write_experiment(tmp_path / "exp.yaml", ckpt, images, batch_size=3, n_workers=1)
+    out = _dump_with_file_size_limit(exp, str(tmp_path / "d"), 10_000)
+    assert out.returncode == 2 and "shm" in out.stderr and shard_name(0) in out.stderr, out.stderr
+    (path,) = hash_dirs(tmp_path / "d")
+    assert shard_files(path) == {} and not temp_files(path)
+
+
+def test_writer_thread_error_surfaces_promptly(tmp_path):
+    from conftest import make_metadata
+
+    md = make_metadata(n_imgs=8, imgs_per_shard=4)
+    sink = ShardSink(str(tmp_path / "gone"), md).start()  # the directory does not exist
+    acts = np.zeros((2, len(md.layers), md.n_tokens_per_img, md.d_vit), np.float32)
+    t0 = time.monotonic()
+    with pytest.raises(DumpError, match=f"{shard_name(0)}.*gone"):
+        for _ in range(1000):
+            sink.put(0, acts)
+    assert time.monotonic() - t0 < 10
+    sink.abort(drain=False)
