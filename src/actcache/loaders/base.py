@@ -1,0 +1,238 @@
+"""What the ordered and shuffled loaders share: options, the consumer side of an iteration
+(waiting, errors, timeouts, Ctrl-C, metrics) and the loader's lifecycle (close, ``with``)."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import warnings
+
+import numpy as np
+
+from actcache.cache import ActivationCache
+from actcache.errors import ConfigError
+from actcache.loaders.buffers import BatchBuffers, BatchPool, ShardMaps
+from actcache.loaders.common import Selection
+from actcache.loaders.partition import World
+from actcache.loaders.plan import Geometry
+from actcache.loaders.runtime import LoaderStats, Runtime
+from actcache.protocol import LayerNotRecordedError
+
+
+def check_number(name: str, value, lo=None, integer=False, allow_none=False):
+    if value is None and allow_none:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if integer:
+        ok = ok and isinstance(value, int)
+    if not ok or (lo is not None and value < lo) or (isinstance(value, float) and math.isnan(value)):
+        what = "an integer" if integer else "a number"
+        raise ConfigError(f"{name}={value!r} must be {what}" + (f" >= {lo}" if lo is not None else ""))
+
+
+class Iteration:
+    """State of one pass of ``for batch in loader`` (threads fill ``ready``; the consumer takes)."""
+
+    def __init__(self, loader: BaseLoader, name: str, start: int, stop: int | None, max_sets: int):
+        self.loader = loader
+        self.rt = Runtime(name)
+        self.cond = self.rt.cond
+        self.start, self.stop = start, stop  # global batch indices [start, stop)
+        self.ready: dict[int, BatchBuffers] = {}
+        self.next_key = start  # next batch the consumer takes (deterministic order)
+        self.n_consumed = 0
+        g = loader.geom
+        rows = max(1, min(loader.batch_size, loader.n_examples))  # no bigger than one epoch
+        self.pool = BatchPool(lambda: BatchBuffers(rows, g.D), max_sets, self.cond)
+        self.maps = ShardMaps(
+            loader.cache.path,
+            [s.name for s in loader.cache.shards],
+            loader.shard_sizes,
+            evict=loader.evict,
+            mode=loader.map_mode,
+        )
+        self.closed = False
+
+    @property
+    def finished(self) -> bool:
+        return self.stop is not None and self.n_consumed >= self.stop - self.start
+
+    def _take_ready(self):
+        if not self.ready:
+            return None
+        if self.loader.deterministic:
+            return self.ready.pop(self.next_key, None)
+        return self.ready.pop(min(self.ready))
+
+    def next_buffer(self) -> BatchBuffers:
+        t0 = time.perf_counter()
+        what = f"batch {self.loader._describe_key(self.next_key)}"
+        buf = self.rt.consumer_wait(self._take_ready, self.loader.batch_timeout_s, what)
+        with self.cond:
+            self.pool.lend(buf)
+            self.n_consumed += 1
+            if self.loader.deterministic:
+                self.next_key += 1
+            self.cond.notify_all()
+        st = self.loader.stats
+        now = time.perf_counter()
+        st.wait_s += now - t0
+        st.batches += 1
+        st.examples += buf.n
+        st.elapsed_s = now - st.started
+        if st.first_batch_s is None:
+            st.first_batch_s = now - st.started
+        self.loader.position = buf.key
+        return buf
+
+    def shutdown(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        alive = self.rt.shutdown()
+        for who, cpu in self.rt.cpu_s.items():
+            role = who.rstrip("0123456789").rstrip("-")
+            self.loader.stats.thread_cpu_s[role] = self.loader.stats.thread_cpu_s.get(role, 0.0) + cpu
+        with self.cond:
+            self.ready.clear()
+            self.pool.clear()
+        if not alive:  # never unmap while a thread might still copy out of a mapping
+            self.maps.close()
+        else:
+            warnings.warn(
+                f"{self.rt.name}: threads still busy after stopping (left behind): {', '.join(alive)}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+
+class BaseLoader:
+    """Options and lifecycle shared by OrderedLoader and ShuffledLoader."""
+
+    kind = "loader"
+
+    def __init__(
+        self,
+        path,
+        batch_size: int,
+        patches: str,
+        layer,
+        drop_last: bool,
+        batch_timeout_s,
+        scale_norm: bool,
+        rank: int,
+        world_size: int,
+        worker_id: int,
+        n_workers: int,
+        n_threads: int,
+        read_ahead: int,
+        evict: bool,
+    ):
+        check_number("batch_size", batch_size, 1, integer=True)
+        check_number("batch_timeout_s", batch_timeout_s, allow_none=True)
+        check_number("n_threads", n_threads, 1, integer=True)
+        check_number("read_ahead", read_ahead, 1, integer=True)
+        for name, v in (("drop_last", drop_last), ("scale_norm", scale_norm), ("evict", evict)):
+            if not isinstance(v, bool):
+                raise ConfigError(f"{name}={v!r} must be true or false")
+        self.world = World(rank, world_size, worker_id, n_workers)
+        if isinstance(path, ActivationCache):
+            self.cache = path
+        elif isinstance(path, (str, os.PathLike)):
+            self.cache = ActivationCache.open(path)
+        else:
+            raise ConfigError(f"path={path!r} must be a cache directory or an ActivationCache")
+        self.metadata = self.cache.metadata
+        try:
+            self.sel = Selection(self.metadata, patches, layer)
+        except LayerNotRecordedError as err:
+            raise ConfigError(f"layer={layer!r}: {err}") from None
+        self.geom = Geometry.from_selection(self.sel)
+        self.batch_size, self.patches, self.layer = batch_size, patches, layer
+        self.drop_last, self.batch_timeout_s, self.scale_norm = drop_last, batch_timeout_s, scale_norm
+        self.n_threads, self.read_ahead, self.evict = n_threads, read_ahead, evict
+        self.deterministic = True
+        md = self.metadata
+        self.shard_imgs = [s.n_imgs for s in self.cache.shards]
+        self.shard_sizes = [n * md.bytes_per_img for n in self.shard_imgs]
+        self.shard_start = np.r_[0, np.cumsum(self.shard_imgs)].astype(np.int64)
+        # Reading a small part of each image (one layer of several, or CLS only): no read-around.
+        self.random_access = self.geom.img_bytes * 2 < md.bytes_per_img
+        self.map_mode = "random" if self.random_access else "huge"  # see ShardMaps
+        self.scale = None
+        if scale_norm:
+            from actcache.stats import scale_factors
+
+            self.scale = scale_factors(self.cache, self.sel)  # per selected layer
+        self.stats = LoaderStats()
+        self.position: tuple[int, int] | None = None
+        self.interrupted = False
+        self.debug_hook = None  # tests/diagnostics: called as hook(stage, info) in loader threads
+        self._it: Iteration | None = None
+
+    @property
+    def d_vit(self) -> int:
+        return self.metadata.d_vit
+
+    def _describe_key(self, key: int) -> str:
+        return str(key)
+
+    def _hook(self, stage: str, **info) -> None:
+        if self.debug_hook is not None:
+            self.debug_hook(stage, info)
+
+    def _scale_rows(self, act: np.ndarray, lpos: np.ndarray | None) -> None:
+        """scale_norm: multiply rows by sqrt(d) / mean norm of their layer (lpos: selected-layer position)."""
+        if self.scale is None:
+            return
+        if len(self.scale) == 1:
+            act *= np.float32(self.scale[0])
+        else:
+            act *= np.asarray(self.scale, np.float32)[lpos][:, None]
+
+    # ---- iteration ----------------------------------------------------------------------------
+    def _make_iteration(self) -> Iteration:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __iter__(self):
+        self.close()
+        it = self._make_iteration()
+        self._it = it
+        return self._generate(it)
+
+    def _generate(self, it: Iteration):
+        self.stats.started = time.perf_counter() - self.stats.elapsed_s
+        try:
+            self._start(it)
+            while not it.finished:
+                buf = it.next_buffer()
+                yield buf.to_torch()
+        except KeyboardInterrupt:
+            self.interrupted = True
+            raise
+        finally:
+            it.shutdown()
+            if self._it is it:
+                self._it = None
+
+    def _start(self, it: Iteration) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Stop the running iteration (if any): threads joined, mappings released."""
+        it, self._it = self._it, None
+        if it is not None:
+            it.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass

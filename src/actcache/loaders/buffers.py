@@ -1,0 +1,391 @@
+"""Memory the loaders manage: memory-mapped shards (made resident / released by byte range) and
+reusable batch buffers.
+
+:class:`ShardMaps` maps each shard file read-only once and offers, per byte range of a shard:
+``prefetch`` (posix_fadvise WILLNEED: the kernel starts large reads now), ``populate``
+(madvise MADV_POPULATE_READ: returns when the pages are in the page cache AND mapped in this
+process, so later copies out of them never fault), and ``release`` (MADV_DONTNEED: unmap them
+from this process, so its resident memory shrinks; optionally POSIX_FADV_DONTNEED as well, which
+also drops them from the page cache). madvise is called through ctypes and fadvise through
+``os``, so the GIL is released while the kernel works (``mmap.madvise`` holds it).
+
+Before touching a range, its file is stat'ed: a shard truncated after the cache was opened is
+reported as an error instead of killing the process with SIGBUS. (A file truncated while a
+batch is being copied out of it can still raise SIGBUS: do not rewrite a cache while it is read.)
+
+:class:`BatchPool` hands out batch-sized numpy buffers and takes them back for reuse once the
+consumer no longer references them (the torch tensors given to the consumer hold a reference to
+their numpy array, so a reference count at its baseline means nobody uses it any more). A
+consumer that keeps old batches keeps their memory; the pool then allocates new buffers and never
+writes into one that is still referenced.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import sys
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from actcache.errors import LoaderError
+
+PAGE = mmap.PAGESIZE
+HUGE = 2 * 2**20  # x86-64 PMD size
+MADV_DONTNEED = 4
+MADV_POPULATE_READ = 22  # Linux >= 5.14
+
+try:
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _madvise = _libc.madvise
+    _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    _madvise.restype = ctypes.c_int
+    _mincore = _libc.mincore
+    _mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    _mincore.restype = ctypes.c_int
+except (OSError, AttributeError):  # pragma: no cover - non-Linux
+    _madvise = _mincore = None
+
+
+def _page_span(addr: int, start: int, end: int, inner: bool, unit: int = PAGE) -> tuple[int, int]:
+    """``unit``-aligned [a, b) address span of bytes [start, end): covering (inner=False) or inside."""
+    lo, hi = addr + start, addr + end
+    if inner:
+        lo = -(-lo // unit) * unit
+        hi = hi // unit * unit
+    else:
+        lo = lo // unit * unit
+        hi = -(-hi // unit) * unit
+    return lo, hi
+
+
+MODES = ("huge", "pte", "random")
+
+
+class ShardMaps:
+    """Read-only mappings of a cache's shard files, with range-wise residency control.
+
+    mode "huge": one MADV_HUGEPAGE mapping per shard. Loading through its fault path reads
+    large chunks into large page-cache folios, which then map 2 MiB at a time: mapping cached
+    data costs almost nothing, and random gathers out of it run ~1.5x faster than through 4 KiB
+    page tables (fewer TLB misses). But a 2 MiB mapping is all-or-nothing: unmapping part of it
+    drops all of it and the next access maps all of it again, so only whole runs can be released.
+
+    mode "pte": the same loading through a huge-page *staging* mapping (then unmapped again),
+    but copies go through a MADV_NOHUGEPAGE mapping populated with 4 KiB entries: any page range
+    can then be released (the shuffled loader's strips), at the cost of slower gathers.
+
+    mode "random" (only a small part of each image is read: one layer of several, or the CLS
+    token): no read-around; exact ranges are requested with posix_fadvise WILLNEED, then mapped.
+    """
+
+    def __init__(self, path: str, names: list[str], sizes: list[int], evict: bool = False, mode: str = "huge"):
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r} not in {MODES}")
+        self.path, self.names, self.sizes = path, list(names), list(sizes)
+        self.evict, self.mode = evict, mode
+        self._fds: dict[int, int] = {}
+        self._maps: dict[tuple[int, str], mmap.mmap] = {}
+        self._arrays: dict[tuple[int, str], np.ndarray] = {}
+        self._lock = threading.Lock()
+        self._populate_ok = _madvise is not None
+        self.closed = False
+
+    def fd(self, shard: int) -> int:
+        """An open read-only descriptor of the shard file (checked for its size)."""
+        with self._lock:
+            if self.closed:
+                raise LoaderError("the loader was closed")
+            fd = self._fds.get(shard)
+            if fd is None:
+                fd = os.open(os.path.join(self.path, self.names[shard]), os.O_RDONLY)
+                try:
+                    self._check_size(shard, fd, self.sizes[shard])
+                except BaseException:
+                    os.close(fd)
+                    raise
+                self._fds[shard] = fd
+            return fd
+
+    def _open(self, shard: int, which: str) -> np.ndarray:
+        fd = self.fd(shard)
+        with self._lock:
+            if self.closed:
+                raise LoaderError("the loader was closed")
+            arr = self._arrays.get((shard, which))
+            if arr is not None:
+                return arr
+            mm = mmap.mmap(fd, self.sizes[shard], prot=mmap.PROT_READ)
+            advice = {"huge": "MADV_HUGEPAGE", "nohuge": "MADV_NOHUGEPAGE", "random": "MADV_RANDOM"}[which]
+            if hasattr(mmap, advice):
+                try:
+                    mm.madvise(getattr(mmap, advice))
+                except OSError:  # e.g. no transparent huge pages: still correct, only slower
+                    pass
+            arr = np.frombuffer(mm, dtype=np.uint8)
+            self._maps[shard, which], self._arrays[shard, which] = mm, arr
+            return arr
+
+    @property
+    def _main(self) -> str:
+        return {"huge": "huge", "pte": "nohuge", "random": "random"}[self.mode]
+
+    def _check_size(self, shard: int, fd: int, need: int) -> None:
+        size = os.fstat(fd).st_size
+        if size < need:
+            raise LoaderError(
+                f"shard {self.names[shard]} in {self.path} is {size:,} bytes but {need:,} are needed: "
+                "the file was truncated or replaced after the cache was opened."
+            )
+
+    def array(self, shard: int) -> np.ndarray:
+        """The whole shard as a uint8 array (a view of the mapping copies are made from)."""
+        arr = self._arrays.get((shard, self._main))
+        return arr if arr is not None else self._open(shard, self._main)
+
+    def view(self, shard: int, shape: tuple[int, ...]) -> np.ndarray:
+        """The shard's first prod(shape) float32 values with ``shape``."""
+        n = int(np.prod(shape)) * 4
+        return self.array(shard)[:n].view(np.float32).reshape(shape)
+
+    # ---- residency ----------------------------------------------------------------------------
+    def prefetch(self, shard: int, starts: np.ndarray, ends: np.ndarray) -> None:
+        """Start reading byte ranges into the page cache (asynchronous, exact, 4 KiB folios)."""
+        fd = self.fd(shard)
+        for s, e in _merged(starts, ends):
+            os.posix_fadvise(fd, int(s), int(e - s), os.POSIX_FADV_WILLNEED)
+
+    def cached(self, shard: int, starts: np.ndarray, ends: np.ndarray) -> bool:
+        """Whether every page of the byte ranges is in the page cache (mincore; no I/O)."""
+        if _mincore is None:
+            return False
+        arr = self.array(shard)
+        addr = arr.ctypes.data
+        for s, e in _merged(starts, ends):
+            lo, hi = _page_span(addr, int(s), int(e), inner=False)
+            vec = np.empty((hi - lo) // PAGE, np.uint8)
+            if _mincore(lo, hi - lo, vec.ctypes.data) != 0 or not (vec & 1).all():
+                return False
+        return True
+
+    def make_resident(self, shard: int, starts: np.ndarray, ends: np.ndarray) -> None:
+        """Byte ranges in the page cache and mapped for copying before returning (see the modes)."""
+        self._check_size(shard, self.fd(shard), int(ends.max()) if len(ends) else 0)
+        if self.mode == "random":
+            self.prefetch(shard, starts, ends)
+        elif self.mode == "pte" and not self.cached(shard, starts, ends):
+            # load through the huge-page staging mapping (large folios), then unmap it
+            stage = self._arrays.get((shard, "huge"))
+            stage = stage if stage is not None else self._open(shard, "huge")
+            self._populate(shard, stage, starts, ends)
+            self._unmap(stage, starts, ends, whole=True)
+        self._populate(shard, self.array(shard), starts, ends)
+
+    def populate(self, shard: int, starts: np.ndarray, ends: np.ndarray) -> None:
+        """Map byte ranges of the copy mapping (reading what is not cached yet)."""
+        self._populate(shard, self.array(shard), starts, ends)
+
+    def _populate(self, shard: int, arr: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
+        addr = arr.ctypes.data
+        for s, e in _merged(starts, ends):
+            lo, hi = _page_span(addr, int(s), int(e), inner=False)
+            if self._populate_ok:
+                if _madvise(lo, hi - lo, MADV_POPULATE_READ) == 0:
+                    continue
+                err = ctypes.get_errno()
+                if err in (errno.EINVAL, errno.ENOSYS):  # kernel < 5.14: touch the pages instead
+                    self._populate_ok = False
+                else:
+                    raise LoaderError(
+                        f"could not read bytes {int(s):,}-{int(e):,} of {self.names[shard]} in {self.path}: "
+                        f"{os.strerror(err)} (errno {err})"
+                    )
+            int(arr[int(s) : int(e) : PAGE].sum())  # touch one byte per page
+
+    def release(self, shard: int, starts: np.ndarray, ends: np.ndarray, whole: bool = False) -> None:
+        """Unmap byte ranges from this process (and drop them from the page cache if ``evict``).
+
+        Only pages entirely inside the ranges are unmapped, unless ``whole``: then the ranges are
+        widened to 2 MiB boundaries, which also unmaps what a huge-page mapping brought in around
+        them (a neighbour still in use just faults it back in, cheaply, from the page cache).
+        Only pages inside the ranges are ever evicted.
+        """
+        arr = self._arrays.get((shard, self._main))
+        if arr is None or _madvise is None:
+            return
+        self._unmap(arr, starts, ends, whole)
+        if self.evict:
+            addr = arr.ctypes.data
+            for s, e in _merged(starts, ends):
+                lo, hi = _page_span(addr, int(s), int(e), inner=True)
+                if hi > lo:
+                    os.posix_fadvise(self._fds[shard], lo - addr, hi - lo, os.POSIX_FADV_DONTNEED)
+
+    def _unmap(self, arr: np.ndarray, starts: np.ndarray, ends: np.ndarray, whole: bool) -> None:
+        addr, size = arr.ctypes.data, len(arr)
+        top = _page_span(addr, 0, size, inner=False)[1]
+        for s, e in _merged(starts, ends):
+            if whole:
+                lo, hi = _page_span(addr, int(s), int(e), inner=False, unit=HUGE)
+                lo, hi = max(lo, addr), min(hi, top)
+            else:
+                lo, hi = _page_span(addr, int(s), int(e), inner=True)
+            if hi > lo:
+                _madvise(lo, hi - lo, MADV_DONTNEED)
+
+    def close(self) -> None:
+        """Unmap everything. Call only when no thread copies out of the mappings any more."""
+        with self._lock:
+            self.closed = True
+            arrays, maps, fds = self._arrays, self._maps, self._fds
+            self._arrays, self._maps, self._fds = {}, {}, {}
+        arrays.clear()
+        for mm in maps.values():
+            try:
+                mm.close()
+            except BufferError:  # a view is still referenced somewhere; the GC unmaps it later
+                pass
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _merged(starts: np.ndarray, ends: np.ndarray, gap: int = 0):
+    """Sorted, merged [start, end) pairs (touching or overlapping ranges joined)."""
+    if len(starts) == 0:
+        return []
+    order = np.argsort(starts, kind="stable")
+    s, e = np.asarray(starts)[order], np.asarray(ends)[order]
+    e = np.maximum.accumulate(e)
+    brk = np.flatnonzero(s[1:] > e[:-1] + gap) + 1
+    return list(zip(s[np.r_[0, brk]].tolist(), e[np.r_[brk - 1, len(s) - 1]].tolist(), strict=True))
+
+
+# ---- batch buffers ------------------------------------------------------------------------------
+FIELDS = ("act", "image_i", "patch_i", "layer")
+
+
+MADV_POPULATE_WRITE = 23
+
+
+def prefault(a: np.ndarray) -> None:
+    """Fault in (zero-filled) the pages of a fresh writable array, without the GIL."""
+    if _madvise is not None and a.nbytes >= 4 * PAGE:
+        lo, hi = _page_span(a.ctypes.data, 0, a.nbytes, inner=True)
+        if hi > lo and _madvise(lo, hi - lo, MADV_POPULATE_WRITE) == 0:
+            return
+    a.reshape(-1)[:: max(1, PAGE // a.itemsize)] = 0
+
+
+def _refcounts(arrays: list[np.ndarray]) -> list[int]:
+    return [sys.getrefcount(a) for a in arrays]
+
+
+def huge_empty(shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
+    """An uninitialised array in anonymous memory advised to use transparent huge pages (fewer
+    TLB misses when copying into it, faster first touch); plain np.empty where unsupported."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if nbytes < 4 * HUGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return np.empty(shape, dtype)
+    mm = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:
+        pass
+    raw = np.frombuffer(mm, np.uint8)
+    skip = (-raw.ctypes.data) % HUGE  # start on a 2 MiB boundary
+    return raw[skip : skip + nbytes].view(dtype).reshape(shape)
+
+
+class BatchBuffers:
+    """One batch's numpy arrays: act (B, D) float32, image_i / patch_i / layer (B,) int64."""
+
+    def __init__(self, batch_size: int, d: int):
+        self.act = huge_empty((batch_size, d), np.float32)
+        self.image_i = np.empty(batch_size, np.int64)
+        self.patch_i = np.empty(batch_size, np.int64)
+        self.layer = np.empty(batch_size, np.int64)
+        self.n = 0
+        self.key = None  # (epoch, batch)
+        self._base = _refcounts(self.arrays())
+
+    def arrays(self) -> list[np.ndarray]:
+        return [self.act, self.image_i, self.patch_i, self.layer]
+
+    def in_use(self) -> bool:
+        return any(c > b for c, b in zip(_refcounts(self.arrays()), self._base, strict=True))
+
+    def to_torch(self) -> dict:
+        n = self.n
+        full = n == self.act.shape[0]
+        return {name: torch.from_numpy(a if full else a[:n]) for name, a in zip(FIELDS, self.arrays(), strict=True)}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays())
+
+
+class BatchPool:
+    """At most ``max_sets`` reusable BatchBuffers owned by the loader (see the module docstring)."""
+
+    def __init__(self, make: Callable[[], BatchBuffers], max_sets: int, cond: threading.Condition):
+        self.make, self.max_sets, self.cond = make, max_sets, cond
+        self.free: list[BatchBuffers] = []
+        self.lent: list[BatchBuffers] = []
+        self.n_owned = 0
+        self.n_allocated = 0
+
+    def try_acquire(self) -> BatchBuffers | None:
+        """A free buffer set, or None when all are busy (call with ``cond`` held)."""
+        if not self.free and self.lent:
+            still = []
+            for b in self.lent:
+                (still if b.in_use() else self.free).append(b)
+            self.lent = still
+        if self.free:
+            return self.free.pop()
+        if self.n_owned < self.max_sets:
+            self.n_owned += 1
+            self.n_allocated += 1
+            return self._new()
+        if len(self.lent) > 1:
+            # The consumer keeps old batches: they are its memory now; the loader allocates anew.
+            self.lent.pop(0)
+            self.n_allocated += 1
+            return self._new()
+        return None
+
+    def _new(self) -> BatchBuffers:
+        return self.make()
+
+    def prefill(self) -> None:
+        """Allocate one more set ahead of use and fault its memory in (call WITHOUT ``cond``
+        held; gather threads do this while the first runs are being read, so first touch of
+        fresh memory, slow on this kind of VM, is off the critical path)."""
+        with self.cond:
+            if self.n_owned >= self.max_sets:
+                return
+            self.n_owned += 1
+            self.n_allocated += 1
+        b = self._new()
+        for a in b.arrays():
+            prefault(a)
+        with self.cond:
+            self.free.append(b)
+            self.cond.notify_all()
+
+    def give_back(self, b: BatchBuffers) -> None:
+        """A set the consumer never saw (or that is known free) goes straight back."""
+        self.free.append(b)
+
+    def lend(self, b: BatchBuffers) -> None:
+        """A set handed to the consumer: reused once its arrays are no longer referenced."""
+        self.lent.append(b)
+
+    def clear(self) -> None:
+        self.free.clear()
+        self.lent.clear()

@@ -1,0 +1,358 @@
+"""The shuffled loader's plan: which examples go into which batch, and which bytes must be
+resident when. Pure numpy, no I/O; a function of (seed, epoch, part) alone.
+
+Epoch order
+    Each shard is cut into *runs*: contiguous image ranges of random length (0.5x to 1.5x
+    ``run_imgs``, about 48 MiB of the bytes read; random lengths spread out when runs end).
+    The runs of all shards are put in a random order (from ``(seed, epoch)`` only, so every
+    rank computes the same order); the epoch's
+    example sequence is the runs' examples in that order, and :class:`~.partition.Partition`
+    gives each (rank, worker) one contiguous piece of it (whole runs, plus parts of the two at
+    its ends).
+
+Batches (per part)
+    Runs are *admitted* in order while the bytes they hold fit in the budget (a run admitted
+    at batch t must be resident before batch t is copied). Every batch takes the same share of
+    its examples from each admitted run (water-filling, so a nearly empty run gives what it has;
+    equal shares measured better mixing than shares proportional to run size); when no run is
+    left to admit, shares are proportional to what each run has left, so that all of them end
+    together with the epoch. Within a run, examples are drawn in a random order.
+
+Progressive release (strips)
+    A batch can only mix images that are resident, so with whole-run residency the images
+    mixed per batch are capped by the budget. To mix more, each image's selected tokens are
+    split into ``n_strips`` contiguous strips (starting at a random token of the image, wrapping
+    round, so the patch positions stay uniform); a run hands out its strip-0 examples first (in
+    random order), then strip 1, ... and each strip's bytes are released as soon as it is used
+    up. A run thus holds on average (n_strips + 1) / (2 n_strips) of its bytes over its life, and
+    the admitted runs (hence the images mixed per batch) grow by 2 n_strips / (n_strips + 1)
+    for the same budget. Within one image, a batch's examples then come from one strip (a third
+    of the image with 3 strips) instead of the whole image. Releasing part of a 2 MiB huge-page
+    mapping drops all of it, so strips need 4 KiB mappings (see buffers.ShardMaps).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """How the selected vectors of one image lie in its shard (protocol v1, spec section 4)."""
+
+    L: int  # layers stored
+    T: int  # tokens stored per image
+    D: int
+    layer_idx: tuple[int, ...]  # selected layer positions
+    token_start: int  # first selected stored token
+    n_tokens: int  # selected tokens per layer
+    layers: tuple[int, ...]  # layer values (metadata.layers)
+    cls: bool
+
+    @classmethod
+    def from_selection(cls, sel) -> Geometry:
+        md = sel.metadata
+        return cls(
+            len(md.layers),
+            md.n_tokens_per_img,
+            md.d_vit,
+            tuple(sel.layer_idx),
+            sel.token_start,
+            sel.n_tokens,
+            tuple(md.layers),
+            md.cls_token,
+        )
+
+    @property
+    def per_img(self) -> int:
+        return len(self.layer_idx) * self.n_tokens
+
+    @property
+    def vec_bytes(self) -> int:
+        return self.D * 4
+
+    @property
+    def img_bytes(self) -> int:
+        """Bytes read per image (the selected layers' selected tokens)."""
+        return self.per_img * self.vec_bytes
+
+    def decode(self, shard_img: np.ndarray, e: np.ndarray):
+        """(image in shard, example within image) -> (row in the shard's (n*L*T, D) view,
+        layer value, patch index (-1 for CLS), position among the selected layers)."""
+        lpos, tok = np.divmod(e, self.n_tokens)
+        lidx = np.asarray(self.layer_idx, np.int64)[lpos]
+        token = tok + self.token_start
+        row = (shard_img * self.L + lidx) * self.T + token
+        return row, np.asarray(self.layers, np.int64)[lidx], token - int(self.cls), lpos
+
+    def token_extents(self, imgs: np.ndarray, tok_lo: np.ndarray, tok_hi: np.ndarray):
+        """Byte ranges in the shard of selected tokens [tok_lo, tok_hi) of every selected layer of
+        shard images ``imgs`` (arrays of equal length; selection-token indices)."""
+        lidx = np.asarray(self.layer_idx, np.int64)
+        base = (imgs[:, None] * self.L + lidx[None, :]) * self.T + self.token_start
+        starts = (base + tok_lo[:, None]) * self.vec_bytes
+        ends = (base + tok_hi[:, None]) * self.vec_bytes
+        return starts.ravel(), ends.ravel()
+
+
+def cut_runs(shard_imgs: list[int], run_imgs: int, rng: np.random.Generator) -> np.ndarray:
+    """Cut every shard into runs of random length; -> int64 (R, 3): shard, first image, n_imgs."""
+    lo, hi = max(1, run_imgs // 2), max(1, run_imgs + run_imgs // 2)
+    out = []
+    for shard, n in enumerate(shard_imgs):
+        if n <= 0:
+            continue
+        sizes = rng.integers(lo, hi + 1, size=n // lo + 2)
+        ends = np.cumsum(sizes)
+        k = int(np.searchsorted(ends, n)) + 1
+        ends = np.minimum(ends[:k], n)
+        starts = np.r_[0, ends[:-1]]
+        out.append(np.stack([np.full(k, shard), starts, ends - starts], axis=1))
+    return np.concatenate(out).astype(np.int64) if out else np.zeros((0, 3), np.int64)
+
+
+def epoch_runs(shard_imgs: list[int], run_imgs: int, per_img: int, seed: int, epoch: int) -> np.ndarray:
+    """The epoch's runs in epoch order: (R, 3) shard, first image, n_imgs. Same on every rank."""
+    rng = np.random.default_rng([seed, epoch, 0x5EED])
+    runs = cut_runs(shard_imgs, run_imgs, rng)
+    return runs[rng.permutation(len(runs))]
+
+
+def part_runs(runs: np.ndarray, per_img: int, start: int, end: int) -> np.ndarray:
+    """Runs overlapping examples [start, end) of the epoch sequence; -> (R, 5): shard, first
+    image, n_imgs, lo, hi where [lo, hi) are run-local example indices (image-major)."""
+    n_ex = runs[:, 2] * per_img
+    cum = np.r_[0, np.cumsum(n_ex)]
+    if end <= start:
+        return np.zeros((0, 5), np.int64)
+    a = int(np.searchsorted(cum, start, side="right")) - 1
+    b = int(np.searchsorted(cum, end, side="left"))
+    sel = runs[a:b]
+    lo = np.maximum(start - cum[a:b], 0)
+    hi = np.minimum(end - cum[a:b], n_ex[a:b])
+    return np.concatenate([sel, lo[:, None], hi[:, None]], axis=1).astype(np.int64)
+
+
+class Run:
+    """One admitted run: its static extent plus the plan's cursor in it."""
+
+    __slots__ = (
+        "key",
+        "shard",
+        "img0",
+        "n_imgs",
+        "lo",
+        "hi",
+        "order",
+        "strip_end",
+        "strip_bytes",
+        "off",
+        "ptr",
+        "done",
+        "first_strip",
+        "j0",
+        "j1",
+        "loaded",
+        "n_strips",
+        "nT",
+        "slot",
+    )
+
+    def __init__(self, key, row, n_strips: int, nT: int):
+        self.key = key  # (epoch, index in the part's run order)
+        self.shard, self.img0, self.n_imgs, self.lo, self.hi = (int(v) for v in row)
+        self.n_strips, self.nT = n_strips, nT
+        self.ptr = 0
+        self.done = 0  # strips used up
+        self.first_strip = 0  # strips before this one need not be loaded (resume)
+        self.loaded = False
+        self.slot = None  # io="read": the arena slot holding the run
+
+    def strip_tokens(self, g: int) -> tuple[int, int]:
+        """[a, b): the rotated token positions of strip g (strip = position * n_strips // nT)."""
+        a = -(-g * self.nT // self.n_strips)
+        b = -(-(g + 1) * self.nT // self.n_strips)
+        return a, b
+
+    def extents(self, geom: Geometry, strips) -> tuple[np.ndarray, np.ndarray]:
+        """Byte ranges in the shard of the given strips of every image this run touches."""
+        imgs = np.arange(self.j0, self.j1, dtype=np.int64)
+        S, E = [], []
+        for g in strips:
+            a, b = self.strip_tokens(g)
+            if b <= a:
+                continue
+            lo = (self.off[imgs - self.j0] + a) % self.nT
+            n = b - a
+            first = np.minimum(lo + n, self.nT)  # up to the wrap
+            s, e = geom.token_extents(imgs + self.img0, lo, first)
+            S.append(s), E.append(e)
+            wrap = lo + n - self.nT
+            w = wrap > 0
+            if w.any():
+                s, e = geom.token_extents(imgs[w] + self.img0, np.zeros(int(w.sum()), np.int64), wrap[w])
+                S.append(s), E.append(e)
+        if not S:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return np.concatenate(S), np.concatenate(E)
+
+    @property
+    def remaining(self) -> int:
+        return len(self.order) - self.ptr
+
+    def held_bytes(self) -> int:
+        return int(self.strip_bytes[self.done :].sum())
+
+
+@dataclasses.dataclass
+class BatchSpec:
+    epoch: int
+    index: int  # batch index within the epoch
+    n: int  # examples
+    admit: list  # runs to make resident before this batch
+    takes: list  # (run, run-local example ids)
+    releases: list  # (run, strip) strips used up after this batch; strip -1: the whole run
+    plan_bytes: int  # bytes the plan holds while this batch is gathered (after its admissions)
+
+
+class EpochPlan:
+    """Batches of one epoch for one part; ``batches(start)`` skips ``start`` batches without I/O."""
+
+    def __init__(
+        self,
+        geom: Geometry,
+        runs: np.ndarray,
+        epoch: int,
+        batch_size: int,
+        n_examples: int,
+        budget: int,
+        n_strips: int,
+        rng: np.random.Generator,
+        fixed_run_bytes: int | None = None,
+        map_unit: int = 0,
+    ):
+        self.geom, self.runs, self.epoch = geom, runs, epoch
+        self.B, self.n_examples, self.budget = batch_size, n_examples, budget
+        self.nT = geom.n_tokens
+        self.G = max(1, min(n_strips, self.nT))
+        self.rng = rng
+        self.fixed = fixed_run_bytes  # io="read": every run holds one arena slot
+        # Huge-page mappings map whole map_unit blocks: a run also holds the parts of the blocks
+        # at its ends that its neighbours' data fills (released with the run).
+        self.map_unit = map_unit
+
+    @property
+    def n_batches(self) -> int:
+        return -(-self.n_examples // self.B)
+
+    def _admit(self, i: int) -> Run:
+        g, rng, per = self.geom, self.rng, self.geom.per_img
+        r = Run((self.epoch, i), self.runs[i], self.G, self.nT)
+        r.j0, r.j1 = r.lo // per, -(-r.hi // per)
+        if self.G > 1:
+            r.off = rng.integers(0, self.nT, size=r.j1 - r.j0)
+        else:  # one strip: no rotation (keeps each image's bytes one range)
+            r.off = np.zeros(r.j1 - r.j0, np.int64)
+        x = rng.permutation(np.arange(r.lo, r.hi, dtype=np.int64))
+        if self.G > 1:  # strip-major: strip 0's examples (in random order), then strip 1's, ...
+            strip = ((x % per) % self.nT - r.off[x // per - r.j0]) % self.nT * self.G // self.nT
+            x = x[np.argsort(strip, kind="stable")]
+            r.strip_end = np.cumsum(np.bincount(strip, minlength=self.G))
+        else:
+            r.strip_end = np.array([len(x)])
+        r.order = x
+        tok = np.array([r.strip_tokens(k) for k in range(self.G)])
+        r.strip_bytes = (tok[:, 1] - tok[:, 0]) * (r.j1 - r.j0) * len(g.layer_idx) * g.vec_bytes
+        if self.fixed is not None:
+            r.strip_bytes = np.full(self.G, self.fixed // self.G, np.int64)
+        else:
+            r.strip_bytes[-1] += self._edge_bytes(r.img0 + r.j0, r.img0 + r.j1)
+        return r
+
+    def _edge_bytes(self, a: int, b: int) -> int:
+        """Bytes beyond images [a, b)'s selected data that a huge-page mapping of them maps."""
+        if not self.map_unit:
+            return 0
+        g, u = self.geom, self.map_unit
+        full = g.L * g.T * g.vec_bytes  # stored bytes per image
+        lo, hi = a * full, b * full
+        return int((-(-hi // u) * u - lo // u * u) - (b - a) * g.img_bytes)
+
+    def run_bytes(self, i: int) -> int:
+        if self.fixed is not None:
+            return self.fixed // self.G * self.G
+        per = self.geom.per_img
+        img0, lo, hi = self.runs[i, 1], self.runs[i, 3], self.runs[i, 4]
+        a, b = lo // per, -(-hi // per)
+        return int((b - a) * self.geom.img_bytes) + self._edge_bytes(img0 + a, img0 + b)
+
+    def batches(self, start: int = 0) -> Iterator[BatchSpec]:
+        """Batch specs from batch ``start`` on (earlier batches are planned, not yielded)."""
+        active: list[Run] = []
+        nxt = 0  # next run to admit
+        mem = 0
+        left = self.n_examples
+        for t in range(self.n_batches):
+            need = min(self.B, left)
+            # admit while the budget allows (and always enough to fill the batch)
+            admitted = []
+            avail = sum(r.remaining for r in active)
+            while nxt < len(self.runs) and (mem + self.run_bytes(nxt) <= self.budget or avail < need):
+                r = self._admit(nxt)
+                nxt += 1
+                active.append(r)
+                admitted.append(r)
+                mem += r.held_bytes()
+                avail += r.remaining
+            held = mem  # what the plan holds while this batch is gathered
+            if t == start:  # resuming: load what the active runs still hold (not used-up strips)
+                for r in active:
+                    r.first_strip = r.done
+                admitted = list(active)
+            rem = np.array([r.remaining for r in active], np.int64)
+            q = self._shares(rem, need, tail=nxt >= len(self.runs), w=np.ones(len(rem)))
+            takes, releases, keep = [], [], []
+            for r, k in zip(active, q.tolist(), strict=True):
+                if k:
+                    takes.append((r, r.order[r.ptr : r.ptr + k]))
+                    r.ptr += k
+                    while r.done < self.G and r.ptr >= r.strip_end[r.done]:
+                        mem -= int(r.strip_bytes[r.done])
+                        releases.append((r, r.done if r.done < self.G - 1 else -1))
+                        r.done += 1
+                if r.remaining > 0:
+                    keep.append(r)
+            active = keep
+            left -= need
+            if t >= start:
+                yield BatchSpec(self.epoch, t, need, admitted, takes, releases, held)
+
+    def _shares(self, rem: np.ndarray, need: int, tail: bool, w: np.ndarray) -> np.ndarray:
+        """Examples each active run gives to a batch of ``need`` (sums to ``need``)."""
+        n = len(rem)
+        total = int(rem.sum())
+        if need >= total:
+            return rem.copy()
+        if tail:  # proportional to what is left: every run ends with the epoch
+            exact = rem * (need / total)
+        else:  # shares proportional to w (equal: measured best), capped by what is left (water-filling)
+            ratio = rem / w
+            o = np.argsort(ratio, kind="stable")
+            before = np.r_[0, np.cumsum(rem[o])[:-1]]
+            w_after = np.cumsum(w[o][::-1])[::-1]
+            fits = before + ratio[o] * w_after >= need
+            i = int(np.argmax(fits))
+            level = (need - before[i]) / w_after[i]
+            exact = np.minimum(rem, level * w)
+        q = np.minimum(np.floor(exact).astype(np.int64), rem)
+        short = need - int(q.sum())
+        if short:
+            frac = exact - q
+            order = self.rng.permutation(n)
+            order = order[np.argsort(-frac[order], kind="stable")]
+            order = order[q[order] < rem[order]]
+            q[order[:short]] += 1
+        return q

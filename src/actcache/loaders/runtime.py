@@ -1,0 +1,167 @@
+"""The threads of one loader iteration: start, status, errors, timeouts, shutdown; and metrics.
+
+Every thread runs through :meth:`Runtime.spawn`: an exception in it is recorded with its
+traceback text, everything stops, and the consumer's next wait raises :class:`LoaderError`
+carrying that text. Threads report what they are doing (:meth:`Runtime.status`), so a
+:class:`BatchTimeoutError` names what stalled (which reader, which shard and images).
+
+The consumer waits in short slices, so a Ctrl-C (KeyboardInterrupt) in the consuming thread is
+seen at once; the loader's cleanup then stops and joins its threads. Threads only; no process,
+no shared-memory segment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import traceback
+from collections.abc import Callable
+
+from actcache.errors import BatchTimeoutError, LoaderError
+
+SLICE_S = 0.05
+
+
+class Stopped(Exception):
+    """Raised inside a loader thread when the loader is shutting down."""
+
+
+@dataclasses.dataclass
+class LoaderStats:
+    """Metrics of a loader (cumulative over its iterations; ``reset()`` to start over).
+
+    wait_s: time the consumer spent waiting for data inside ``next()`` (0 means the loader kept
+    up); read_bytes: bytes made resident from the shards (only the selected layers' bytes);
+    first_batch_s: time from the start of the iteration to the first batch.
+    """
+
+    batches: int = 0
+    examples: int = 0
+    wait_s: float = 0.0
+    elapsed_s: float = 0.0
+    read_bytes: int = 0
+    peak_held_bytes: int = 0  # most shard bytes held resident at once (shuffled: <= buffer_bytes)
+    first_batch_s: float | None = None
+    started: float | None = None
+    thread_cpu_s: dict = dataclasses.field(default_factory=dict)  # CPU seconds per thread role
+
+    @property
+    def examples_per_s(self) -> float:
+        return self.examples / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def read_MBps(self) -> float:
+        return self.read_bytes / 1e6 / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("started")
+        d["examples_per_s"] = self.examples_per_s
+        d["read_MBps"] = self.read_MBps
+        return d
+
+    def reset(self) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, f.default)
+
+
+class Runtime:
+    def __init__(self, name: str):
+        self.name = name
+        self.cond = threading.Condition()
+        self.stopping = False
+        self.error: tuple[str, str] | None = None  # (thread name, traceback text)
+        self.threads: list[threading.Thread] = []
+        self._status: dict[str, tuple[str, float]] = {}
+        self.cpu_s: dict[str, float] = {}  # CPU seconds each finished thread used (diagnostics)
+
+    # ---- threads ------------------------------------------------------------------------------
+    def spawn(self, name: str, fn: Callable[[], None]) -> None:
+        def run():
+            try:
+                fn()
+            except Stopped:
+                pass
+            except BaseException as err:  # noqa: BLE001 - everything reaches the consumer
+                text = "".join(traceback.format_exception(err))
+                with self.cond:
+                    if self.error is None and not self.stopping:
+                        self.error = (name, text)
+                    self.stopping = True
+                    self.cond.notify_all()
+            finally:
+                self.status(name, "finished")
+                self.cpu_s[name] = time.thread_time()
+
+        t = threading.Thread(target=run, name=f"{self.name}-{name}", daemon=True)
+        self.threads.append(t)
+        self.status(name, "starting")
+        t.start()
+
+    def status(self, who: str, what: str) -> None:
+        self._status[who] = (what, time.monotonic())
+
+    def describe(self) -> str:
+        now = time.monotonic()
+        return "\n".join(
+            f"  {who}: {what} (for {now - since:.1f} s)" for who, (what, since) in sorted(self._status.items())
+        )
+
+    # ---- waiting (inside loader threads) ------------------------------------------------------
+    def wait(self, ready: Callable[[], bool]) -> None:
+        """Block (``cond`` held by the caller) until ``ready()``; raise Stopped when stopping."""
+        while not ready():
+            if self.stopping:
+                raise Stopped
+            self.cond.wait(SLICE_S * 4)
+        if self.stopping:
+            raise Stopped
+
+    def check(self) -> None:
+        if self.stopping:
+            raise Stopped
+
+    # ---- waiting (consumer) -------------------------------------------------------------------
+    def raise_error(self) -> None:
+        if self.error is not None:
+            who, text = self.error
+            raise LoaderError(f"{self.name}: thread '{who}' failed:\n{text}")
+
+    def consumer_wait(self, ready: Callable[[], object], timeout_s: float | None, what: str):
+        """Wait (``cond`` NOT held) until ``ready()`` returns something not None, and return it.
+
+        Raises LoaderError if a thread failed, BatchTimeoutError after ``timeout_s`` (None or
+        <= 0: no limit). Waits in short slices so that KeyboardInterrupt is seen promptly.
+        """
+        start = time.monotonic()
+        with self.cond:
+            while True:
+                self.raise_error()
+                got = ready()
+                if got is not None:
+                    return got
+                if self.stopping:
+                    raise LoaderError(f"{self.name}: the loader was stopped")
+                waited = time.monotonic() - start
+                if timeout_s and timeout_s > 0 and waited > timeout_s:
+                    raise BatchTimeoutError(
+                        f"{self.name}: no batch within batch_timeout_s={timeout_s:g} s while waiting for "
+                        f"{what}. What each thread is doing:\n{self.describe()}\nA reader stuck on one shard "
+                        "points at the filesystem (slow or hung); raise batch_timeout_s if it is only slow."
+                    )
+                self.cond.wait(SLICE_S)
+
+    # ---- shutdown -----------------------------------------------------------------------------
+    def shutdown(self, join_s: float = 3.0) -> list[str]:
+        """Stop and join all threads; returns the names of threads that did not finish in time
+        (e.g. a reader stuck on a hung filesystem: it is a daemon thread and is left behind)."""
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+        deadline = time.monotonic() + join_s
+        me = threading.current_thread()
+        for t in self.threads:
+            if t is not me:
+                t.join(max(0.0, deadline - time.monotonic()))
+        return [t.name for t in self.threads if t.is_alive()]

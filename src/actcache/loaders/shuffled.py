@@ -1,0 +1,429 @@
+"""ShuffledLoader: the training loader. Large sequential reads, uniform batches, bounded memory.
+
+    loader = ShuffledLoader("<dump_to>/<HASH>", batch_size=16384, patches="image", layer=-2,
+                            buffer_bytes=2**31, seed=17)
+    for batch in loader:   # act (B, D) float32; image_i, patch_i, layer (B,) int64 tensors
+        ...
+
+Design (measured on the project machine, 2 cores, with ``scripts/bench_loaders.py``; figures in
+BENCHMARKS.md)
+    Warm, the CPU is the limit: every vector must be copied once into its batch, and copying is
+    all the two cores can do. So the page cache IS the shuffle buffer and each vector is copied
+    exactly once, page cache -> batch: the shards are memory-mapped; reader threads make runs of
+    ~48 MiB of images resident ahead of use (madvise MADV_POPULATE_READ through ctypes, so without
+    the GIL); gather threads copy each batch with ``np.take(..., mode="clip")`` (indices valid by
+    construction) straight out of the mappings into reused batch buffers (transparent huge pages).
+
+    How pages come in matters as much as the copy (buffers.py): loaded through the fault path of
+    a MADV_HUGEPAGE mapping, a run lands in large page-cache folios that map 2 MiB at a time, so
+    mapping cached data costs ~nothing and random gathers run ~1.5x faster than through 4 KiB
+    page tables; posix_fadvise WILLNEED would read into 4 KiB pages and cost ~12 GB/s of mapping
+    work on every pass. Cold, the same populate reads ~2-2.5 GB/s with two readers.
+
+    Memory: the plan holds at most ``buffer_bytes`` of runs (a run is charged the 2 MiB blocks its
+    mapping spans); readers may load ``read_ahead_bytes`` (~2 batches) more ahead of the plan; a
+    run is unmapped as soon as its last example is copied (MADV_DONTNEED; with ``evict=True``
+    also dropped from the page cache, for shared nodes); batch buffers add ``read_ahead + 2``
+    batches. Nothing else grows with the dataset.
+
+    Mixing: each batch is a uniform sample of the examples the held runs still have, so it mixes
+    about buffer_bytes / bytes-per-image images (3.2 GB of a 4.3 GB cache: image-index entropy
+    ~0.93). ``n_strips=3`` releases each image a third at a time (plan.py), which mixes ~1.5x
+    more images for the same buffer (entropy ~0.96) but needs 4 KiB mappings (huge ones are
+    all-or-nothing): slower gathers, more mapping work, ~1.6x the CPU per byte (measured 0.39
+    of ref2 warm against 0.65); throughput is what the loader is for, hence the default 1.
+
+    ``io="read"`` reads runs with ``preadv`` into a private arena instead and gathers from there:
+    memory is then strictly the arena and does not rely on the page cache (for filesystems whose
+    client cache is small or bypassed: Lustre, GPFS), reads are still large and sequential, but
+    every byte is copied twice and a fresh arena must first be touched (~1-1.6 GB/s here): it
+    measured ~0.1 of ref2 for a first epoch in a fresh process and ~1.8x the CPU per byte of
+    the default afterwards.
+
+    Which examples go into which batch is planned by :mod:`actcache.loaders.plan` from
+    ``(seed, epoch, part)`` alone: deterministic whatever the thread timing, resumable at
+    ``(epoch, batch)`` without reading skipped data, every example exactly once per epoch.
+    Rows of a batch are grouped by shard (random order within each group).
+
+Options: see :class:`ShuffledLoader`. Partitioning over ranks/workers: :mod:`.partition`.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+from actcache.errors import ConfigError
+from actcache.loaders.base import BaseLoader, Iteration, check_number
+from actcache.loaders.buffers import HUGE, huge_empty
+from actcache.loaders.partition import Partition
+from actcache.loaders.plan import EpochPlan, epoch_runs, part_runs
+from actcache.loaders.runtime import Stopped
+
+IO_MODES = ("mmap", "read")
+SCALE_CHUNK = 1024  # rows gathered then scaled while still in the CPU cache
+
+
+class ShuffledLoader(BaseLoader):
+    """Shuffled batches of a cache's selected vectors, every example once per epoch.
+
+    Args (besides those of every loader: batch_size, patches, layer, drop_last, batch_timeout_s,
+    scale_norm, rank/world_size/worker_id/n_workers):
+        buffer_bytes: bytes of shard data the batches are mixed from (the shuffle window). Memory
+            used: buffer_bytes + about 2 batches read ahead + (read_ahead + 2) batch buffers.
+        seed: the epoch order is a function of (seed, epoch) only.
+        n_epochs: stop before this epoch (None: run forever). end_at overrides it.
+        start_at: (epoch, batch) to resume from; batch may exceed len(loader) (more epochs skipped).
+        end_at: ("epoch", n) stops before epoch n; ("batch", n) before global batch n
+            (epoch * len(loader) + batch). Absolute, not relative to start_at.
+        deterministic: yield batches in plan order (True) or as soon as any is ready (False; same
+            batches, possibly reordered).
+        n_threads: gather threads; n_readers: reader threads (default 2, or 4 when reading a small
+            part of each image); read_ahead: batches prepared ahead.
+        run_bytes: bytes per run (the unit read sequentially and held), ~48 MiB (0.5-1.5x at random).
+        n_strips: 1 holds whole runs; 3 releases each image a third at a time (more mixing for
+            the same buffer, slower: see the module docstring and plan.py).
+        io: "mmap" (page cache as shuffle buffer) or "read" (private arena; see the module doc).
+        evict: also drop used-up bytes from the page cache.
+    """
+
+    kind = "ShuffledLoader"
+
+    def __init__(
+        self,
+        path,
+        batch_size: int = 16384,
+        patches: str = "image",
+        layer=-2,
+        buffer_bytes: int = 2**31,
+        seed: int = 17,
+        *,
+        n_epochs: int | None = 1,
+        start_at: tuple[int, int] = (0, 0),
+        end_at: tuple[str, int] | None = None,
+        drop_last: bool = False,
+        deterministic: bool = True,
+        batch_timeout_s: float | None = 30.0,
+        scale_norm: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+        worker_id: int = 0,
+        n_workers: int = 1,
+        n_threads: int = 2,
+        n_readers: int | None = None,
+        read_ahead: int = 2,
+        run_bytes: int = 48 * 2**20,
+        n_strips: int = 1,
+        io: str = "mmap",
+        evict: bool = False,
+    ):
+        check_number("buffer_bytes", buffer_bytes, 1, integer=True)
+        check_number("seed", seed, integer=True)
+        check_number("n_epochs", n_epochs, 0, integer=True, allow_none=True)
+        check_number("n_readers", n_readers, 1, integer=True, allow_none=True)
+        check_number("run_bytes", run_bytes, 1, integer=True)
+        check_number("n_strips", n_strips, 1, integer=True)
+        if not isinstance(deterministic, bool):
+            raise ConfigError(f"deterministic={deterministic!r} must be true or false")
+        if io not in IO_MODES:
+            raise ConfigError(f"io={io!r} is not allowed; use one of {', '.join(IO_MODES)}")
+        if not (isinstance(start_at, (tuple, list)) and len(start_at) == 2):
+            raise ConfigError(f"start_at={start_at!r} must be (epoch, batch)")
+        for v in start_at:
+            check_number("start_at", v, 0, integer=True)
+        if end_at is not None:
+            if not (isinstance(end_at, (tuple, list)) and len(end_at) == 2 and end_at[0] in ("epoch", "batch")):
+                raise ConfigError(f"end_at={end_at!r} must be ('epoch', n) or ('batch', n)")
+            check_number("end_at", end_at[1], 0, integer=True)
+        super().__init__(
+            path,
+            batch_size,
+            patches,
+            layer,
+            drop_last,
+            batch_timeout_s,
+            scale_norm,
+            rank,
+            world_size,
+            worker_id,
+            n_workers,
+            n_threads,
+            read_ahead,
+            evict,
+        )
+        self.buffer_bytes, self.seed, self.n_epochs = buffer_bytes, seed, n_epochs
+        self.start_at, self.end_at = tuple(start_at), end_at
+        self.deterministic, self.io = deterministic, io
+        self.n_strips = n_strips if io == "mmap" else 1
+        g = self.geom
+        self.partition = Partition(self.sel.n_examples, self.world, batch_size, drop_last)
+        self.run_imgs = int(min(max(1, round(run_bytes / g.img_bytes)), max(1, buffer_bytes // (16 * g.img_bytes))))
+        run_max = (self.run_imgs + self.run_imgs // 2 + 1) * g.img_bytes
+        self.slot_bytes = run_max
+        # The plan mixes batches from up to buffer_bytes of runs; readers may load up to
+        # read_ahead_bytes more (the next runs, before the plan releases room for them).
+        self.read_ahead_bytes = min(buffer_bytes // 4, max(2 * batch_size * g.vec_bytes, run_max))
+        self.plan_budget = buffer_bytes
+        if io == "read":
+            self.n_slots = max(1, buffer_bytes // run_max)
+            self.plan_budget = self.n_slots * run_max
+        if self.random_access or io == "read":
+            self.map_mode = "random"
+        elif self.n_strips > 1 or run_max < 8 * HUGE:
+            self.map_mode = "pte"  # strips need 4 KiB mappings; huge ones only pay for big runs
+        else:
+            self.map_mode = "huge"  # whole runs held: 2 MiB mappings, their edges charged to the run
+        # strided exact reads (one layer of several) need more of them in flight (measured)
+        self.n_readers = n_readers or (4 if self.map_mode == "random" else 2)
+
+    # ---- sizes --------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        """Batches per epoch (for this rank/worker; the same on every rank)."""
+        return self.partition.n_batches(self.world)
+
+    @property
+    def n_examples(self) -> int:
+        """Examples per epoch for this rank/worker."""
+        s, e = self.partition.part_range(self.world)
+        return e - s
+
+    def _bounds(self) -> tuple[int, int | None]:
+        nb = len(self)
+        e0, b0 = self.start_at
+        start = e0 * nb + b0
+        if self.end_at is not None:
+            kind, n = self.end_at
+            stop = n * nb if kind == "epoch" else n
+        else:
+            stop = None if self.n_epochs is None else self.n_epochs * nb
+        if nb == 0:
+            return 0, 0
+        return start, (max(start, stop) if stop is not None else None)
+
+    def _describe_key(self, key: int) -> str:
+        nb = max(1, len(self))
+        return f"{key} (epoch {key // nb}, batch {key % nb})"
+
+    def epoch_plan(self, epoch: int) -> EpochPlan:
+        """The plan of one epoch for this part (no I/O)."""
+        g = self.geom
+        runs = epoch_runs(self.shard_imgs, self.run_imgs, g.per_img, self.seed, epoch)
+        s, e = self.partition.part_range(self.world)
+        rng = np.random.default_rng([self.seed, epoch, self.world.part, 1])
+        fixed = self.slot_bytes if self.io == "read" else None
+        unit = HUGE if self.map_mode == "huge" else 0
+        return EpochPlan(
+            g,
+            part_runs(runs, g.per_img, s, e),
+            epoch,
+            self.batch_size,
+            e - s,
+            self.plan_budget,
+            self.n_strips,
+            rng,
+            fixed_run_bytes=fixed,
+            map_unit=unit,
+        )
+
+    # ---- threads ------------------------------------------------------------------------------
+    def _make_iteration(self) -> Iteration:
+        start, stop = self._bounds()
+        it = Iteration(self, "ShuffledLoader", start, stop, self.read_ahead + 2)
+        it.specs, it.loads = {}, collections.deque()
+        it.planned = it.next_gather = it.frontier = start
+        it.outstanding = 0
+        it.done = set()
+        it.slots = []  # io="read": free arena slots
+        return it
+
+    def _start(self, it: Iteration) -> None:
+        if it.stop is not None and it.stop <= it.start:
+            return
+        it.rt.spawn("planner", lambda: self._planner(it))
+        for i in range(self.n_readers):
+            it.rt.spawn(f"reader-{i}", lambda i=i: self._reader(it, f"reader-{i}"))
+        for i in range(self.n_threads):
+            it.rt.spawn(f"gather-{i}", lambda i=i: self._gatherer(it, f"gather-{i}"))
+
+    def _planner(self, it: Iteration) -> None:
+        nb, ahead = len(self), self.read_ahead + 12
+        g = it.start
+        while it.stop is None or g < it.stop:
+            epoch, b = divmod(g, nb)
+            it.rt.status("planner", f"planning epoch {epoch}")
+            for spec in self.epoch_plan(epoch).batches(b):
+                key = epoch * nb + spec.index
+                if it.stop is not None and key >= it.stop:
+                    return
+                with it.cond:
+                    it.rt.wait(lambda key=key: key < it.start + it.n_consumed + ahead)
+                    it.specs[key] = spec
+                    for r in spec.admit:
+                        it.loads.append((r, key, spec.plan_bytes))
+                    it.planned = key + 1
+                    it.cond.notify_all()
+            g = (epoch + 1) * nb
+
+    def _reader(self, it: Iteration, name: str) -> None:
+        shards = self.cache.shards
+        while True:
+            with it.cond:
+                it.rt.status(name, "waiting for a run to read (or for memory)")
+
+                def ready():
+                    if not it.loads:
+                        return False
+                    r, _, plan_bytes = it.loads[0]
+                    need = int(r.strip_bytes[r.first_strip :].sum())
+                    limit = max(self.buffer_bytes, plan_bytes) + self.read_ahead_bytes
+                    return it.outstanding == 0 or it.outstanding + need <= limit
+
+                it.rt.wait(ready)
+                r, key, _ = it.loads.popleft()
+                need = int(r.strip_bytes[r.first_strip :].sum())
+                it.outstanding += need
+                self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, it.outstanding)
+            a, b = r.img0 + r.j0, r.img0 + r.j1
+            it.rt.status(name, f"reading {shards[r.shard].name} images {a}-{b} (for batch {self._describe_key(key)})")
+            self._hook("read", shard=r.shard, images=(a, b), batch=key)
+            starts, ends = r.extents(self.geom, range(r.first_strip, r.n_strips))
+            if self.io == "read":
+                self._read_into_slot(it, r, starts, ends)
+            else:
+                it.maps.make_resident(r.shard, starts, ends)
+            with it.cond:
+                r.loaded = True
+                self.stats.read_bytes += int((ends - starts).sum())
+                it.cond.notify_all()
+
+    def _read_into_slot(self, it: Iteration, r, starts, ends) -> None:
+        """io="read": the run's selected bytes, image-major, into a private arena slot."""
+        import os
+
+        with it.cond:
+            slot = it.slots.pop() if it.slots else huge_empty((self.slot_bytes // 4,), np.float32)
+        order = np.argsort(starts, kind="stable")
+        fd = it.maps.fd(r.shard)
+        view = slot.view(np.uint8)
+        pos = 0
+        for i in order.tolist():
+            n = int(ends[i] - starts[i])
+            got = os.preadv(fd, [view[pos : pos + n]], int(starts[i]))
+            if got != n:
+                raise OSError(
+                    f"short read of {self.cache.shards[r.shard].name} at {int(starts[i])}: {got} of {n} bytes"
+                )
+            pos += n
+        if self.evict:
+            os.posix_fadvise(fd, int(starts.min()), int(ends.max() - starts.min()), os.POSIX_FADV_DONTNEED)
+        r.slot = slot
+
+    def _gatherer(self, it: Iteration, name: str) -> None:
+        it.rt.status(name, "allocating batch buffers")
+        for _ in range(-(-it.pool.max_sets // self.n_threads)):
+            it.pool.prefill()
+        while True:
+            with it.cond:
+                it.rt.status(name, "waiting for a batch plan")
+                got: dict = {}
+
+                def ready(got=got, name=name):
+                    k = it.next_gather
+                    if it.stop is not None and k >= it.stop:
+                        raise Stopped
+                    spec = it.specs.get(k)
+                    if spec is None or k >= it.start + it.n_consumed + self.read_ahead:
+                        return False
+                    if not all(r.loaded for r, _ in spec.takes):
+                        it.rt.status(name, f"waiting for reads for batch {self._describe_key(k)}")
+                        return False
+                    buf = it.pool.try_acquire()
+                    if buf is None:
+                        return False
+                    got["buf"], got["spec"], got["key"] = buf, spec, k
+                    return True
+
+                it.rt.wait(ready)
+                it.next_gather += 1
+            buf, spec, key = got["buf"], got["spec"], got["key"]
+            it.rt.status(name, f"copying batch {self._describe_key(key)}")
+            self._hook("gather", batch=key)
+            self._fill(it, spec, buf)
+            with it.cond:
+                it.ready[key] = buf
+                it.done.add(key)
+                rel = []
+                while it.frontier in it.done:
+                    it.done.discard(it.frontier)
+                    rel.extend(it.specs.pop(it.frontier).releases)
+                    it.frontier += 1
+                it.cond.notify_all()
+            if rel:
+                freed = self._release(it, rel)
+                with it.cond:
+                    it.outstanding -= freed
+                    it.cond.notify_all()
+
+    def _release(self, it: Iteration, releases) -> int:
+        freed = 0
+        for r, g in releases:
+            last = g < 0
+            g = r.n_strips - 1 if last else g
+            freed += int(r.strip_bytes[g])
+            if self.io == "read":
+                if last:
+                    with it.cond:
+                        it.slots.append(r.slot)
+                    r.slot = None
+                continue
+            if not last:
+                it.maps.release(r.shard, *r.extents(self.geom, [g]))
+            else:  # everything the run's images hold (and what huge pages mapped around them)
+                imgs = np.arange(r.j0, r.j1, dtype=np.int64) + r.img0
+                z = np.zeros(len(imgs), np.int64)
+                it.maps.release(r.shard, *self.geom.token_extents(imgs, z, z + self.geom.n_tokens), whole=True)
+        return freed
+
+    def _fill(self, it: Iteration, spec, buf) -> None:
+        g, per = self.geom, self.geom.per_img
+        groups: dict[int, list] = {}
+        for r, x in spec.takes:
+            groups.setdefault(r.shard if self.io == "mmap" else id(r), []).append((r, x))
+        rng = np.random.default_rng([self.seed, spec.epoch, self.world.part, spec.index, 7])
+        pos = 0
+        for k in sorted(groups):
+            parts = groups[k]
+            x = np.concatenate([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+            img0 = np.repeat(np.array([p[0].img0 for p in parts], np.int64), [len(p[1]) for p in parts])
+            perm = rng.permutation(len(x))
+            x, img0 = x[perm], img0[perm]
+            r0 = parts[0][0]
+            j, e = np.divmod(x, per)
+            shard_img = img0 + j
+            m = len(x)
+            if len(g.layer_idx) == 1:  # one layer: e is the selected token (fast path)
+                row = shard_img * (g.L * g.T) + (g.layer_idx[0] * g.T + g.token_start)
+                row += e
+                layer, patch, lpos = g.layers[g.layer_idx[0]], e + (g.token_start - int(g.cls)), None
+            else:
+                row, layer, patch, lpos = g.decode(shard_img, e)
+            if self.io == "mmap":
+                src = it.maps.view(r0.shard, (self.shard_imgs[r0.shard] * g.L * g.T, g.D))
+            else:  # arena slot: image-major, selected tokens only
+                src = r0.slot[: (r0.j1 - r0.j0) * per * g.D].reshape(-1, g.D)
+                row = (x // per - r0.j0) * per + e
+            out = buf.act[pos : pos + m]
+            if self.scale is None:
+                np.take(src, row, axis=0, out=out, mode="clip")
+            else:
+                for c in range(0, m, SCALE_CHUNK):
+                    sl = slice(c, min(m, c + SCALE_CHUNK))
+                    np.take(src, row[sl], axis=0, out=out[sl], mode="clip")
+                    self._scale_rows(out[sl], None if lpos is None else lpos[sl])
+            buf.image_i[pos : pos + m] = shard_img + self.shard_start[r0.shard]
+            buf.patch_i[pos : pos + m] = patch
+            buf.layer[pos : pos + m] = layer
+            pos += m
+        buf.n = pos
+        buf.key = (spec.epoch, spec.index)

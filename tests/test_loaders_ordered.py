@@ -1,0 +1,145 @@
+"""OrderedLoader on small real caches: IndexedDataset order, shard boundaries, ranges, partitions,
+failures, scale_norm."""
+
+from __future__ import annotations
+
+import _thread
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from actcache.errors import BatchTimeoutError, ConfigError, LoaderError
+from actcache.loaders import IndexedDataset, OrderedLoader
+from conftest import make_cache
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return make_cache(tmp_path_factory.mktemp("ord"), n_imgs=23, layers=(3, 7), n_patches=6, d=8, imgs_per_shard=5)
+
+
+def expected(ds):
+    items = [ds[i] for i in range(len(ds))]
+    return (
+        np.stack([it["act"].numpy() for it in items]),
+        np.array([it["image_i"] for it in items]),
+        np.array([it["patch_i"] for it in items]),
+        np.array([it["layer"] for it in items]),
+    )
+
+
+def concat(loader):
+    batches = [{k: v.numpy().copy() for k, v in b.items()} for b in loader]
+    return batches, [np.concatenate([b[k] for b in batches]) for k in ("act", "image_i", "patch_i", "layer")]
+
+
+def loader_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("OrderedLoader-")]
+
+
+@pytest.mark.parametrize("patches,layer", [("image", 3), ("image", "all"), ("all", 7), ("cls", 3), ("cls", "all")])
+@pytest.mark.parametrize("batch_size", [1, 11, 64, 5000])
+def test_equals_indexed_dataset_order(cache, patches, layer, batch_size):
+    path = cache[0]
+    want = expected(IndexedDataset(path, patches, layer))
+    ld = OrderedLoader(path, batch_size=batch_size, patches=patches, layer=layer)
+    batches, got = concat(ld)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+    assert len(batches) == len(ld) == -(-len(want[0]) // batch_size)
+    assert all(len(b["act"]) == batch_size for b in batches[:-1])
+
+
+def test_drop_last_range_and_threads(cache):
+    path = cache[0]
+    act, img, patch, layer = expected(IndexedDataset(path, "image", 7))
+    batches, got = concat(OrderedLoader(path, batch_size=10, layer=7, drop_last=True, n_threads=3, n_readers=2))
+    assert len(batches) == len(act) // 10
+    np.testing.assert_array_equal(got[0], act[: len(batches) * 10])
+    # an image range: [4, 17) crosses shard boundaries at 5, 10, 15
+    _, got = concat(OrderedLoader(path, batch_size=7, layer=7, start_img=4, end_img=17, read_ahead=1))
+    sel = (img >= 4) & (img < 17)
+    np.testing.assert_array_equal(got[0], act[sel])
+    np.testing.assert_array_equal(got[1], img[sel])
+    with pytest.raises(ConfigError, match="end_img"):
+        OrderedLoader(path, layer=7, start_img=5, end_img=99)
+    with pytest.raises(ConfigError, match="batch_size"):
+        OrderedLoader(path, layer=7, batch_size=-1)
+    with pytest.raises(ConfigError, match="layer"):
+        OrderedLoader(path, layer=-2)
+
+
+@pytest.mark.parametrize("world_size,n_workers", [(1, 1), (2, 1), (3, 1), (2, 2), (8, 1)])
+def test_partitions_are_contiguous_and_lockstep(cache, world_size, n_workers):
+    path = cache[0]
+    act = expected(IndexedDataset(path, "all", "all"))[0]
+    pieces, per_rank = [], {}
+    for r in range(world_size):
+        for w in range(n_workers):
+            ld = OrderedLoader(
+                path,
+                batch_size=9,
+                patches="all",
+                layer="all",
+                rank=r,
+                world_size=world_size,
+                worker_id=w,
+                n_workers=n_workers,
+            )
+            batches, got = concat(ld)
+            per_rank[r] = per_rank.get(r, 0) + len(batches)
+            pieces.append((ld.ex_start, got[0]))
+    assert len(set(per_rank.values())) == 1
+    pieces.sort(key=lambda p: p[0])
+    allgot = np.concatenate([p[1] for p in pieces])
+    assert len(allgot) >= len(act) - world_size + 1
+    np.testing.assert_array_equal(allgot, act[: len(allgot)])  # parts are consecutive pieces
+    seen = {tuple(row) for row in allgot}
+    assert len(seen) == len(allgot)
+
+
+def test_kept_batches_stay_valid(cache):
+    path = cache[0]
+    act = expected(IndexedDataset(path, "image", 3))[0]
+    kept = list(OrderedLoader(path, batch_size=4, layer=3, read_ahead=1))
+    np.testing.assert_array_equal(np.concatenate([b["act"].numpy() for b in kept]), act)
+
+
+def test_crash_timeout_and_ctrl_c(cache, tmp_path):
+    path, _, _ = make_cache(tmp_path, n_imgs=12, layers=(3,), n_patches=4, d=8, imgs_per_shard=4)
+    ld = OrderedLoader(path, batch_size=5, layer=3)
+    os.unlink(os.path.join(path, "acts000001.bin"))
+    with pytest.raises(LoaderError, match=r"(?s)reader-\d.*Traceback.*acts000001.bin"):
+        list(ld)
+    assert not loader_threads()
+
+    gate = threading.Event()
+    ld = OrderedLoader(cache[0], batch_size=5, layer=3, batch_timeout_s=0.3)
+    ld.debug_hook = lambda stage, info: gate.wait(20) if stage == "read" and info["batch"] == 3 else None
+    with pytest.warns(RuntimeWarning, match="left behind"):
+        with pytest.raises(BatchTimeoutError, match=r"reader-\d: reading acts000000.bin"):
+            list(ld)
+    gate.set()
+    for t in loader_threads():
+        t.join(5)
+
+    ld = OrderedLoader(cache[0], batch_size=2, layer=3)
+    ld.debug_hook = lambda stage, info: time.sleep(0.05) if stage == "gather" else None
+    threading.Timer(0.2, _thread.interrupt_main).start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        for _ in ld:
+            pass
+    assert time.monotonic() - t0 < 2 and ld.interrupted
+    assert not loader_threads()
+
+
+def test_scale_norm(tmp_path):
+    path, md, acts = make_cache(tmp_path, n_imgs=15, layers=(1, 2), n_patches=9, d=16, imgs_per_shard=4)
+    for layer in (2, "all"):
+        ld = OrderedLoader(path, batch_size=50, layer=layer, scale_norm=True)
+        act = np.concatenate([b["act"].numpy() for b in ld])
+        assert abs(np.linalg.norm(act, axis=1).mean() - 4.0) < 0.05

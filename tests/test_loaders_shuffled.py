@@ -1,0 +1,312 @@
+"""ShuffledLoader on small real caches: exactly once, values, determinism, resume, partitions,
+failures (reader crash, timeout, Ctrl-C), memory bound, scale_norm."""
+
+from __future__ import annotations
+
+import _thread
+import math
+import multiprocessing
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from actcache.errors import BatchTimeoutError, ConfigError, LoaderError
+from actcache.loaders import ShuffledLoader
+from actcache.stats import STATS_FILE
+from conftest import make_cache
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    # 37 images in shards of 10 (last one partial), 2 layers, CLS + 6 patches, D=8
+    return make_cache(tmp_path_factory.mktemp("shuf"), n_imgs=37, layers=(3, 7), n_patches=6, d=8, imgs_per_shard=10)
+
+
+@pytest.fixture(scope="module")
+def nocls(tmp_path_factory):
+    return make_cache(
+        tmp_path_factory.mktemp("nocls"),
+        n_imgs=9,
+        layers=(5,),
+        n_patches=4,
+        cls=False,
+        d=4,
+        imgs_per_shard=4,
+        vit_family="dinov2",
+    )
+
+
+SMALL = dict(buffer_bytes=6000, run_bytes=700)  # a few images per run, several runs held
+
+
+def collect(loader):
+    out = []
+    for b in loader:
+        out.append({k: v.numpy().copy() for k, v in b.items()})
+    return out
+
+
+def check_values(batches, md, acts):
+    for b in batches:
+        li = np.array([md.layers.index(v) for v in b["layer"]], dtype=np.int64)
+        tok = b["patch_i"] + int(md.cls_token)
+        np.testing.assert_array_equal(b["act"], acts[b["image_i"], li, tok])
+
+
+def keys(batches):
+    return [(i, la, p) for b in batches for i, la, p in zip(b["image_i"], b["layer"], b["patch_i"], strict=True)]
+
+
+def loader_threads():
+    return [t for t in threading.enumerate() if t.name.startswith(("ShuffledLoader-", "OrderedLoader-"))]
+
+
+@pytest.mark.parametrize("patches", ["image", "all", "cls"])
+@pytest.mark.parametrize("layer", [3, 7, "all"])
+@pytest.mark.parametrize("io", ["mmap", "read"])
+def test_every_example_exactly_once_with_right_values(cache, patches, layer, io):
+    path, md, acts = cache
+    ld = ShuffledLoader(path, batch_size=23, patches=patches, layer=layer, seed=3, io=io, **SMALL)
+    batches = collect(ld)
+    check_values(batches, md, acts)
+    k = keys(batches)
+    assert len(k) == len(set(k)) == ld.n_examples == ld.sel.n_examples
+    assert len(batches) == len(ld) == math.ceil(ld.n_examples / 23)
+    assert all(len(b["act"]) == 23 for b in batches[:-1])
+    assert batches[0]["act"].dtype == np.float32 and batches[0]["image_i"].dtype == np.int64
+    # memory: the buffer, what readers may load ahead, and at most a batch of over-admission
+    assert ld.stats.peak_held_bytes <= SMALL["buffer_bytes"] + ld.read_ahead_bytes + 23 * 8 * 4 * 2
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [dict(n_strips=3), dict(n_strips=3, evict=True), dict(io="read", evict=True), dict(n_strips=2, run_bytes=100)],
+)
+def test_options_keep_exactly_once_and_the_memory_bound(cache, opts):
+    path, md, acts = cache
+    ld = ShuffledLoader(path, batch_size=16, layer="all", seed=4, **{**SMALL, **opts})
+    batches = collect(ld)
+    check_values(batches, md, acts)
+    assert len(set(keys(batches))) == len(keys(batches)) == ld.n_examples
+    assert ld.stats.peak_held_bytes <= SMALL["buffer_bytes"] + ld.read_ahead_bytes + 16 * 8 * 4 * 2
+
+
+def test_cls_without_cls_token_is_a_config_error(nocls):
+    path, md, acts = nocls
+    with pytest.raises(ConfigError, match="no CLS token"):
+        ShuffledLoader(path, patches="cls", layer=5)
+    batches = collect(ShuffledLoader(path, batch_size=5, patches="all", layer=5, **SMALL))
+    check_values(batches, md, acts)
+    assert len(set(keys(batches))) == 9 * 4
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(batch_size=0), "batch_size"),
+        (dict(patches="patch"), "patches"),
+        (dict(layer=99), "layer 99"),
+        (dict(buffer_bytes=0), "buffer_bytes"),
+        (dict(io="odirect"), "io"),
+        (dict(start_at=(1,)), "start_at"),
+        (dict(end_at=("step", 3)), "end_at"),
+        (dict(n_epochs=-1), "n_epochs"),
+        (dict(rank=2, world_size=2), "rank"),
+        (dict(drop_last="yes"), "drop_last"),
+    ],
+)
+def test_bad_options_name_the_option(cache, kw, match):
+    with pytest.raises(ConfigError, match=match):
+        ShuffledLoader(cache[0], **{"layer": 3, **kw})
+
+
+def test_deterministic_regardless_of_threads(cache):
+    path = cache[0]
+    a = collect(ShuffledLoader(path, batch_size=17, layer="all", seed=5, n_threads=1, n_readers=1, **SMALL))
+    b = collect(
+        ShuffledLoader(path, batch_size=17, layer="all", seed=5, n_threads=3, n_readers=3, read_ahead=1, **SMALL)
+    )
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        for k in x:
+            np.testing.assert_array_equal(x[k], y[k])
+    c = collect(ShuffledLoader(path, batch_size=17, layer="all", seed=6, **SMALL))
+    assert not all(np.array_equal(x["image_i"], y["image_i"]) for x, y in zip(a, c, strict=True))
+    # batches are well mixed: a batch draws from many images, not one run after another
+    assert np.mean([len(np.unique(x["image_i"])) for x in a[:-1]]) > 8
+    # non-deterministic mode: the same batches (perhaps reordered)
+    d = collect(ShuffledLoader(path, batch_size=17, layer="all", seed=5, deterministic=False, **SMALL))
+    assert sorted(keys(d)) == sorted(keys(a))
+
+
+def test_epochs_resume_and_end_at(cache):
+    path = cache[0]
+    kw = dict(batch_size=19, layer=3, seed=9, **SMALL)
+    full = collect(ShuffledLoader(path, n_epochs=3, **kw))
+    nb = len(ShuffledLoader(path, **kw))
+    assert len(full) == 3 * nb
+    for e in range(3):  # every epoch exactly once, each epoch in a different order
+        assert len(set(keys(full[e * nb : (e + 1) * nb]))) == 37 * 6
+    assert keys(full[:nb]) != keys(full[nb : 2 * nb])
+    # resume at (epoch, batch): the tail of the uninterrupted run, without reading skipped data
+    reads = []
+    ld = ShuffledLoader(path, n_epochs=3, start_at=(1, 5), **kw)
+    ld.debug_hook = lambda stage, info: reads.append(info["images"]) if stage == "read" else None
+    tail = collect(ld)
+    assert len(tail) == 3 * nb - (nb + 5)
+    for x, y in zip(tail, full[nb + 5 :], strict=True):
+        np.testing.assert_array_equal(x["act"], y["act"])
+        np.testing.assert_array_equal(x["image_i"], y["image_i"])
+    small = {**kw, "buffer_bytes": 1500, "run_bytes": 300}  # holds about a fifth of the data
+    one = ShuffledLoader(path, n_epochs=2, start_at=(1, 0), **small)
+    collect(one)
+    resumed = ShuffledLoader(path, n_epochs=2, start_at=(1, nb - 2), **small)
+    assert len(collect(resumed)) == 2
+    assert resumed.stats.read_bytes < one.stats.read_bytes / 3  # only what the last batches use
+    # a batch index past the epoch skips epochs
+    again = collect(ShuffledLoader(path, n_epochs=3, start_at=(0, nb + 5), **kw))
+    assert keys(again) == keys(tail)
+    # end_at is absolute
+    assert len(collect(ShuffledLoader(path, end_at=("batch", nb + 3), **kw))) == nb + 3
+    assert len(collect(ShuffledLoader(path, start_at=(1, 0), end_at=("epoch", 2), **kw))) == nb
+    assert keys(collect(ShuffledLoader(path, start_at=(2, 0), end_at=("epoch", 3), **kw))) == keys(full[2 * nb :])
+    # infinite: stop whenever
+    ld = ShuffledLoader(path, n_epochs=None, **kw)
+    it = iter(ld)
+    assert len([next(it) for _ in range(4 * nb)]) == 4 * nb
+    ld.close()
+    assert not loader_threads()
+
+
+@pytest.mark.parametrize("world_size,n_workers", [(1, 1), (2, 1), (3, 1), (1, 2), (2, 2), (8, 1)])
+def test_partitions_cover_every_example_once_with_equal_batch_counts(cache, world_size, n_workers):
+    path = cache[0]
+    for epoch in (0, 1):
+        seen, per_rank = [], {}
+        for rank in range(world_size):
+            for w in range(n_workers):
+                ld = ShuffledLoader(
+                    path,
+                    batch_size=10,
+                    layer="all",
+                    seed=2,
+                    start_at=(epoch, 0),
+                    n_epochs=epoch + 1,
+                    rank=rank,
+                    world_size=world_size,
+                    worker_id=w,
+                    n_workers=n_workers,
+                    **SMALL,
+                )
+                batches = collect(ld)
+                assert len(batches) == len(ld)
+                per_rank[rank] = per_rank.get(rank, 0) + len(batches)
+                assert sum(len(b["act"]) % 10 != 0 for b in batches) <= 1
+                seen += keys(batches)
+        assert len(set(per_rank.values())) == 1
+        n = 37 * 2 * 6
+        assert len(seen) == len(set(seen))
+        assert len(seen) >= n - world_size + 1  # see partition.py: < world_size may be left out
+        if n % (world_size * 10) == 0 or n % (world_size * 10) >= world_size:
+            assert len(seen) == n
+
+
+def test_kept_batches_are_never_overwritten(cache):
+    path, md, acts = cache
+    ld = ShuffledLoader(path, batch_size=7, layer=3, read_ahead=1, **SMALL)
+    kept = list(ld)  # the consumer keeps every batch: the loader must not reuse their memory
+    check_values([{k: v.numpy() for k, v in b.items()} for b in kept], md, acts)
+
+
+def test_reader_crash_reaches_the_consumer_with_traceback(cache, tmp_path):
+    path, md, _ = make_cache(tmp_path, n_imgs=12, layers=(3,), n_patches=4, d=8, imgs_per_shard=4)
+    ld = ShuffledLoader(path, batch_size=5, layer=3, buffer_bytes=1000, run_bytes=200)
+    os.unlink(os.path.join(path, "acts000002.bin"))
+    with pytest.raises(LoaderError) as err:
+        collect(ld)
+    assert "reader" in str(err.value) and "Traceback" in str(err.value) and "acts000002.bin" in str(err.value)
+    assert not loader_threads()
+
+    def boom(stage, info):
+        if stage == "read" and info["shard"] == 1:
+            raise RuntimeError("disk on fire")
+
+    ld = ShuffledLoader(cache[0], batch_size=5, layer=3, **SMALL)
+    ld.debug_hook = boom
+    with pytest.raises(LoaderError, match="(?s)Traceback.*RuntimeError: disk on fire"):
+        collect(ld)
+
+
+def test_truncated_shard_is_an_error_not_a_crash(tmp_path):
+    path, md, _ = make_cache(tmp_path, n_imgs=12, layers=(3,), n_patches=4, d=8, imgs_per_shard=4)
+    ld = ShuffledLoader(path, batch_size=5, layer=3, buffer_bytes=1000, run_bytes=200)
+    os.truncate(os.path.join(path, "acts000001.bin"), 100)
+    with pytest.raises(LoaderError, match="truncated"):
+        collect(ld)
+
+
+def test_stalled_reader_raises_batch_timeout_naming_it(cache):
+    release = threading.Event()
+    ld = ShuffledLoader(cache[0], batch_size=5, layer=3, batch_timeout_s=0.5, **SMALL)
+    ld.debug_hook = lambda stage, info: release.wait(20) if stage == "read" and info["shard"] == 2 else None
+    t0 = time.monotonic()
+    with pytest.warns(RuntimeWarning, match="left behind"):  # the stuck reader cannot be joined
+        with pytest.raises(BatchTimeoutError, match=r"(?s)reader-\d: reading acts000002.bin"):
+            collect(ld)
+    assert time.monotonic() - t0 < 8
+    release.set()
+    for t in loader_threads():
+        t.join(5)
+    assert not loader_threads()
+
+
+def test_ctrl_c_stops_promptly_and_cleanly(cache):
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    for slow_consumer in (True, False):
+        ld = ShuffledLoader(cache[0], batch_size=3, layer="all", n_epochs=None, **SMALL)
+        if not slow_consumer:  # the consumer waits inside the loader when Ctrl-C comes
+            ld.debug_hook = lambda stage, info: time.sleep(0.05) if stage == "gather" else None
+        timer = threading.Timer(0.3, _thread.interrupt_main)
+        timer.start()
+        t0 = time.monotonic()
+        n = 0
+        with pytest.raises(KeyboardInterrupt):
+            for _ in ld:
+                n += 1
+                if slow_consumer:
+                    time.sleep(0.001)
+        assert time.monotonic() - t0 < 2.0 and n > 0
+        assert ld.interrupted or slow_consumer
+        assert not loader_threads()
+    assert multiprocessing.active_children() == []
+    if os.path.isdir("/dev/shm"):
+        assert set(os.listdir("/dev/shm")) <= shm_before
+
+
+def test_close_and_context_manager(cache):
+    with ShuffledLoader(cache[0], batch_size=4, layer=3, n_epochs=None, **SMALL) as ld:
+        for i, _ in enumerate(ld):
+            if i == 3:
+                break
+        ld.close()
+        assert not loader_threads()
+        assert len(collect(ShuffledLoader(cache[0], batch_size=4, layer=3, **SMALL))) == math.ceil(37 * 6 / 4)
+    assert ld.stats.batches >= 4 and ld.stats.examples >= 16 and ld.stats.wait_s >= 0
+    assert ld.stats.as_dict()["examples_per_s"] > 0
+
+
+def test_scale_norm_gives_mean_norm_sqrt_d_and_stores_the_statistic_once(tmp_path, monkeypatch):
+    path, md, acts = make_cache(tmp_path, n_imgs=20, layers=(1, 2), n_patches=9, d=16, imgs_per_shard=8)
+    import actcache.stats as stats
+
+    calls = []
+    real = stats.compute
+    monkeypatch.setattr(stats, "compute", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for layer in (1, "all"):
+        ld = ShuffledLoader(path, batch_size=64, layer=layer, scale_norm=True)
+        act = np.concatenate([b["act"].numpy() for b in ld])
+        assert abs(np.linalg.norm(act, axis=1).mean() - 4.0) < 0.05
+    assert len(calls) == 1 and os.path.exists(os.path.join(path, STATS_FILE))
