@@ -1,0 +1,139 @@
+"""Held-out evaluation of a trained SAE -> ``eval.json``.
+
+    stats = evaluate(sae, batches, dense_frac=0.1)       # batches: iterable of (B, D) tensors
+    stats_list = evaluate_many([sae_a, sae_b], batches, dense_frac=[0.1, 0.1])   # one pass
+    write_eval(run_dir, stats | {"images": [a, b]})
+
+Definitions (over every held-out example, N examples, D dims, S latents; eval mode, so a
+batchtopk SAE uses its inference threshold):
+- mse: mean of (x_hat - x)^2 over examples and dims.
+- nmse: sum (x_hat - x)^2 / sum (x - mean_x)^2, the fraction of variance unexplained (FVU), with
+  mean_x the held-out set's mean vector.
+- l0: mean number of non-zero latents per example; l1: mean sum_s |f_s| * ||W_dec[s]||.
+- n_dead: latents that never fire on the held-out set; n_dense: latents firing on more than
+  ``dense_frac`` of the examples.
+- freq_hist: histogram of log10(firing frequency) of the latents that fire at least once
+  (``n_never`` counts the others), bins of 0.5 decades from 10^-8 to 10^0.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable
+
+import torch
+
+from actcache.errors import TrainError
+from actcache.fsutil import atomic_write_bytes
+
+EVAL_FILE = "eval.json"
+HIST_LO, HIST_HI, HIST_STEP = -8.0, 0.0, 0.5
+
+
+class EvalAccumulator:
+    """Streaming held-out metrics of one SAE: ``update(x_BD)`` per batch, then ``result()``."""
+
+    def __init__(self, sae, dense_frac: float = 0.1):
+        self.sae, self.dense_frac = sae, dense_frac
+        dev = next(sae.parameters()).device
+        self.fires_S = torch.zeros(sae.cfg.width, dtype=torch.int64, device=dev)
+        self.sums: list[torch.Tensor] | None = None  # sse, sum_x_D, sum_x2_D, l0, l1 (float64)
+        self.n = 0
+
+    @torch.no_grad()
+    def update(self, x_BD: torch.Tensor) -> None:
+        sae = self.sae
+        was_training = sae.training
+        sae.eval()  # batchtopk: the inference threshold, per example
+        try:
+            x_hat_BD, f_BS, _ = sae(x_BD)
+        finally:
+            sae.train(was_training)
+        x64 = x_BD.double()
+        nz_BS = f_BS != 0
+        dec_norm_S = sae.W_dec.norm(dim=1).double()
+        parts = [
+            (x_hat_BD.double() - x64).pow(2).sum(), x64.sum(0), x64.pow(2).sum(0),
+            nz_BS.sum().double(), (f_BS.double().abs() @ dec_norm_S).sum(),
+        ]  # fmt: skip
+        self.sums = parts if self.sums is None else [a + b for a, b in zip(self.sums, parts, strict=True)]
+        self.fires_S += nz_BS.sum(0)
+        self.n += x_BD.shape[0]
+
+    def result(self) -> dict:
+        if self.n == 0 or self.sums is None:
+            raise TrainError("evaluation got no held-out examples")
+        n, D, S = self.n, self.sae.cfg.d_vit, self.sae.cfg.width
+        sse, sum_x, sum_x2, l0, l1 = self.sums
+        total_var = float((sum_x2 - sum_x.pow(2) / n).sum())
+        freq_S = (self.fires_S.double() / n).cpu()
+        fired = freq_S[freq_S > 0]
+        n_bins = int(round((HIST_HI - HIST_LO) / HIST_STEP))
+        edges = [HIST_LO + i * HIST_STEP for i in range(n_bins + 1)]
+        counts = torch.histc(fired.log10().clamp(HIST_LO, HIST_HI).float(), bins=n_bins, min=HIST_LO, max=HIST_HI)
+        return {
+            "n_tokens": n,
+            "width": S,
+            "mse": float(sse) / (n * D),
+            "nmse": float(sse) / total_var if total_var > 0 else math.nan,
+            "l0": float(l0) / n,
+            "l1": float(l1) / n,
+            "n_dead": int((freq_S == 0).sum()),
+            "n_dense": int((freq_S > self.dense_frac).sum()),
+            "dense_frac": self.dense_frac,
+            "freq_hist": {
+                "log10_bin_edges": edges,
+                "counts": [int(c) for c in counts.tolist()],
+                "n_never": int((freq_S == 0).sum()),
+            },
+        }
+
+
+def check_finite(x_BD: torch.Tensor, batch: dict | None, what: str) -> None:
+    """Raise TrainError naming the first example with NaN/Inf (image_i, patch_i when known)."""
+    if bool(torch.isfinite(x_BD).all()):
+        return
+    row = int((~torch.isfinite(x_BD)).any(1).nonzero()[0, 0])
+    where = f"example {row} of the batch"
+    if batch is not None and "image_i" in batch:
+        where = f"image_i={int(batch['image_i'][row])}, patch_i={int(batch['patch_i'][row])}"
+    raise TrainError(
+        f"{what} contain NaN or Inf at {where}; not training through it. "
+        "Check the cache with `actcache verify --deep DIR` and re-dump the shard holding that image."
+    )
+
+
+def evaluate(sae, batches: Iterable, *, dense_frac: float = 0.1, max_tokens: int | None = None) -> dict:
+    """Metrics of ``sae`` over ``batches`` (tensors (B, D) or loader dicts with "act")."""
+    return evaluate_many([sae], batches, dense_frac=[dense_frac], max_tokens=max_tokens)[0]
+
+
+def evaluate_many(
+    saes: list, batches: Iterable, *, dense_frac: list[float], max_tokens: int | None = None
+) -> list[dict]:
+    """One pass over ``batches`` evaluating several SAEs (same d_vit and device)."""
+    accs = [EvalAccumulator(s, f) for s, f in zip(saes, dense_frac, strict=True)]
+    device = next(saes[0].parameters()).device
+    n = 0
+    for batch in batches:
+        x_BD = batch["act"] if isinstance(batch, dict) else batch
+        if max_tokens is not None:
+            x_BD = x_BD[: max_tokens - n]
+        if x_BD.shape[0] == 0:
+            break
+        x_BD = x_BD.to(device, non_blocking=True)
+        check_finite(x_BD, batch if isinstance(batch, dict) else None, "held-out activations")
+        for acc in accs:
+            acc.update(x_BD)
+        n += x_BD.shape[0]
+        if max_tokens is not None and n >= max_tokens:
+            break
+    return [acc.result() for acc in accs]
+
+
+def write_eval(run_dir: str, doc: dict) -> str:
+    path = os.path.join(run_dir, EVAL_FILE)
+    atomic_write_bytes(path, (json.dumps(doc, indent=2, allow_nan=True) + "\n").encode())
+    return path

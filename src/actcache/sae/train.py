@@ -1,0 +1,418 @@
+"""Train a group of SAEs on one stream of batches from a cache; `actcache train`.
+
+    from actcache.sae.config import expand_train_section, groups
+    runs = groups(expand_train_section(exp.train, "x.yaml"))["L-2-image-1a2b3c4d"]
+    train_group("<dump_to>/<HASH>", runs, runs_to="data/runs", device="cpu")
+
+Every SAE of the group takes an optimizer step on the same batch of ONE ShuffledLoader pass (the
+held-out images excluded). Per SAE, under ``<runs_to>/<HASH>/<sae-id>/``: ``run.json`` at the start,
+``metrics.jsonl`` every ``log_every`` steps, ``checkpoints/`` every ``ckpt_every`` steps and at the
+end (actcache.sae.checkpoint), then the final ``sae.safetensors``/``config.json``, ``eval.json``
+(actcache.sae.evaluate) and last ``done.json``. SAEs with a ``done.json`` are skipped.
+
+Resume: a restarted group continues from the newest checkpoint every unfinished SAE has, with the
+loader started at the saved (epoch, batch); in deterministic loader mode on CPU the result is
+bit-identical to an uninterrupted run. Unfinished SAEs without any checkpoint (added to the sweep
+later) train in a second pass from step 0, so finished or running members are never restarted.
+
+Stopping: ``stop`` (a callable polled once per step, e.g. set by a SIGTERM/SIGUSR2 handler) makes
+the trainer write a checkpoint at the current step and raise :class:`Preempted`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from actcache.errors import ConfigError, TrainError
+from actcache.fsutil import atomic_write_bytes
+from actcache.sae import checkpoint as ckpt
+from actcache.sae import ddp
+from actcache.sae.config import DONE_FILE, RunConfig, expand_train_section, groups, run_dir
+from actcache.sae.evaluate import check_finite, evaluate_many, write_eval
+from actcache.sae.modeling import SAE
+from actcache.sae.objectives import make_objective
+from actcache.sae.optim import LRSchedule, clip_grad_norm, make_optimizer, sparsity_warmup, train_step
+
+log = logging.getLogger(__name__)
+METRICS_FILE = "metrics.jsonl"
+RUN_FILE = "run.json"
+_SCALARS = ("loss", "mse", "nmse", "l0", "l1", "aux")
+
+
+class Preempted(TrainError):
+    """Training stopped on request after writing a checkpoint at ``step``."""
+
+    def __init__(self, step: int):
+        super().__init__(f"training stopped on request at step {step}; a checkpoint was written, re-run to resume")
+        self.step = step
+
+
+class _Member:
+    """One SAE of a pass with its objective, optimizer, schedule and metric accumulators."""
+
+    def __init__(self, run: RunConfig, directory: str, d_vit: int, device: torch.device):
+        self.run, self.dir = run, directory
+        self.sae = SAE(run.sae_config(d_vit)).to(device)
+        self.obj = make_objective(self.sae, **run.objective_kwargs())
+        self.opt = make_optimizer(self.sae, lr=run.lr, betas=(run.beta1, run.beta2))
+        self.sched = LRSchedule(lr=run.lr, warmup_steps=run.warmup_steps, total_steps=run.steps,
+                                decay=run.lr_decay, final_frac=run.final_lr_frac)  # fmt: skip
+        self.params = list(self.sae.parameters())
+        self.acc_sum = torch.zeros(len(_SCALARS), dtype=torch.float64, device=device)  # since the last log line
+        self.acc_n = 0
+        self.last = None  # the latest LossOut
+        self.last_line: dict = {}
+
+    def step(self, x_BD: torch.Tensor, step: int, ctx: ddp.DistContext) -> None:
+        run, sae = self.run, self.sae
+        lr = self.sched.apply(self.opt, step)
+        scale = sparsity_warmup(step, run.l1_warmup_steps)
+        if not ctx.enabled:
+            out = train_step(sae, self.obj, self.opt, x_BD, max_grad_norm=run.max_grad_norm, sparsity_scale=scale)
+        else:  # optim.train_step with the gradient average between backward and clipping
+            self.opt.zero_grad(set_to_none=True)
+            out = self.obj(sae, x_BD, sparsity_scale=scale)
+            out.loss.backward()
+            ddp.average_grads_(self.params, ctx)
+            if sae.cfg.normalize_decoder:
+                sae.remove_parallel_grads_()
+            if run.max_grad_norm is not None:
+                clip_grad_norm(sae, run.max_grad_norm)
+            self.opt.step()
+            if sae.cfg.normalize_decoder:
+                sae.normalize_decoder_()
+            if sae.cfg.activation == "batchtopk":
+                ddp.average_(sae.threshold, ctx)
+        self.lr = lr
+        self.last = out
+        self.acc_sum += torch.stack([getattr(out, k).detach().double() for k in _SCALARS])
+        self.acc_n += 1
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def restrict_images(cache, n_imgs: int):
+    """A view of ``cache`` holding only images [0, n_imgs) (the training part; the rest is held out).
+
+    Same directory, shard files and image indices; the last shards are cut or left out."""
+    from actcache.cache import ActivationCache
+    from actcache.protocol import ShardInfo
+
+    if n_imgs >= cache.n_imgs:
+        return cache
+    md = dataclasses.replace(cache.metadata, n_imgs=n_imgs)
+    S = md.n_imgs_per_shard
+    shards = [ShardInfo(s.name, min(s.n_imgs, n_imgs - i * S)) for i, s in enumerate(cache.shards) if i * S < n_imgs]
+    return ActivationCache(cache.path, md, shards)
+
+
+def _write_json(path: str, doc: dict) -> None:
+    atomic_write_bytes(path, (json.dumps(doc, indent=2) + "\n").encode())
+
+
+class GroupTrainer:
+    """Trains the SAEs of one group on a cache (see the module docstring)."""
+
+    def __init__(self, cache_dir: str, runs: list[RunConfig], runs_to: str, device: str | None = None,
+                 stop: Callable[[], bool] | None = None, ctx: ddp.DistContext | None = None):  # fmt: skip
+        if not runs:
+            raise ConfigError("train_group: no SAEs to train")
+        keys = {json.dumps(r.group_key, sort_keys=True) for r in runs}
+        if len(keys) != 1:
+            raise ConfigError("train_group: the SAEs do not share a stream of batches (use config.groups)")
+        self.cache_dir, self.runs, self.runs_to = os.fspath(cache_dir), list(runs), os.fspath(runs_to)
+        self.stop = stop or (lambda: False)
+        self.ctx = ctx or ddp.env_context()
+        self.device = ddp.device_for(self.ctx, device)
+        self.group_id = runs[0].group_id
+        self.trained: dict[str, SAE] = {}  # sae_id -> the SAE trained in this process (tests, DDP checks)
+
+    # -- set-up ------------------------------------------------------------------------------------
+    def _open_cache(self):
+        from actcache.cache import ActivationCache
+
+        cache = ActivationCache.open(self.cache_dir)
+        md, run = cache.metadata, self.runs[0]
+        if run.layer is None:
+            if len(md.layers) != 1:
+                raise TrainError(
+                    f"{self.cache_dir} records layers {list(md.layers)}; set 'layer' in the train section."
+                )
+            self.layer = md.layers[0]
+        elif run.layer not in md.layers:
+            raise TrainError(
+                f"layer {run.layer} is not in the cache {self.cache_dir}; recorded layers: {list(md.layers)}. "
+                "Set 'layer' in the train section to one of them."
+            )
+        else:
+            self.layer = run.layer
+        if run.batch_size % self.ctx.world_size:
+            raise TrainError(f"batch_size {run.batch_size} is not divisible by the {self.ctx.world_size} ranks")
+        for r in self.runs:
+            try:
+                r.sae_config(md.d_vit)
+            except ConfigError as err:
+                raise ConfigError(f"SAE {r.sae_id} on this cache (d_vit={md.d_vit}): {err}") from None
+        self.md = md
+        self.n_train, self.n_eval = run.split_images(md.n_imgs)
+        return cache
+
+    def _write_run_json(self, run: RunConfig, directory: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        sae_cfg = run.sae_config(self.md.d_vit)
+        _write_json(os.path.join(directory, RUN_FILE), {
+            "sae_id": run.sae_id, "group_id": self.group_id, "cache": os.path.abspath(self.cache_dir),
+            "cache_hash": self.md.hash, "layer": self.layer, "d_vit": self.md.d_vit, "width": sae_cfg.width,
+            "train_images": [0, self.n_train], "world_size": self.ctx.world_size, "run": run.to_dict(),
+        })  # fmt: skip
+
+    def _passes(self, pending: list[tuple[RunConfig, str]]) -> list[tuple[int, list[tuple[RunConfig, str]]]]:
+        with_ckpt = [p for p in pending if ckpt.steps(p[1])]
+        fresh = [p for p in pending if not ckpt.steps(p[1])]
+        out: dict[int, list] = {}
+        common = ckpt.common_step([d for _, d in with_ckpt])
+        for p in with_ckpt:
+            start = common if common is not None else ckpt.steps(p[1])[-1]
+            out.setdefault(start, []).append(p)
+        if fresh:
+            out.setdefault(0, []).extend(fresh)
+        return sorted(out.items(), key=lambda kv: -kv[0])
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def run(self) -> list[str]:
+        """Train every unfinished SAE of the group; returns their run directories."""
+        cache = self._open_cache()
+        ddp.init(self.ctx, self.device)
+        dirs = [(r, run_dir(self.runs_to, self.md.hash, r)) for r in self.runs]
+        pending = [(r, d) for r, d in dirs if not os.path.exists(os.path.join(d, DONE_FILE))]
+        for r, d in dirs:
+            if (r, d) not in pending:
+                log.info("SAE %s is done (%s); skipped", r.sae_id, os.path.join(d, DONE_FILE))
+        if self.ctx.is_main:
+            for r, d in pending:
+                self._write_run_json(r, d)
+                ckpt.clean_temps(d)
+        ddp.barrier(self.ctx)
+        for start, members in self._passes(pending):
+            self._train_pass(cache, start, members)
+        return [d for _, d in dirs]
+
+    def _loader(self, cache, start: int):
+        from actcache.loaders import ShuffledLoader
+
+        run = self.runs[0]
+        loader = ShuffledLoader(
+            restrict_images(cache, self.n_train), batch_size=run.batch_size // self.ctx.world_size,
+            patches=run.patches, layer=self.layer, buffer_bytes=run.buffer_bytes, seed=run.data_seed,
+            n_epochs=None, end_at=("batch", run.steps), drop_last=True, deterministic=run.deterministic,
+            scale_norm=run.scale_norm, rank=self.ctx.rank, world_size=self.ctx.world_size,
+        )  # fmt: skip
+        nb = len(loader)
+        if nb == 0:
+            raise TrainError(
+                f"{self.cache_dir}: the {self.n_train} training images give fewer than batch_size="
+                f"{run.batch_size} examples per epoch; lower batch_size or use a larger cache."
+            )
+        loader.start_at = (start // nb, start % nb)
+        return loader
+
+    def _train_pass(self, cache, start: int, pending: list[tuple[RunConfig, str]]) -> None:
+        run = self.runs[0]
+        members = [_Member(r, d, self.md.d_vit, self.device) for r, d in pending]
+        for m in members:
+            if start > 0:
+                _, extra = ckpt.load(m.dir, start, m.sae, m.opt, m.obj)
+                m.acc_sum.copy_(extra["metric_sum"])
+                m.acc_n = extra["metric_n"]
+            if self.ctx.is_main:
+                ckpt.truncate_metrics(os.path.join(m.dir, METRICS_FILE), start)
+        loader = self._loader(cache, start)
+        self.loader = loader
+        if start > 0:
+            log.info("group %s: resuming %d SAE(s) at step %d (loader epoch %d, batch %d)", self.group_id,
+                     len(members), start, *loader.start_at)  # fmt: skip
+        step = start
+        t_log, wait_log, step_log = time.perf_counter(), 0.0, start
+        it = iter(loader)
+        try:
+            while step < run.steps:
+                t0 = time.perf_counter()
+                batch = next(it, None)
+                if batch is None:
+                    raise TrainError(f"the loader ended at step {step} of {run.steps}")
+                wait_log += time.perf_counter() - t0
+                x_BD = batch["act"].to(self.device, non_blocking=True)
+                check_finite(x_BD, batch, f"activations of {self.cache_dir}")
+                if step == 0:
+                    self._init_b_dec(members, x_BD)
+                for m in members:
+                    m.step(x_BD, step, self.ctx)
+                step += 1
+                if step % run.log_every == 0 or step == run.steps:
+                    self._log(members, step, time.perf_counter() - t_log, wait_log, step - step_log)
+                    t_log, wait_log, step_log = time.perf_counter(), 0.0, step
+                periodic = step % run.ckpt_every == 0 and step < run.steps
+                if periodic:
+                    self._save(members, step)
+                if ddp.any_true(self.stop(), self.ctx, self.device):
+                    if not periodic:
+                        self._save(members, step)
+                    raise Preempted(step)
+        finally:
+            loader.close()
+        self._save(members, run.steps)
+        self.trained.update({m.run.sae_id: m.sae for m in members})
+        if self.ctx.is_main:
+            self._finish(cache, members)
+        ddp.barrier(self.ctx)
+
+    def _init_b_dec(self, members: list[_Member], x_BD: torch.Tensor) -> None:
+        for m in members:
+            if m.run.b_dec_init != "zero":
+                m.sae.init_b_dec(x_BD, method=m.run.b_dec_init)
+            ddp.broadcast_(m.sae.b_dec.data, self.ctx)
+
+    def _save(self, members: list[_Member], step: int) -> None:
+        if self.ctx.is_main:
+            nb = len(self.loader)
+            pos = {"loader": {"epoch": step // nb, "batch": step % nb}, "batches_per_epoch": nb,
+                   "world_size": self.ctx.world_size, "time": _now()}  # fmt: skip
+            for m in members:
+                if step not in ckpt.steps(m.dir):  # (a resumed, already finished pass has it)
+                    ckpt.save(m.dir, step, m.sae, m.opt, m.obj, pos, {"metric_sum": m.acc_sum, "metric_n": m.acc_n})
+            for m in members:  # only now, when every member has `step`
+                ckpt.prune(m.dir, keep=step)
+        ddp.barrier(self.ctx)
+
+    def _log(self, members: list[_Member], step: int, dt: float, wait_s: float, n_steps: int) -> None:
+        run = self.runs[0]
+        timing = {
+            "step_s": dt / max(1, n_steps), "steps_per_s": n_steps / dt if dt > 0 else None,
+            "examples_per_s": n_steps * run.batch_size / dt if dt > 0 else None,
+            "wait_s": wait_s, "wait_frac": wait_s / dt if dt > 0 else None,
+        }  # fmt: skip
+        for m in members:
+            means = (m.acc_sum / max(1, m.acc_n)).tolist()
+            m.acc_sum.zero_()
+            m.acc_n = 0
+            line = {"step": step, "tokens": step * run.batch_size, "lr": m.lr, **dict(zip(_SCALARS, means, strict=True)),
+                    "n_dead": int(m.last.n_dead), "n_dense": int(m.last.n_dense), **timing, "time": _now()}  # fmt: skip
+            m.last_line = line
+            if self.ctx.is_main:
+                with open(os.path.join(m.dir, METRICS_FILE), "a", encoding="utf-8") as fh:
+                    fh.write(json.dumps(line) + "\n")
+        if self.ctx.is_main:
+            _wandb_log(self, members, step)
+            m0 = members[0].last_line
+            log.info("group %s step %d/%d: nmse %.4f l0 %.1f, %.1f steps/s, loader wait %.1f%%", self.group_id,
+                     step, run.steps, m0["nmse"], m0["l0"], m0["steps_per_s"] or 0, 100 * (m0["wait_frac"] or 0))  # fmt: skip
+
+    def _finish(self, cache, members: list[_Member]) -> None:
+        run = self.runs[0]
+        for m in members:
+            m.sae.save(m.dir)
+        evals = self._evaluate(cache, members)
+        for m, ev in zip(members, evals, strict=True):
+            write_eval(m.dir, ev)
+            done = {"sae_id": m.run.sae_id, "group_id": self.group_id, "cache_hash": self.md.hash,
+                    "steps": run.steps, "tokens": run.steps * run.batch_size, "final": m.last_line,
+                    "eval": {k: ev.get(k) for k in ("n_tokens", "nmse", "l0", "n_dead", "n_dense")},
+                    "finished": _now()}  # fmt: skip
+            _write_json(os.path.join(m.dir, DONE_FILE), done)
+            log.info("SAE %s done: %s", m.run.sae_id, os.path.join(m.dir, DONE_FILE))
+
+    def _evaluate(self, cache, members: list[_Member]) -> list[dict]:
+        run = self.runs[0]
+        if run.eval_cache is None and self.n_eval == 0:
+            return [{"skipped": "eval_frac is 0 and no eval_cache is set"} for _ in members]
+        from actcache.loaders import OrderedLoader
+
+        kw = {"batch_size": run.batch_size, "patches": run.patches, "layer": self.layer, "scale_norm": run.scale_norm}
+        if run.eval_cache is not None:
+            where = {"cache": os.path.abspath(run.eval_cache)}
+            loader = OrderedLoader(run.eval_cache, **kw)
+        else:
+            where = {"cache": os.path.abspath(self.cache_dir), "images": [self.n_train, self.md.n_imgs]}
+            loader = OrderedLoader(cache, start_img=self.n_train, end_img=self.md.n_imgs, **kw)
+        try:
+            res = evaluate_many([m.sae for m in members], loader, dense_frac=[m.run.dense_frac for m in members],
+                                max_tokens=run.eval_tokens)  # fmt: skip
+        finally:
+            loader.close()
+        return [{**where, "layer": self.layer, "patches": run.patches, **r} for r in res]
+
+
+def _wandb_log(trainer: GroupTrainer, members: list[_Member], step: int) -> None:
+    """Weights & Biases, when installed and ``wandb_project`` is set; never fatal."""
+    run = trainer.runs[0]
+    if run.wandb_project is None or getattr(trainer, "_wandb", None) is False:
+        return
+    try:
+        import wandb
+    except ImportError:
+        return
+    try:
+        if getattr(trainer, "_wandb", None) is None:
+            trainer._wandb = wandb.init(
+                project=run.wandb_project, entity=run.wandb_entity, id=f"{trainer.md.hash[:12]}-{trainer.group_id}",
+                name=trainer.group_id, resume="allow", dir=members[0].dir,
+                config={m.run.sae_id: m.run.to_dict() for m in members},
+            )  # fmt: skip
+        trainer._wandb.log({f"{m.run.sae_id}/{k}": v for m in members for k, v in m.last_line.items()
+                            if isinstance(v, int | float)}, step=step)  # fmt: skip
+    except Exception as err:  # noqa: BLE001 - logging must never stop training
+        log.warning("wandb logging failed (%s); continuing without it", err)
+        trainer._wandb = False
+
+
+def train_group(cache_dir: str, runs: list[RunConfig], runs_to: str, device: str | None = None,
+                stop: Callable[[], bool] | None = None) -> list[str]:  # fmt: skip
+    """Train one group of SAEs (see the module docstring); returns the run directories."""
+    return GroupTrainer(cache_dir, runs, runs_to, device=device, stop=stop).run()
+
+
+def cli_train(args) -> int:
+    """`actcache train --experiment FILE [--dump-to D] [--runs-to R] [--group G] [--device DEV]`."""
+    from actcache.config import load_experiment
+    from actcache.plan import experiment_metadata
+
+    exp = load_experiment(args.experiment)
+    dump_to = args.dump_to or exp.dump_to
+    runs_to = args.runs_to or exp.runs_to
+    if not dump_to or not runs_to:
+        raise ConfigError(f"{args.experiment}: give --dump-to and --runs-to (or dump_to/runs_to in the file).")
+    runs = expand_train_section(exp.train, exp.source, layers=exp.vit.layers)
+    if not runs:
+        raise ConfigError(f"{exp.source}: no 'train' section, nothing to train.")
+    by_group = groups(runs)
+    if args.group is not None and args.group not in by_group:
+        raise ConfigError(f"{exp.source}: no group {args.group!r}; groups: {', '.join(by_group)}")
+    cache_dir = os.path.join(dump_to, experiment_metadata(exp).hash)
+    stopping = {"flag": False}
+
+    def _request_stop(signum, frame):
+        stopping["flag"] = True
+        log.warning("got %s: checkpointing at the end of this step", signal.Signals(signum).name)
+
+    main = threading.current_thread() is threading.main_thread()
+    old = {sig: signal.signal(sig, _request_stop) for sig in (signal.SIGTERM, signal.SIGUSR2)} if main else {}
+    try:
+        for gid in [args.group] if args.group is not None else list(by_group):
+            log.info("training group %s (%d SAE(s)) on %s", gid, len(by_group[gid]), cache_dir)
+            train_group(cache_dir, by_group[gid], runs_to, device=args.device, stop=lambda: stopping["flag"])
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    return 0
