@@ -1,0 +1,213 @@
+"""Streaming per-latent statistics of SAE activations over a cache, in one ordered pass.
+
+    stats = LatentStats(width=S, tokens_per_img=T, k=16)
+    for batch in OrderedLoader(cache, batch_size=T * 64, patches="image", layer=-2):
+        stats.update(sae.encode(batch["act"]), batch["image_i"])
+    res = stats.result()                    # LatentSummary (numpy arrays); res.save(path)
+
+Batches must come in storage order (each image's ``T`` selected tokens contiguous, images in
+order); an image split across two batches is carried over to the next one. A latent *fires* on
+a token when its activation is > 0. For every latent ``s``:
+
+- ``fire_count[s]`` tokens it fires on; ``freq[s] = fire_count[s] / n_tokens``.
+- ``mean_act[s]``: its mean activation over the tokens it fires on (0 when it never fires).
+- ``hist[s, h]``: its firing activations counted in fixed log10-spaced bins (:data:`HIST_EDGES`,
+  ``BINS_PER_DECADE`` per decade from 10^HIST_LO to 10^HIST_HI, compared as float32; values
+  outside go to the first / last bin).
+- ``top_img[s, :k]``, ``top_score[s, :k]``: the ``k`` images with the largest *image score*
+  (the max of the latent over the image's tokens), best first; ``-1`` / ``0`` fill the slots
+  when fewer than ``k`` images make it fire.
+- ``top_acts[s, :k, :T]``: the latent's activation on every token of those images (heatmaps).
+
+Vectorised per batch: one ``amax`` over each image's tokens, one ``torch.topk`` merging the
+running ``(S, k)`` top-k with the batch's ``(S, n_images)`` scores, one ``nonzero`` + ``bincount``
+for counts, sums and histograms, and a copy of per-token activations only for the images that
+enter a top-k (after the first batches, few do).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+
+import numpy as np
+import torch
+
+from actcache.fsutil import atomic_write_bytes
+
+HIST_LO, HIST_HI, BINS_PER_DECADE = -4, 4, 4
+N_BINS = (HIST_HI - HIST_LO) * BINS_PER_DECADE
+HIST_EDGES = 10.0 ** (HIST_LO + np.arange(N_BINS + 1) / BINS_PER_DECADE)
+HIST_EDGES32 = HIST_EDGES.astype(np.float32)
+STATS_VERSION = 1
+
+
+def hist_bins(values: torch.Tensor) -> torch.Tensor:
+    """Bin index (int64) of each positive value: bin ``h`` holds ``HIST_EDGES32[h] <= v < HIST_EDGES32[h + 1]``
+    (edges as float32); values outside the edges go to the first / last bin."""
+    return torch.bucketize(values.float(), _inner_edges(values.device), right=True)
+
+
+_EDGES: dict = {}
+
+
+def _inner_edges(device: torch.device) -> torch.Tensor:
+    if device not in _EDGES:
+        _EDGES[device] = torch.from_numpy(HIST_EDGES32[1:-1].copy()).to(device)
+    return _EDGES[device]
+
+
+@dataclasses.dataclass
+class LatentSummary:
+    """The result of one pass (numpy arrays; shapes use S latents, K top images, T tokens per image)."""
+
+    n_tokens: int
+    n_imgs: int
+    fire_count: np.ndarray  # (S,) int64
+    act_sum: np.ndarray  # (S,) float64
+    hist: np.ndarray  # (S, N_BINS) int64
+    top_img: np.ndarray  # (S, K) int64, -1 = empty slot
+    top_score: np.ndarray  # (S, K) float32, 0 = empty slot
+    top_acts: np.ndarray  # (S, K, T) float32 (saved as float16)
+    hist_edges: np.ndarray = dataclasses.field(default_factory=lambda: HIST_EDGES.copy())
+
+    @property
+    def width(self) -> int:
+        return int(self.fire_count.shape[0])
+
+    @property
+    def freq(self) -> np.ndarray:
+        return self.fire_count / max(1, self.n_tokens)
+
+    @property
+    def mean_act(self) -> np.ndarray:
+        return np.where(self.fire_count > 0, self.act_sum / np.maximum(self.fire_count, 1), 0.0)
+
+    @property
+    def max_act(self) -> np.ndarray:
+        return np.where(self.top_img[:, 0] >= 0, self.top_score[:, 0], 0.0).astype(np.float32)
+
+    def save(self, path: str) -> None:
+        """Write an ``.npz`` atomically (per-token activations as float16, clipped to its range)."""
+        f16 = np.finfo(np.float16).max
+        buf = io.BytesIO()
+        np.savez_compressed(
+            buf, version=np.int64(STATS_VERSION), n_tokens=np.int64(self.n_tokens), n_imgs=np.int64(self.n_imgs),
+            fire_count=self.fire_count, act_sum=self.act_sum, freq=self.freq, mean_act=self.mean_act,
+            max_act=self.max_act, hist=self.hist, hist_edges=self.hist_edges, top_img=self.top_img,
+            top_score=self.top_score, top_acts=np.clip(self.top_acts, -f16, f16).astype(np.float16),
+        )  # fmt: skip
+        atomic_write_bytes(os.fspath(path), buf.getvalue())
+
+    @classmethod
+    def load(cls, path: str) -> LatentSummary:
+        with np.load(os.fspath(path)) as z:
+            return cls(
+                n_tokens=int(z["n_tokens"]), n_imgs=int(z["n_imgs"]), fire_count=z["fire_count"],
+                act_sum=z["act_sum"], hist=z["hist"], top_img=z["top_img"], top_score=z["top_score"],
+                top_acts=z["top_acts"].astype(np.float32), hist_edges=z["hist_edges"],
+            )  # fmt: skip
+
+
+class LatentStats:
+    """Accumulates :class:`LatentSummary` statistics batch by batch (see the module docstring)."""
+
+    def __init__(self, width: int, tokens_per_img: int, k: int = 16, device: str | torch.device = "cpu"):
+        if width < 1 or tokens_per_img < 1 or k < 1:
+            raise ValueError(f"width, tokens_per_img and k must be >= 1, got {width}, {tokens_per_img}, {k}")
+        self.S, self.T, self.K = int(width), int(tokens_per_img), int(k)
+        dev = torch.device(device)
+        self.device = dev
+        self.n_tokens = 0
+        self.n_imgs = 0
+        self.act_sum = torch.zeros(self.S, dtype=torch.float64, device=dev)
+        self.hist = torch.zeros(self.S * N_BINS, dtype=torch.int64, device=dev)
+        self.top_val = torch.full((self.S, self.K), -torch.inf, dtype=torch.float32, device=dev)
+        self.top_img = torch.full((self.S, self.K), -1, dtype=torch.int64, device=dev)
+        self.top_phys = torch.arange(self.K, device=dev).repeat(self.S, 1)
+        self.acts = torch.zeros((self.S, self.K, self.T), dtype=torch.float32, device=dev)
+        self._carry: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @torch.no_grad()
+    def update(self, f_BS: torch.Tensor, image_i: torch.Tensor) -> None:
+        """Add a batch: ``f_BS`` (B, S) latent activations, ``image_i`` (B,) their image indices."""
+        if f_BS.ndim != 2 or f_BS.shape[1] != self.S or image_i.shape != f_BS.shape[:1]:
+            raise ValueError(
+                f"expected f_BS (B, {self.S}) and image_i (B,), got {tuple(f_BS.shape)}, {tuple(image_i.shape)}"
+            )
+        if f_BS.shape[0] == 0:
+            return
+        f_BS = f_BS.to(self.device, torch.float32)
+        image_i = image_i.to(self.device, torch.int64)
+        self._count(f_BS)
+        if self._carry is not None:
+            f_BS = torch.cat([self._carry[0], f_BS])
+            image_i = torch.cat([self._carry[1], image_i])
+            self._carry = None
+        n = f_BS.shape[0] // self.T
+        if f_BS.shape[0] > n * self.T:  # an image continues in the next batch
+            self._carry = (f_BS[n * self.T :].clone(), image_i[n * self.T :].clone())
+        if n:
+            img_NT = image_i[: n * self.T].view(n, self.T)
+            if not bool((img_NT == img_NT[:, :1]).all()):
+                raise ValueError(
+                    f"batches are not in storage order: each run of {self.T} tokens must belong to one image"
+                )
+            self._merge(f_BS[: n * self.T].view(n, self.T, self.S), img_NT[:, 0])
+            self.n_imgs += n
+
+    def _count(self, f_BS: torch.Tensor) -> None:
+        f = f_BS.reshape(-1)
+        flat = f.nonzero().squeeze(1)
+        vals = f[flat]
+        lat = flat.remainder_(self.S)
+        if vals.numel() and float(vals.min()) <= 0:  # negative activations do not count as firing
+            keep = vals > 0
+            lat, vals = lat[keep], vals[keep]
+        self.act_sum += torch.zeros(self.S, dtype=torch.float32, device=self.device).index_add_(0, lat, vals)
+        self.hist += torch.bincount(hist_bins(vals).add_(lat.mul_(N_BINS)), minlength=self.S * N_BINS)
+        self.n_tokens += f_BS.shape[0]
+
+    def _merge(self, f_NTS: torch.Tensor, img_N: torch.Tensor) -> None:
+        """Merge a batch of whole images into the running top-k.
+
+        Per-token activations live in physical slots ``self.acts[s, phys]`` that never move; rank
+        ``r`` of latent ``s`` is at ``self.top_phys[s, r]``. An image entering the top-k takes the
+        slot of the one it evicts, so only new entries are written.
+        """
+        S, K, n = self.S, self.K, f_NTS.shape[0]
+        score_SN = f_NTS.amax(1).T
+        score_SN = torch.where(score_SN > 0, score_SN, -torch.inf)  # an image that never fires is no candidate
+        val_SK, pos_SK = torch.cat([self.top_val, score_SN], 1).topk(K, dim=1)
+        img_SK = torch.cat([self.top_img, img_N.expand(S, n)], 1).gather(1, pos_SK)
+        from_run = pos_SK < K
+        kept = torch.zeros((S, K + 1), dtype=torch.bool, device=self.device)
+        kept.scatter_(1, torch.where(from_run, pos_SK, K), True)
+        phys_SK = self.top_phys.gather(1, pos_SK.clamp(max=K - 1))
+        # Row-major nonzero lists of freed slots and new ranks align: each row has as many of both.
+        fs, fj = (~kept[:, :K]).nonzero(as_tuple=True)
+        ns, nr = (~from_run).nonzero(as_tuple=True)
+        phys_SK[ns, nr] = self.top_phys[fs, fj]
+        write = val_SK[ns, nr] > 0
+        ns, nr = ns[write], nr[write]
+        if ns.numel():
+            self.acts[ns, phys_SK[ns, nr]] = f_NTS[pos_SK[ns, nr] - K, :, ns]
+        self.top_val, self.top_phys = val_SK, phys_SK
+        self.top_img = torch.where(val_SK > 0, img_SK, -1)
+
+    def result(self) -> LatentSummary:
+        """The statistics so far (numpy); an image still incomplete at the end is an error."""
+        if self._carry is not None:
+            raise ValueError(
+                f"the last image is incomplete: {self._carry[0].shape[0]} of its {self.T} tokens were seen"
+            )
+        hist = self.hist.view(self.S, N_BINS).cpu().numpy()
+        filled = self.top_img >= 0
+        top_acts = self.acts.gather(1, self.top_phys.unsqueeze(-1).expand(-1, -1, self.T))
+        return LatentSummary(
+            n_tokens=self.n_tokens, n_imgs=self.n_imgs, fire_count=hist.sum(1), act_sum=self.act_sum.cpu().numpy(),
+            hist=hist, top_img=self.top_img.cpu().numpy(),
+            top_score=torch.where(filled, self.top_val, 0.0).cpu().numpy(),
+            top_acts=torch.where(filled.unsqueeze(-1), top_acts, 0.0).cpu().numpy(),
+        )  # fmt: skip

@@ -1,0 +1,450 @@
+"""`actcache visuals RUN_DIR [RUN_DIR | SWEEP_DIR ...]`: what each latent of a trained SAE responds to.
+
+For each SAE run directory (``<runs_to>/<HASH>/<sae-id>/``, written by ``actcache train``), ONE
+ordered pass over its cache (the layer, patches and scaling it was trained on, every image;
+SAEs of the same stream share the pass) gives per-latent statistics (:mod:`actcache.topk`), and
+
+    RUN_DIR/visuals/
+        latents.npz     freq, fire_count, mean_act, max_act, hist (+ hist_edges), top_img,
+                        top_score, top_acts (per-token activations of the top images, float16)
+        summary.json    what was computed on what (cache, layer, patches, k, counts, timings)
+        index.html      the page (see actcache.visuals_html), img/ its images (relative paths)
+        curves.png      training curves (NMSE, L0, dead %) from metrics.jsonl
+        freq.png        firing frequency and mean activation of every latent
+    RUN_DIR/visuals.html  the same page in one file, every image inlined (written last; what
+                        `snakemake --report report.html` embeds, since a report cannot hold folders)
+
+With several runs (or a sweep directory such as ``<runs_to>/<HASH>/``) it also writes, into
+``--out`` (default ``<their common parent>/visuals/``): ``nmse_l0.png`` (one point per SAE, from
+eval.json or else the last metrics), ``curves.png`` (every SAE's curves), ``sweep.json`` and an
+``index.html`` linking the per-SAE pages. ``--plots-only`` skips the pass and the per-SAE pages.
+
+Modules: this one (runs, errors, the pass, the CLI), :mod:`actcache.topk` (streaming statistics),
+:mod:`actcache.visuals_html` (page, images, heatmaps), :mod:`actcache.visuals_plots` (matplotlib).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import math
+import os
+import shutil
+import time
+
+import numpy as np
+
+from actcache.errors import ActCacheError, ConfigError
+from actcache.fsutil import atomic_write_bytes
+from actcache.topk import LatentStats, LatentSummary
+
+log = logging.getLogger(__name__)
+
+RUN_FILE, METRICS_FILE, EVAL_FILE, DONE_FILE = "run.json", "metrics.jsonl", "eval.json", "done.json"
+SAE_FILES = ("config.json", "sae.safetensors")
+VISUALS_DIR, STATS_FILE, SUMMARY_FILE = "visuals", "latents.npz", "summary.json"
+STANDALONE_FILE = "visuals.html"
+TARGET_BATCH_BYTES = 2**28  # latent activations of one batch (B x width float32)
+
+
+class VisualsError(ActCacheError):
+    """`actcache visuals` cannot run on its input."""
+
+
+class RunDirError(VisualsError):
+    """A path is not (or not yet) a trained SAE's run directory."""
+
+
+class CacheMissingError(VisualsError):
+    """The cache an SAE was trained on is missing or differs."""
+
+
+class ImagesMissingError(VisualsError):
+    """The image dataset that made the cache cannot be opened."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Runs
+
+
+@dataclasses.dataclass
+class Run:
+    dir: str
+    info: dict  # run.json ({} when absent)
+    cache: str | None
+    cache_hash: str | None
+    layer: int | None
+    patches: str
+    scale_norm: bool
+
+    @property
+    def name(self) -> str:
+        return self.info.get("sae_id") or os.path.basename(os.path.normpath(self.dir))
+
+    @property
+    def has_weights(self) -> bool:
+        return all(os.path.isfile(os.path.join(self.dir, f)) for f in SAE_FILES)
+
+    def label(self) -> str:
+        r = self.info.get("run", {})
+        cfg = read_json(os.path.join(self.dir, "config.json")) or {}
+        act = cfg.get("activation", r.get("activation", "?"))
+        k = cfg.get("k", r.get("k"))
+        width = cfg.get("width", self.info.get("width"))
+        return f"{self.name[:8]} {act}" + (f" k={k}" if k else "") + (f" w={width}" if width else "")
+
+
+def read_json(path: str):
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        raise RunDirError(f"{path}: cannot read it as JSON ({err}); delete it or re-run actcache train") from None
+
+
+def is_run_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, RUN_FILE)) or all(os.path.isfile(os.path.join(path, f)) for f in SAE_FILES)
+
+
+def find_runs(paths: list[str]) -> list[str]:
+    """Run directories named by ``paths``: each a run directory, or a directory holding run
+    directories one or two levels down (``<runs_to>/<HASH>/`` or ``<runs_to>/``)."""
+    out: list[str] = []
+    for p in paths:
+        if not os.path.isdir(p):
+            raise RunDirError(
+                f"{p}: no such directory. Pass an SAE run directory <runs_to>/<HASH>/<sae-id>/ written by "
+                "`actcache train` (`actcache plan` lists them), or a directory holding such runs."
+            )
+        if is_run_dir(p):
+            out.append(p)
+            continue
+        found = []
+        for depth_glob in (1, 2):
+            level = [p]
+            for _ in range(depth_glob):
+                level = [
+                    os.path.join(d, c)
+                    for d in level
+                    for c in sorted(os.listdir(d))
+                    if os.path.isdir(os.path.join(d, c))
+                ]
+            found = [d for d in level if is_run_dir(d)]
+            if found:
+                break
+        if not found:
+            raise RunDirError(
+                f"{p}: not an SAE run directory (no {RUN_FILE}, no {' + '.join(SAE_FILES)}) and no run directories "
+                "below it. Pass <runs_to>/<HASH>/<sae-id>/ of an SAE trained by `actcache train`."
+            )
+        out.extend(found)
+    return list(dict.fromkeys(out))
+
+
+def load_run(path: str, cache: str | None = None) -> Run:
+    info = read_json(os.path.join(path, RUN_FILE)) or {}
+    run = info.get("run", {})
+    return Run(
+        dir=path, info=info, cache=cache or info.get("cache"), cache_hash=info.get("cache_hash"),
+        layer=info.get("layer", run.get("layer")), patches=run.get("patches", "image"),
+        scale_norm=bool(run.get("scale_norm", False)),
+    )  # fmt: skip
+
+
+def open_cache(run: Run):
+    """The run's cache, checked against the hash recorded in run.json."""
+    from actcache.cache import ActivationCache
+
+    if run.cache is None:
+        raise CacheMissingError(
+            f"{run.dir}: no {RUN_FILE} records which cache this SAE was trained on; pass --cache <dump_to>/<HASH>."
+        )
+    if not os.path.isdir(run.cache):
+        raise CacheMissingError(
+            f"{run.dir}: the cache it was trained on, {run.cache}, does not exist. Re-create it (`actcache dump` "
+            "+ `actcache gather`, or the workflow), or pass --cache DIR if it moved."
+        )
+    try:
+        cache = ActivationCache.open(run.cache)
+    except ActCacheError as err:
+        raise CacheMissingError(f"{run.dir}: the cache {run.cache} it was trained on cannot be opened: {err}") from None
+    if run.cache_hash and cache.metadata.hash != run.cache_hash:
+        raise CacheMissingError(
+            f"{run.dir}: {run.cache} holds cache {cache.metadata.hash[:12]}..., but the SAE was trained on "
+            f"{run.cache_hash[:12]}... (run.json); pass --cache <dump_to>/{run.cache_hash}."
+        )
+    md = cache.metadata
+    if run.layer is None:
+        if len(md.layers) != 1:
+            raise RunDirError(f"{run.dir}: run.json does not say which of the layers {list(md.layers)} the SAE saw.")
+        run.layer = md.layers[0]
+    return cache
+
+
+def image_source(md, no_images: bool):
+    """The ImageSource of the cache metadata; an unopenable dataset is an ImagesMissingError."""
+    from actcache.images import data_config_from_metadata, open_dataset
+    from actcache.visuals_html import ImageSource
+
+    if no_images:
+        return ImageSource(None, None, "Images are off (--no-images).")
+    fix = "restore it there (the cache hash depends on the path), or pass --no-images for a page without images."
+    try:
+        cfg = data_config_from_metadata(md.data)
+    except ConfigError as err:
+        raise ImagesMissingError(
+            f"the cache's data config {json.dumps(md.data, sort_keys=True)} is not an image dataset actcache can "
+            f"open ({err}); pass --no-images for a page without images."
+        ) from None
+    try:
+        ds = open_dataset(cfg)
+    except ActCacheError as err:
+        raise ImagesMissingError(f"cannot open the image dataset that made the cache: {err}. {fix}") from None
+    if len(ds) < md.n_imgs:
+        raise ImagesMissingError(
+            f"the image dataset {json.dumps(md.data, sort_keys=True)} now has {len(ds)} images but the cache "
+            f"has {md.n_imgs}: it changed since the dump. {fix}"
+        )
+    return ImageSource(ds, *display_transform(md))
+
+
+def display_transform(md):
+    """(transform, note): the checkpoint's resize + center crop without normalisation."""
+    from actcache.images import ImageTransform
+    from actcache.models import BICUBIC, load_transform
+
+    try:
+        t = load_transform(md.vit_family, md.vit_ckpt)
+        return dataclasses.replace(t, rescale_factor=None, mean=None, std=None), ""
+    except ActCacheError as err:
+        log.warning("no preprocessing for %s (%s); images shown with a plain center crop", md.vit_ckpt, err)
+        return ImageTransform(("shortest_edge", 224), BICUBIC, (224, 224), None, None, None), (
+            f"The checkpoint's preprocessing is not available ({err}); images are shown with a plain "
+            "224x224 center crop, which may not match the patch grid exactly."
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# The pass
+
+
+def compute_stats(cache, saes: list, patches: str, layer: int, scale_norm: bool, k: int = 16,
+                  batch_images: int | None = None, device: str = "cpu",
+                  timings: dict | None = None) -> list[LatentSummary]:  # fmt: skip
+    """One ordered pass over ``cache``; per SAE, its :class:`LatentSummary`.
+
+    ``timings`` (a dict) receives the seconds spent waiting for batches (``wait_s``), in the
+    SAEs' ``encode`` (``encode_s``) and in the statistics (``stats_s``).
+    """
+    import torch
+
+    from actcache.loaders import OrderedLoader
+    from actcache.loaders.common import Selection
+
+    per_img = Selection(cache.metadata, patches, layer).per_img
+    width = max(s.cfg.width for s in saes)
+    if batch_images is None:
+        batch_images = max(1, min(16384 // per_img, TARGET_BATCH_BYTES // (4 * per_img * width)))
+    stats = [LatentStats(s.cfg.width, per_img, k, device) for s in saes]
+    for s in saes:
+        s.to(device).eval()
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    loader = OrderedLoader(cache, batch_size=batch_images * per_img, patches=patches, layer=layer,
+                           scale_norm=scale_norm, batch_timeout_s=None)  # fmt: skip
+    n, t_start = len(loader), time.perf_counter()
+    t_log, spent = t_start, {"wait_s": 0.0, "encode_s": 0.0, "stats_s": 0.0}
+    with loader, torch.inference_mode():
+        batches = iter(loader)
+        for b in range(n):
+            t0 = time.perf_counter()
+            batch = next(batches)
+            x_BD = batch["act"].to(device, non_blocking=True)
+            img = batch["image_i"].to(device, non_blocking=True)
+            spent["wait_s"] += time.perf_counter() - t0
+            for sae, st in zip(saes, stats, strict=True):
+                t1 = time.perf_counter()
+                f_BS = sae.encode(x_BD)
+                sync()
+                t2 = time.perf_counter()
+                st.update(f_BS, img)
+                sync()
+                spent["encode_s"] += t2 - t1
+                spent["stats_s"] += time.perf_counter() - t2
+            if time.perf_counter() - t_log > 30:
+                t_log = time.perf_counter()
+                log.info("visuals: batch %d/%d, %.0f s", b + 1, n, t_log - t_start)
+    if timings is not None:
+        timings.update(spent)
+    return [st.result() for st in stats]
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing one run's visuals/
+
+
+def _patch_of_token(md, patches: str, layer: int) -> np.ndarray:
+    from actcache.loaders.common import Selection
+
+    sel = Selection(md, patches, layer)
+    return np.asarray(sel.decode(np.arange(sel.per_img))[3], np.int64)
+
+
+def write_visuals(run: Run, cache, res: LatentSummary, src, opts, timings: dict) -> str:
+    """Write RUN_DIR/visuals/ (into a temporary sibling, then renamed) and RUN_DIR/visuals.html
+    (the same page, self-contained); returns visuals/index.html."""
+    from actcache import visuals_html as vh
+    from actcache.visuals_plots import plot_curves, plot_freq
+
+    md = cache.metadata
+    final = os.path.join(run.dir, VISUALS_DIR)
+    tmp = os.path.join(run.dir, f".{VISUALS_DIR}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        t0 = time.perf_counter()
+        res.save(os.path.join(tmp, STATS_FILE))
+        notes = [src.note] if src.note else []
+        try:
+            ids = [int(x) for x in opts.latent_ids.split(",")] if opts.latent_ids else None
+        except ValueError:
+            raise ConfigError(f"--latent-ids must be comma-separated integers, got {opts.latent_ids!r}") from None
+        if ids is not None and any(not 0 <= i < res.width for i in ids):
+            raise ConfigError(f"--latent-ids: ids must be in [0, {res.width}), got {opts.latent_ids}")
+        latents = vh.select_latents(res, opts.latents, opts.select, ids)
+        pot = _patch_of_token(md, run.patches, run.layer)
+        grid = math.isqrt(md.n_patches_per_img)
+        heat = (pot >= 0).any() and grid * grid == md.n_patches_per_img
+        if heat:
+            vh.write_sprites(res, latents, pot, grid, os.path.join(tmp, "img", "heat"))
+        labels = {}
+        if src.dataset is not None:
+            top = res.top_img[latents]
+            labels = vh.render_images(src, sorted({int(i) for i in top[top >= 0]}), os.path.join(tmp, "img"))
+        plots = []
+        if plot_curves([run], os.path.join(tmp, "curves.png")):
+            plots.append("curves.png")
+        plot_freq(res, os.path.join(tmp, "freq.png"))
+        plots.append("freq.png")
+        timings["page_s"] = time.perf_counter() - t0
+        ev = read_json(os.path.join(run.dir, EVAL_FILE)) or {}
+        cfg = read_json(os.path.join(run.dir, "config.json")) or {}
+        info = {
+            "SAE": run.name, "activation": cfg.get("activation"), "width": res.width, "k": cfg.get("k"),
+            "cache": f"{md.hash[:16]}... ({run.cache})", "model": f"{md.vit_family} {md.vit_ckpt}",
+            "layer / patches": f"{run.layer} / {run.patches}" + (" (scale_norm)" if run.scale_norm else ""),
+            "images / tokens": f"{res.n_imgs:,} / {res.n_tokens:,}",
+            "dead / dense latents": f"{int((res.fire_count == 0).sum()):,} / {int((res.freq > 0.1).sum()):,}",
+            "mean L0 (this pass)": f"{res.fire_count.sum() / max(1, res.n_tokens):.2f}",
+        }  # fmt: skip
+        if isinstance(ev.get("nmse"), (int, float)):
+            info["held-out eval"] = f"NMSE {ev['nmse']:.4f}, L0 {ev.get('l0', float('nan')):.2f}"
+        page = vh.render_page(res, latents, info, labels, pot, heat, src.dataset is not None, plots, notes)
+        vh.write_page(os.path.join(tmp, "index.html"), page)
+        standalone = vh.inline_assets(page, tmp)
+        summary = {
+            "version": 1, "sae_id": run.name, "run_dir": os.path.abspath(run.dir), "cache": run.cache,
+            "cache_hash": md.hash, "layer": run.layer, "patches": run.patches, "scale_norm": run.scale_norm,
+            "k": int(res.top_img.shape[1]), "width": res.width, "n_imgs": res.n_imgs, "n_tokens": res.n_tokens,
+            "n_dead": int((res.fire_count == 0).sum()), "latents_shown": [int(s) for s in latents],
+            "sae_weights": _weights_stamp(run.dir), "reused": timings.pop("reused", False), "seconds": timings,
+            "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        }  # fmt: skip
+        atomic_write_bytes(os.path.join(tmp, SUMMARY_FILE), (json.dumps(summary, indent=2) + "\n").encode())
+        old = None
+        if os.path.isdir(final):
+            old = os.path.join(run.dir, f".{VISUALS_DIR}.old-{os.getpid()}")
+            os.rename(final, old)
+        os.rename(tmp, final)
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
+        # the same page in one file (images inlined), beside the folder: for `snakemake --report`
+        atomic_write_bytes(os.path.join(run.dir, STANDALONE_FILE), standalone.encode("utf-8"))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return os.path.join(final, "index.html")
+
+
+def _weights_stamp(run_dir: str) -> dict:
+    st = os.stat(os.path.join(run_dir, "sae.safetensors"))
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _reusable(run: Run, md, opts) -> LatentSummary | None:
+    d = os.path.join(run.dir, VISUALS_DIR)
+    doc = read_json(os.path.join(d, SUMMARY_FILE)) if os.path.isdir(d) else None
+    if not doc or not os.path.isfile(os.path.join(d, STATS_FILE)):
+        return None
+    same = (doc.get("sae_weights") == _weights_stamp(run.dir) and doc.get("cache_hash") == md.hash
+            and doc.get("layer") == run.layer and doc.get("patches") == run.patches and doc.get("k") == opts.top_k)  # fmt: skip
+    return LatentSummary.load(os.path.join(d, STATS_FILE)) if same else None
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def cli_visuals(args) -> int:
+    """`actcache visuals RUN_DIR...` (options: see `actcache visuals --help`)."""
+    import torch
+
+    from actcache.sae.modeling import SAE
+
+    for name in ("top_k", "latents", "batch_images"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    paths = find_runs(args.run_dirs)
+    runs = [load_run(p, args.cache) for p in paths]
+    if not args.plots_only:
+        missing = [r.dir for r in runs if not r.has_weights]
+        if missing:
+            raise RunDirError(
+                f"{missing[0]}: no final SAE weights ({' + '.join(SAE_FILES)}); training has not finished (wait "
+                f"for its {DONE_FILE}), or use --plots-only for the training curves."
+            )
+        streams: dict[tuple, list[Run]] = {}
+        caches = {}
+        for r in runs:
+            cache = open_cache(r)
+            key = (os.path.realpath(cache.path), r.layer, r.patches, r.scale_norm)
+            caches[key] = cache
+            streams.setdefault(key, []).append(r)
+        for key, members in streams.items():
+            cache = caches[key]
+            src = image_source(cache.metadata, args.no_images)  # fails before the pass, not after it
+            todo, results = [], {}
+            for r in members:
+                got = _reusable(r, cache.metadata, args) if args.reuse else None
+                if got is not None:
+                    results[r.dir] = got
+                else:
+                    todo.append(r)
+            t0, timings = time.perf_counter(), {}
+            if todo:
+                log.info("visuals: one pass over %s (layer %s, patches %s) for %d SAE(s)", cache.path, key[1], key[2],
+                         len(todo))  # fmt: skip
+                saes = [SAE.load(r.dir) for r in todo]
+                device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+                for r, res in zip(todo, compute_stats(cache, saes, key[2], key[1], key[3], args.top_k,
+                                                      args.batch_images, device, timings), strict=True):  # fmt: skip
+                    results[r.dir] = res
+            pass_s = time.perf_counter() - t0
+            for r in members:
+                path = write_visuals(r, cache, results[r.dir], src, args,
+                                     {"pass_s": pass_s, **timings, "reused": r not in todo})  # fmt: skip
+                print(path)
+    if len(runs) > 1 or args.out or args.plots_only:
+        out = args.out or os.path.join(os.path.commonpath([os.path.abspath(os.path.dirname(r.dir)) for r in runs]),
+                                       VISUALS_DIR)  # fmt: skip
+        from actcache.visuals_plots import write_sweep
+
+        made = write_sweep(runs, out)
+        for name in made:
+            print(os.path.join(out, f"{name}.png"))
+        print(os.path.join(out, "index.html"))
+    return 0

@@ -1,0 +1,181 @@
+"""Plots of `actcache visuals` (matplotlib, Agg): training curves, firing frequencies, and the
+sweep outputs (NMSE against L0 across SAEs, every SAE's curves, a small index page)."""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+
+import numpy as np
+
+from actcache.fsutil import atomic_write_bytes
+from actcache.topk import LatentSummary
+from actcache.visuals import EVAL_FILE, METRICS_FILE, VISUALS_DIR, Run, VisualsError, read_json
+
+
+def _plt():
+    try:
+        import matplotlib
+    except ImportError:
+        raise VisualsError("plots need matplotlib: pip install matplotlib") from None
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    out = []
+    try:
+        with open(os.path.join(run_dir, METRICS_FILE), encoding="utf-8") as fh:
+            for ln in fh:
+                try:
+                    out.append(json.loads(ln))
+                except ValueError:
+                    continue  # a line cut by a kill
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def _width(run: Run) -> int | None:
+    cfg = read_json(os.path.join(run.dir, "config.json")) or {}
+    return cfg.get("width") or run.info.get("width")
+
+
+def plot_curves(runs: list[Run], path: str) -> bool:
+    """NMSE, L0 and dead % against training step, one line per run; False when no metrics."""
+    data = [(r, read_metrics(r.dir)) for r in runs]
+    data = [(r, m) for r, m in data if m]
+    if not data:
+        return False
+    plt = _plt()
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+    for r, m in data:
+        step = [x.get("step") for x in m]
+        width = _width(r)
+        series = {
+            "NMSE": [x.get("nmse") for x in m], "L0": [x.get("l0") for x in m],
+            "dead %": [100.0 * x["n_dead"] / width if width and x.get("n_dead") is not None else None for x in m],
+        }  # fmt: skip
+        for ax, (name, ys) in zip(axes, series.items(), strict=True):
+            pts = [(s, y) for s, y in zip(step, ys, strict=True) if s is not None and y is not None]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), label=r.label(), lw=1.2)
+            ax.set_title(name)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+    if len(data) > 1:
+        axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
+
+
+def sweep_points(runs: list[Run]) -> list[dict]:
+    pts = []
+    for r in runs:
+        ev = read_json(os.path.join(r.dir, EVAL_FILE)) or {}
+        if isinstance(ev.get("nmse"), (int, float)) and isinstance(ev.get("l0"), (int, float)):
+            pts.append({"run": r.dir, "sae_id": r.name, "label": r.label(), "nmse": ev["nmse"], "l0": ev["l0"],
+                        "source": "eval"})  # fmt: skip
+            continue
+        m = [x for x in read_metrics(r.dir) if x.get("nmse") is not None and x.get("l0") is not None]
+        if m:
+            pts.append({"run": r.dir, "sae_id": r.name, "label": r.label(), "nmse": m[-1]["nmse"], "l0": m[-1]["l0"],
+                        "source": "train", "step": m[-1].get("step")})  # fmt: skip
+    return pts
+
+
+def plot_sweep(points: list[dict], path: str) -> bool:
+    if not points:
+        return False
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for src, marker in (("eval", "o"), ("train", "s")):
+        p = [x for x in points if x["source"] == src]
+        if p:
+            ax.scatter([x["l0"] for x in p], [x["nmse"] for x in p], marker=marker,
+                       label="held-out eval" if src == "eval" else "last training metrics")  # fmt: skip
+    for x in points:
+        ax.annotate(x["label"], (x["l0"], x["nmse"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    l0 = [x["l0"] for x in points if x["l0"] > 0]
+    if l0 and max(l0) / min(l0) > 20:
+        ax.set_xscale("log")
+    ax.margins(x=0.2, y=0.15)
+    ax.set_xlabel("L0 (latents per token)")
+    ax.set_ylabel("NMSE")
+    ax.set_title("NMSE against L0")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
+
+
+def _placeholder(path: str, text: str) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 1.5))
+    ax.axis("off")
+    ax.text(0.5, 0.5, text, ha="center", va="center")
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def plot_freq(res: LatentSummary, path: str) -> None:
+    plt = _plt()
+    alive = res.fire_count > 0
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.2))
+    if alive.any():
+        lf = np.log10(res.freq[alive])
+        a.hist(lf, bins=50, color="#4a6fa5")
+        b.scatter(lf, np.log10(np.maximum(res.mean_act[alive], 1e-12)), s=3, alpha=0.5, color="#4a6fa5")
+    a.set_title(f"firing frequency ({(~alive).sum():,} dead of {res.width:,})")
+    a.set_xlabel("log10 frequency")
+    a.set_ylabel("latents")
+    b.set_title("mean activation when firing")
+    b.set_xlabel("log10 frequency")
+    b.set_ylabel("log10 mean activation")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sweep outputs
+
+
+def write_sweep(runs: list[Run], out: str) -> dict:
+    os.makedirs(out, exist_ok=True)
+    pts = sweep_points(runs)
+    made = {"nmse_l0": plot_sweep(pts, os.path.join(out, "nmse_l0.png")),
+            "curves": plot_curves(runs, os.path.join(out, "curves.png"))}  # fmt: skip
+    for name, ok in made.items():  # the files always exist (workflow outputs); say why one is empty
+        if not ok:
+            _placeholder(os.path.join(out, f"{name}.png"), "no metrics.jsonl / eval.json in these runs yet")
+    atomic_write_bytes(os.path.join(out, "sweep.json"), (json.dumps({"points": pts}, indent=2) + "\n").encode())
+    rows = []
+    for r in runs:
+        p = next((x for x in pts if x["run"] == r.dir), {})
+        page = os.path.join(r.dir, VISUALS_DIR, "index.html")
+        link = (f'<a href="{html.escape(os.path.relpath(page, out))}">{html.escape(r.name)}</a>'
+                if os.path.isfile(page) else html.escape(r.name))  # fmt: skip
+        nmse, l0 = p.get("nmse"), p.get("l0")
+        rows.append(f"<tr><td>{link}</td><td>{html.escape(r.label())}</td>"
+                    f"<td>{'' if nmse is None else f'{nmse:.4f}'}</td><td>{'' if l0 is None else f'{l0:.2f}'}</td>"
+                    f"<td>{p.get('source', '')}</td></tr>")  # fmt: skip
+    imgs = "".join(f'<img src="{n}.png" alt="{n}">' for n in made)
+    page = (
+        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>SAE sweep</title><style>'
+        "body{font:14px system-ui,sans-serif;margin:16px} td,th{padding:2px 10px;text-align:left}"
+        "img{max-width:100%;margin:6px 0;display:block}</style></head><body><h1>SAE sweep</h1>"
+        f"{imgs}<table><tr><th>SAE</th><th>config</th><th>NMSE</th><th>L0</th><th>from</th></tr>{''.join(rows)}"
+        "</table></body></html>\n"
+    )
+    atomic_write_bytes(os.path.join(out, "index.html"), page.encode())
+    return made

@@ -1,0 +1,391 @@
+"""`actcache visuals`: the page renders in headless Chromium (cards, images from relative paths,
+no console errors, sortable), the arrays and plots are written, sweeps give NMSE-L0 plots, and
+bad input fails with an actionable message.
+
+The test world is real and small: an image folder (actcache.demo's coloured shapes), a local
+CLIP checkpoint directory (its config.json and preprocessor_config.json, which is all the page
+needs: the crop), a cache whose activations are computed from each patch's colour (so latents
+respond to colours, and the heatmaps in the screenshot mean something), and SAEs saved with
+SAE.save plus the run.json that `actcache train` writes (one test trains real ones).
+
+Chromium: Debian's package; the session fixture installs it with apt-get when missing (as CI
+does on a clean machine) and fails, rather than skips, when it cannot.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+
+from actcache import cli
+from actcache.demo import make_image_folder
+from actcache.images import ImageFolder, metadata_data, open_dataset
+from actcache.models import load_transform
+from actcache.protocol import Metadata
+from actcache.sae.modeling import SAE, SAEConfig
+from actcache.topk import N_BINS
+from actcache.writer import synthetic_fill, synthetic_metadata, write_cache, write_cache_from_array
+
+D, WIDTH, K_SAE, N_PER_CLASS = 16, 48, 4, 8
+SAE_ID = "abc123def456"
+CHROMIUM_FLAGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync", "--hide-scrollbars",
+    "--enable-logging=stderr", "--v=0",
+]  # fmt: skip
+
+
+# ---- chromium --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def chromium():
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe is None:
+        cmd = "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium"
+        if os.geteuid() != 0:
+            cmd = "sudo -n sh -c " + repr(cmd)
+        proc = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=1200)
+        exe = shutil.which("chromium")
+        if exe is None:
+            pytest.fail(
+                f"chromium is needed to render the visuals page and could not be installed:\n{proc.stderr[-2000:]}"
+            )
+    return exe
+
+
+def browse(exe: str, page: str, *, hash: str = "", screenshot: str | None = None, size=(1300, 1600)):
+    """Load ``page`` (a file path) headless; returns (DOM or '', console lines)."""
+    with tempfile.TemporaryDirectory() as profile:
+        args = [exe, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--window-size={size[0]},{size[1]}",
+                "--virtual-time-budget=5000"]  # fmt: skip
+        args += [f"--screenshot={screenshot}"] if screenshot else ["--dump-dom"]
+        proc = subprocess.run([*args, "file://" + os.path.abspath(page) + hash], capture_output=True, text=True,
+                              timeout=120, start_new_session=True)  # fmt: skip
+    console = [ln for ln in proc.stderr.splitlines() if ":CONSOLE" in ln or "Uncaught" in ln]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout, console
+
+
+def jload(path):
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def read_text(path) -> str:
+    with open(path, encoding="utf-8") as fh:
+        return fh.read()
+
+
+def card_ids(dom: str) -> list[int]:
+    return [int(m) for m in re.findall(r'class="latent-card" id="latent-(\d+)"', dom)]
+
+
+# ---- the test world --------------------------------------------------------------------------
+
+
+def write_checkpoint(directory) -> str:
+    """A local CLIP checkpoint directory as far as preprocessing goes (32x32 input, 8x8 patches)."""
+    os.makedirs(directory, exist_ok=True)
+    cfg = {
+        "model_type": "clip_vision_model",
+        "hidden_size": D,
+        "num_hidden_layers": 2,
+        "image_size": 32,
+        "patch_size": 8,
+    }
+    proc = {
+        "image_processor_type": "CLIPImageProcessor",
+        "size": {"shortest_edge": 32},
+        "crop_size": {"height": 32, "width": 32},
+    }
+    for name, doc in (("config.json", cfg), ("preprocessor_config.json", proc)):
+        with open(os.path.join(directory, name), "w") as fh:
+            json.dump(doc, fh)
+    return str(directory)
+
+
+def colour_activations(ds, ckpt: str, seed: int = 0) -> np.ndarray:
+    """(N, 1, 17, D): patch token = its mean colour (after the model's crop) projected to D, CLS = mean."""
+    t = load_transform("clip", ckpt)
+    rng = np.random.default_rng(seed)
+    R = rng.standard_normal((3, D)).astype(np.float32)
+    acts = np.empty((len(ds), 1, 17, D), np.float32)
+    for i in range(len(ds)):
+        x = t(ds[i][0])  # (3, 32, 32)
+        cells = x.reshape(3, 4, 8, 4, 8).mean((2, 4)).reshape(3, 16).T
+        a = cells @ R + 0.05 * rng.standard_normal((16, D)).astype(np.float32)
+        acts[i, 0, 1:], acts[i, 0, 0] = a, a.mean(0)
+    return acts
+
+
+def save_run(run_dir, cache_dir, md: Metadata, acts, seed: int = 1, k: int = K_SAE, sae_id: str = SAE_ID, metrics=True):
+    """An SAE run directory as `actcache train` leaves it (weights, config, run.json, metrics, eval)."""
+    sae = SAE(SAEConfig(d_vit=D, width=WIDTH, activation="topk", k=k, seed=seed))
+    with torch.no_grad():
+        sae.b_dec.copy_(torch.from_numpy(acts[:, 0, 1:].reshape(-1, D).mean(0)))
+    sae.save(run_dir)
+    doc = {"sae_id": sae_id, "group_id": "L-2-image-test", "cache": os.path.abspath(cache_dir), "cache_hash": md.hash,
+           "layer": -2, "d_vit": D, "width": WIDTH, "train_images": [0, md.n_imgs], "world_size": 1,
+           "run": {"patches": "image", "scale_norm": False, "activation": "topk", "k": k}}  # fmt: skip
+    with open(os.path.join(run_dir, "run.json"), "w") as fh:
+        json.dump(doc, fh)
+    if metrics:
+        with open(os.path.join(run_dir, "metrics.jsonl"), "w") as fh:
+            for s in range(10, 110, 10):
+                fh.write(
+                    json.dumps({"step": s, "nmse": 0.5 / s**0.3 + 0.01 * k, "l0": k, "n_dead": max(0, 20 - s // 5)})
+                    + "\n"
+                )
+        with open(os.path.join(run_dir, "eval.json"), "w") as fh:
+            json.dump({"nmse": 0.3 / k, "l0": float(k), "n_dead": 3}, fh)
+    return str(run_dir)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("visuals")
+    images = make_image_folder(str(root / "images"), n_per_class=N_PER_CLASS)
+    ckpt = write_checkpoint(root / "ckpt")
+    cfg = ImageFolder(images)
+    ds = open_dataset(cfg)
+    md = Metadata(vit_family="clip", vit_ckpt=ckpt, layers=(-2,), n_patches_per_img=16, cls_token=True, d_vit=D,
+                  n_imgs=len(ds), max_patches_per_shard=10 * 17, data=metadata_data(cfg))  # fmt: skip
+    acts = colour_activations(ds, ckpt)
+    cache = write_cache_from_array(root / "cache", md, acts)
+    run = save_run(root / "runs" / md.hash / SAE_ID, cache, md, acts)
+    return {"root": root, "cache": cache, "md": md, "acts": acts, "run": run, "images": images}
+
+
+@pytest.fixture(scope="module")
+def page(world):
+    """`actcache visuals RUN_DIR --latents 12` run once; returns the visuals folder."""
+    rc = cli.main(["visuals", world["run"], "--latents", "12", "--device", "cpu"])
+    assert rc == 0
+    return os.path.join(world["run"], "visuals")
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    rc = cli.main(["visuals", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+# ---- the page --------------------------------------------------------------------------------
+
+
+def referenced_files(index: str) -> list[str]:
+    text = read_text(index)
+    refs = re.findall(r'src="([^"]+)"', text) + re.findall(r"url\(([^)]+)\)", text)
+    assert refs
+    for r in refs:
+        assert "://" not in r and not r.startswith("/"), f"not a relative path: {r}"
+    return sorted(set(refs))
+
+
+def test_page_renders_with_cards_images_heatmaps_and_no_console_errors(page, chromium, tmp_path):
+    index = os.path.join(page, "index.html")
+    summary = jload(os.path.join(page, "summary.json"))
+    shown = summary["latents_shown"]
+    assert len(shown) == 12
+    with np.load(os.path.join(page, "latents.npz")) as z:
+        n_top = (z["top_img"][shown] >= 0).sum(1)
+
+    dom, console = browse(chromium, index)
+    assert console == []
+    assert sorted(card_ids(dom)) == sorted(shown)
+    assert 'data-broken-images="0"' in dom
+    for s, n in zip(shown, n_top, strict=True):  # one thumbnail (image + heatmap) per top image
+        card = re.search(rf'id="latent-{s}".*?</svg></div>', dom, re.S).group(0)
+        assert card.count('<img src="img/') == n == card.count('class="heat"')
+        assert f"img/heat/{s}.png" in card and "<rect" in card
+    refs = referenced_files(index)
+    assert {"curves.png", "freq.png"} <= set(refs)
+    for r in refs:
+        assert os.path.isfile(os.path.join(page, r)), r
+
+    shot = str(tmp_path / "page.png")
+    _, console = browse(chromium, index, screenshot=shot)
+    assert console == []
+    with PIL.Image.open(shot) as im:
+        assert im.size == (1300, 1600)
+        px = np.asarray(im.convert("RGB"))
+    assert len(np.unique(px.reshape(-1, 3), axis=0)) > 1000  # photos, plots and heatmaps, not a blank page
+
+    # The folder works anywhere: copy it, render again; a missing image is reported on the page.
+    moved = shutil.copytree(page, tmp_path / "elsewhere" / "visuals")
+    dom, console = browse(chromium, os.path.join(moved, "index.html"))
+    assert console == [] and len(card_ids(dom)) == 12 and 'data-broken-images="0"' in dom
+    victim = next(r for r in refs if r.endswith(".jpg"))
+    os.remove(os.path.join(moved, victim))
+    dom, _ = browse(chromium, os.path.join(moved, "index.html"))
+    assert re.search(r'data-broken-images="[1-9]', dom) and "failed to load" in dom
+
+
+def test_cards_sort_by_frequency(page, chromium):
+    with np.load(os.path.join(page, "latents.npz")) as z:
+        freq = z["freq"]
+    shown = jload(os.path.join(page, "summary.json"))["latents_shown"]
+    by_freq_desc = sorted(shown, key=lambda s: (-freq[s], s))
+    by_freq_asc = sorted(shown, key=lambda s: (freq[s], s))
+    assert card_ids(read_text(os.path.join(page, "index.html"))) == by_freq_desc  # as written
+    dom, console = browse(chromium, os.path.join(page, "index.html"), hash="#sort=freq-asc")
+    assert console == [] and card_ids(dom) == by_freq_asc
+
+
+def test_console_errors_are_detected(chromium, tmp_path):
+    """The check above would notice a broken script."""
+    bad = tmp_path / "bad.html"
+    bad.write_text("<!DOCTYPE html><html><body><script>notDefined();</script></body></html>")
+    _, console = browse(chromium, str(bad))
+    assert any("Uncaught ReferenceError" in ln for ln in console)
+
+
+def test_arrays_summary_and_plots(world, page):
+    md = world["md"]
+    with np.load(os.path.join(page, "latents.npz")) as z:
+        assert z["freq"].shape == z["mean_act"].shape == z["max_act"].shape == (WIDTH,)
+        assert z["hist"].shape == (WIDTH, N_BINS) and z["hist_edges"].shape == (N_BINS + 1,)
+        assert z["top_img"].shape == z["top_score"].shape == (WIDTH, 16)
+        assert z["top_acts"].shape == (WIDTH, 16, 16) and z["top_acts"].dtype == np.float16
+        assert int(z["n_tokens"]) == md.n_imgs * 16 and z["fire_count"].sum() == K_SAE * md.n_imgs * 16
+        np.testing.assert_allclose(z["freq"].sum(), K_SAE)
+    s = jload(os.path.join(page, "summary.json"))
+    assert (s["cache_hash"], s["layer"], s["patches"], s["n_imgs"], s["width"]) == (
+        md.hash,
+        -2,
+        "image",
+        md.n_imgs,
+        WIDTH,
+    )
+    for name in ("curves.png", "freq.png"):
+        with PIL.Image.open(os.path.join(page, name)) as im:
+            assert im.size[0] > 300
+    # every shown top image exists once, cropped to the model input
+    top = np.load(os.path.join(page, "latents.npz"))["top_img"][s["latents_shown"]]
+    for i in np.unique(top[top >= 0]):
+        with PIL.Image.open(os.path.join(page, "img", f"{i}.jpg")) as im:
+            assert im.size == (32, 32)
+
+
+def test_reuse_skips_the_pass(world, page, capsys):
+    before = jload(os.path.join(page, "summary.json"))
+    rc, out, _ = run_cli(capsys, world["run"], "--reuse", "--latents", "5", "--select", "strongest")
+    assert rc == 0 and out.strip().endswith("index.html")
+    after = jload(os.path.join(page, "summary.json"))
+    assert after["reused"] is True and len(after["latents_shown"]) == 5
+    with np.load(os.path.join(page, "latents.npz")) as z:
+        strongest = set(np.argsort(-z["max_act"], kind="stable")[:5].tolist())
+    assert set(after["latents_shown"]) == strongest
+    rc, _, _ = run_cli(capsys, world["run"], "--latents", "12")  # restore the default page for other tests
+    assert rc == 0 and before["latents_shown"] == jload(os.path.join(page, "summary.json"))["latents_shown"]
+
+
+# ---- sweeps ----------------------------------------------------------------------------------
+
+
+def test_sweep_of_trained_saes(world, capsys, tmp_path):
+    """Real `actcache train` output: two SAEs of one group, then visuals over the hash directory."""
+    from actcache.sae.config import expand_train_section, groups
+    from actcache.sae.train import train_group
+
+    runs_to = tmp_path / "runs"
+    section = {"batch_size": 64, "steps": 12, "log_every": 4, "exp_factor": 2.0, "eval_frac": 0.2,
+               "sweep": {"k": [2, 6]}}  # fmt: skip
+    runs = expand_train_section(section, "test.yaml")
+    (members,) = groups(runs).values()
+    dirs = train_group(world["cache"], members, str(runs_to), device="cpu")
+    rc, out, err = run_cli(capsys, runs_to / world["md"].hash, "--latents", "4", "--no-images")
+    assert rc == 0, err
+    sweep = runs_to / world["md"].hash / "visuals"
+    for d in dirs:
+        assert (
+            os.path.isfile(os.path.join(d, "visuals", "index.html")) and os.path.join(d, "visuals", "index.html") in out
+        )
+        with PIL.Image.open(os.path.join(d, "visuals", "curves.png")):
+            pass
+    points = jload(sweep / "sweep.json")["points"]
+    assert sorted(p["sae_id"] for p in points) == sorted(r.sae_id for r in members)
+    assert {p["source"] for p in points} == {"eval"}
+    evals = {jload(os.path.join(d, "eval.json"))["l0"] for d in dirs}
+    assert {p["l0"] for p in points} == evals
+    for name in ("nmse_l0.png", "curves.png"):
+        with PIL.Image.open(sweep / name) as im:
+            assert im.size[0] > 300
+    html = (sweep / "index.html").read_text()
+    for link in re.findall(r'href="([^"]+)"', html):
+        assert os.path.isfile(sweep / link)
+
+    # --plots-only into --out, with the last training metrics where there is no eval.json
+    os.remove(os.path.join(dirs[0], "eval.json"))
+    out_dir = tmp_path / "sweep-plots"
+    rc, out, err = run_cli(capsys, *dirs, "--plots-only", "--out", out_dir)
+    assert rc == 0, err
+    points = jload(out_dir / "sweep.json")["points"]
+    assert sorted(p["source"] for p in points) == ["eval", "train"]
+    assert (out_dir / "nmse_l0.png").is_file() and (out_dir / "curves.png").is_file()
+
+
+# ---- errors ----------------------------------------------------------------------------------
+
+
+def test_missing_or_unfinished_run_dirs(capsys, tmp_path):
+    rc, _, err = run_cli(capsys, tmp_path / "nope")
+    assert rc == 2 and str(tmp_path / "nope") in err and "actcache train" in err
+    (tmp_path / "empty").mkdir()
+    rc, _, err = run_cli(capsys, tmp_path / "empty")
+    assert rc == 2 and "not an SAE run directory" in err and str(tmp_path / "empty") in err
+    unfinished = tmp_path / "runs" / "h" / "sae1"
+    unfinished.mkdir(parents=True)
+    (unfinished / "run.json").write_text(json.dumps({"sae_id": "sae1", "cache": "/x", "run": {}}))
+    rc, _, err = run_cli(capsys, unfinished)
+    assert rc == 2 and "no final SAE weights" in err and "done.json" in err and "--plots-only" in err
+    rc, _, err = run_cli(capsys, unfinished, "--top-k", "0")
+    assert rc == 2 and "--top-k" in err
+
+
+def test_missing_or_different_cache(world, capsys, tmp_path):
+    run = save_run(tmp_path / "run", tmp_path / "moved-cache", world["md"], world["acts"], metrics=False)
+    rc, _, err = run_cli(capsys, run)
+    assert rc == 2 and str(tmp_path / "moved-cache") in err and "--cache" in err and "does not exist" in err
+    rc, out, err = run_cli(capsys, run, "--cache", world["cache"], "--no-images", "--latents", "3")
+    assert rc == 0, err
+    other, _ = make_other_cache(tmp_path / "other")
+    rc, _, err = run_cli(capsys, run, "--cache", other)
+    assert rc == 2 and world["md"].hash[:12] in err and other in err
+
+
+def make_other_cache(root, data=None):
+    md = synthetic_metadata(6, layers=(-2,), n_patches_per_img=16, d_vit=D, max_patches_per_shard=17 * 4)
+    if data is not None:
+        md = Metadata(**{**md.to_dict(), "layers": tuple(md.layers), "data": data})
+    return write_cache(str(root), md, synthetic_fill(md)), md
+
+
+def test_image_dataset_missing(world, capsys, tmp_path):
+    images = shutil.copytree(world["images"], tmp_path / "images")
+    cache, md = make_other_cache(tmp_path / "cache", data=metadata_data(ImageFolder(str(images))))
+    run = save_run(tmp_path / "run", cache, md, np.zeros((md.n_imgs, 1, 17, D), np.float32), metrics=False)
+    shutil.rmtree(images)
+    rc, _, err = run_cli(capsys, run)
+    assert rc == 2 and str(images) in err and "--no-images" in err and "restore" in err
+    rc, _, err = run_cli(capsys, run, "--no-images", "--latents", "3")
+    assert rc == 0, err
+    html = read_text(os.path.join(run, "visuals", "index.html"))
+    assert 'class="latent-card"' in html and ".jpg" not in html and "img/heat/" in html
+
+
+def test_cache_without_image_dataset(capsys, tmp_path):
+    cache, md = make_other_cache(tmp_path / "cache")  # data: SyntheticActivations
+    run = save_run(tmp_path / "run", cache, md, np.zeros((md.n_imgs, 1, 17, D), np.float32), metrics=False)
+    rc, _, err = run_cli(capsys, run)
+    assert rc == 2 and "SyntheticActivations" in err and "--no-images" in err
