@@ -1,0 +1,101 @@
+"""Benchmark: how long the workflow takes to parse many experiments with many shards.
+
+    python scripts/bench_workflow_parse.py [--experiments 20] [--shards 1000]
+
+Writes N experiment YAMLs (a tiny local CLIP checkpoint, an image folder of a few files listed once
+and then served from the listing cache... here synthetic data sized for S shards each), then times:
+  parse      `snakemake --list-rules` (reads config, plans every experiment: hashes, shard ranges)
+  dry run    `snakemake -n` (parse + build the DAG of every dump job)
+Reference, same run: the same two commands on an empty one-rule Snakefile (Snakemake's own start-up).
+Target: parsing 20 experiments x 1000 shards <= 5 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchlib  # noqa: E402
+
+ROOT = benchlib.ROOT
+SNAKEMAKE = os.path.join(os.path.dirname(sys.executable), "snakemake")
+
+
+def timed(cmd, cwd) -> float:
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    dt = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    return dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--experiments", type=int, default=20)
+    ap.add_argument("--shards", type=int, default=1000)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-record", action="store_true")
+    args = ap.parse_args()
+    sys.path.insert(0, os.path.join(ROOT, "src"))
+    import yaml
+
+    from actcache.demo import make_tiny_clip
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = make_tiny_clip(os.path.join(tmp, "tiny-clip"))
+        files = []
+        for e in range(args.experiments):
+            doc = {
+                "name": f"exp{e:02d}",
+                "vit": {"family": "clip", "ckpt": ckpt, "layers": [-2]},
+                # 17 tokens x 1 layer: 1 image per shard -> n_imgs = shards
+                "data": {"kind": "synthetic", "n_imgs": args.shards, "seed": e},
+                "cache": {"max_patches_per_shard": 17, "shards_per_job": 1},
+            }
+            path = os.path.join(tmp, f"exp{e:02d}.yaml")
+            with open(path, "w") as fd:
+                yaml.safe_dump(doc, fd)
+            files.append(path)
+        cfg = os.path.join(tmp, "config.yaml")
+        with open(cfg, "w") as fd:
+            yaml.safe_dump(
+                {"dump_to": os.path.join(tmp, "cache"), "runs_to": os.path.join(tmp, "runs"), "experiments": files}, fd
+            )
+        empty = os.path.join(tmp, "Empty.smk")
+        with open(empty, "w") as fd:
+            fd.write("rule all:\n    output: 'x'\n    shell: 'touch {output}'\n")
+        wf = [SNAKEMAKE, "-s", os.path.join(ROOT, "Snakefile"), "--configfile", cfg, "-d", tmp, "--cores", "1"]
+        ref = [SNAKEMAKE, "-s", empty, "-d", tmp, "--cores", "1"]
+        rows = []
+        for what, extra in (("parse (--list-rules)", ["--list-rules"]), ("dry run (-n)", ["-n", "--quiet", "rules"])):
+            t_wf = min(timed(wf + extra, tmp) for _ in range(args.repeats))
+            t_ref = min(timed(ref + extra, tmp) for _ in range(args.repeats))
+            rows.append(
+                {
+                    "command": what,
+                    "experiments": args.experiments,
+                    "shards each": args.shards,
+                    "dump jobs": args.experiments * args.shards,
+                    "workflow s": t_wf,
+                    "empty workflow s (ref)": t_ref,
+                    "ratio": t_wf / t_ref,
+                }
+            )
+            print(rows[-1], flush=True)
+    body = (
+        f"Best of {args.repeats} runs. Target: parsing {args.experiments} experiments x {args.shards} "
+        "shards <= 5 s.\n\n"
+    ) + benchlib.table(rows)
+    print(body)
+    if not args.no_record:
+        benchlib.record("workflow-parse", "Workflow parse time", body)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""The Snakemake workflow with profiles/local: dry runs, a full run, reruns, lint, bad configs."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from tests.fixtures_vit import make_checkpoint
+from tests.workflow_helpers import REPO, SNAKEMAKE, dump_ranges, job_counts, snakemake, write_project
+
+from actcache import ActivationCache
+from actcache.protocol import shard_name
+
+N_IMGS = 40  # 10 images per shard with the budget below -> 4 shards
+
+
+def experiment(ckpt: str, **over) -> dict:
+    doc = {
+        "name": "wf",
+        "vit": {"family": "clip", "ckpt": ckpt, "layers": [-2, -1]},
+        "data": {"kind": "synthetic", "n_imgs": N_IMGS, "seed": 1, "size": 40},
+        "cache": {"max_patches_per_shard": 10 * 17 * 2, "batch_size": 8, "n_workers": 0, "shards_per_job": 1},
+        # two TopK SAEs in one group (one loader pass); layer -1 is in every layers list used below
+        "train": {
+            "layer": -1,
+            "batch_size": 64,
+            "steps": 12,
+            "buffer_bytes": 1 << 20,
+            "eval_frac": 0.1,
+            "eval_tokens": 512,
+            "exp_factor": 2,
+            "dead_tokens": 512,
+            "log_every": 4,
+            "ckpt_every": 6,
+            "sweep": {"k": [4, 8]},
+        },
+    }
+    for k, v in over.items():
+        doc[k] = v
+    return doc
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "tiny-clip"), "clip")
+
+
+@pytest.fixture(scope="module")
+def done_project(tmp_path_factory, ckpt):
+    """A project whose workflow ran to the end once (profiles/local)."""
+    root = str(tmp_path_factory.mktemp("proj"))
+    cfg = write_project(root, {"wf": experiment(ckpt)})
+    proc = snakemake(cfg, "--cores", "2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return root, cfg
+
+
+def plan_json(cfg: str) -> list[dict]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "actcache.cli", "plan", "--config", cfg, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(cfg),
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_fresh_root_dry_run_lists_every_dump_job(tmp_path, ckpt):
+    cfg = write_project(str(tmp_path), {"wf": experiment(ckpt)})
+    proc = snakemake(cfg, "-n")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout + proc.stderr
+    assert job_counts(out) == {"dump": 4, "gather": 1, "train": 1, "report": 2, "sweep_report": 1, "all": 1}
+    assert dump_ranges(out) == ["000000-000001", "000001-000002", "000002-000003", "000003-000004"]
+    (p,) = plan_json(cfg)
+    assert p["hash"] in out and p["cache"]["state"] == "missing"
+    assert not os.path.exists(p["dir"])  # a dry run writes nothing
+
+
+def test_full_run_verifies_and_then_nothing_to_do(done_project):
+    root, cfg = done_project
+    (p,) = plan_json(cfg)
+    assert p["cache"]["state"] == "complete"
+    cache = ActivationCache.open(p["dir"])
+    assert cache.n_imgs == N_IMGS and cache.metadata.layers == (-2, -1)
+    check = subprocess.run(
+        [sys.executable, "-m", "actcache.cli", "verify", "--deep", p["dir"]], capture_output=True, text=True
+    )
+    assert check.returncode == 0, check.stdout
+    proc = snakemake(cfg, "-n")
+    assert proc.returncode == 0 and job_counts(proc.stdout + proc.stderr) == {}
+    assert "Nothing to be done" in proc.stdout + proc.stderr
+
+
+def test_deleted_shard_brings_back_exactly_its_job(done_project):
+    root, cfg = done_project
+    (p,) = plan_json(cfg)
+    os.unlink(os.path.join(p["dir"], shard_name(2)))
+    proc = snakemake(cfg, "-n")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert job_counts(out) == {"dump": 1, "gather": 1, "all": 1}  # the SAEs stay: the data is the same
+    assert dump_ranges(out) == ["000002-000003"]
+    proc = snakemake(cfg, "--cores", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert plan_json(cfg)[0]["cache"]["state"] == "complete"
+    assert job_counts(snakemake(cfg, "-n").stdout) == {}
+
+
+def test_changed_layers_give_a_new_hash(done_project, tmp_path, ckpt):
+    root, cfg = done_project
+    (before,) = plan_json(cfg)
+    cfg2 = write_project(
+        str(tmp_path),
+        {"wf": experiment(ckpt, vit={"family": "clip", "ckpt": ckpt, "layers": [-1]})},
+        dump_to=os.path.join(root, "cache"),
+        runs_to=os.path.join(root, "runs"),
+    )
+    (after,) = plan_json(cfg2)
+    assert after["hash"] != before["hash"]
+    proc = snakemake(cfg2, "-n")
+    out = proc.stdout + proc.stderr
+    assert after["hash"] in out and before["hash"] not in out
+    assert job_counts(out)["dump"] == 2  # 1 layer: 20 images per shard -> 2 shards
+
+
+def test_changed_sae_hyperparameter_gives_only_training_jobs(done_project, tmp_path, ckpt):
+    root, cfg = done_project
+    (before,) = plan_json(cfg)
+    doc = experiment(ckpt)
+    doc["train"]["lr"] = 1e-3  # only the SAEs' learning rate differs
+    cfg2 = write_project(
+        str(tmp_path), {"wf": doc}, dump_to=os.path.join(root, "cache"), runs_to=os.path.join(root, "runs")
+    )
+    (after,) = plan_json(cfg2)
+    assert after["hash"] == before["hash"] and after["cache"]["state"] == "complete"
+    assert {t["sae_id"] for t in after["training"]}.isdisjoint({t["sae_id"] for t in before["training"]})
+    proc = snakemake(cfg2, "-n")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert job_counts(out) == {"train": 1, "report": 2, "sweep_report": 1, "all": 1}
+
+
+def test_end_to_end_trained_saes_visuals_and_report(done_project):
+    """profiles/local: demo-sized experiment -> verified cache -> trained SAEs -> visuals -> report.html."""
+    root, cfg = done_project
+    (p,) = plan_json(cfg)
+    assert len(p["training"]) == 2 and all(t["done"] for t in p["training"])
+    for t in p["training"]:
+        run = os.path.join(root, t["dir"]) if not os.path.isabs(t["dir"]) else t["dir"]
+        with open(os.path.join(run, "eval.json")) as fd:
+            ev = json.load(fd)
+        assert 0 <= ev["nmse"] < 1.0 and ev["l0"] > 0  # better than predicting the mean
+        assert os.path.isfile(os.path.join(run, "sae.safetensors"))
+        assert os.path.isfile(os.path.join(run, "visuals", "index.html"))
+        with open(os.path.join(run, "visuals.html")) as fd:
+            page = fd.read()
+        assert page.count('class="latent-card"') > 0 and 'src="img/' not in page  # one self-contained file
+    report = os.path.join(root, "report.html")
+    proc = snakemake(cfg, "--report", report)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(report) as fd:
+        text = fd.read()
+    assert "SAE latents" in text and "SAE sweeps" in text  # the report's categories
+    assert all(t["sae_id"] in text for t in p["training"])
+
+
+def test_identical_cache_settings_share_one_hash(tmp_path, ckpt):
+    a = experiment(ckpt, name="a")
+    b = experiment(ckpt, name="b", cache={**a["cache"], "batch_size": 4, "shards_per_job": 1})
+    cfg = write_project(str(tmp_path), {"a": a, "b": b})
+    pa, pb = plan_json(cfg)
+    assert pa["hash"] == pb["hash"]
+    assert job_counts(snakemake(cfg, "-n").stdout)["dump"] == 4
+
+
+def test_lint_is_clean():
+    proc = subprocess.run(
+        ["timeout", "-s", "KILL", "300", SNAKEMAKE, "--lint"], capture_output=True, text=True, cwd=REPO
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Lints for" not in proc.stdout + proc.stderr
+
+
+BAD = [
+    ("unknown key", lambda d: d["cache"].update(max_patches=5), "cache.max_patches"),
+    ("wrong type", lambda d: d["vit"].update(layers="last"), "vit.layers"),
+    ("missing required key", lambda d: d["vit"].pop("family"), "vit.family"),
+    ("empty layer list", lambda d: d["vit"].update(layers=[]), "vit.layers"),
+    ("layer beyond depth", lambda d: d["vit"].update(layers=[7]), "vit.layers"),
+]
+
+
+@pytest.mark.parametrize("what,mutate,key", BAD, ids=[b[0] for b in BAD])
+def test_bad_config_fails_before_any_job(tmp_path, ckpt, what, mutate, key):
+    doc = copy.deepcopy(experiment(ckpt))
+    mutate(doc)
+    cfg = write_project(str(tmp_path), {"bad": doc})
+    proc = snakemake(cfg, "--cores", "1")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "bad.yaml" in out and key in out, out[-2000:]
+    assert "Traceback" not in out
+    assert not os.path.exists(tmp_path / "cache") or not any(
+        f.endswith(".bin") for _, _, fs in os.walk(tmp_path / "cache") for f in fs
+    )
+
+
+def test_two_experiments_with_one_name(tmp_path, ckpt):
+    cfg = write_project(str(tmp_path), {"one": experiment(ckpt, name="same"), "two": experiment(ckpt, name="same")})
+    proc = snakemake(cfg, "-n")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "two.yaml" in out and "'name'" in out and "same" in out
+
+
+def test_bad_workflow_config(tmp_path, ckpt):
+    cfg = write_project(str(tmp_path), {"wf": experiment(ckpt)})
+    with open(cfg, "a") as fd:
+        fd.write("dump_too: oops\n")
+    proc = snakemake(cfg, "-n")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "dump_too" in out
+
+
+def test_config_readme_documents_every_train_key():
+    from actcache.sae.config import FIELDS, SECTION_ONLY
+
+    with open(os.path.join(REPO, "config", "README.md")) as fd:
+        text = fd.read()
+    missing = [k for k in (*FIELDS, *SECTION_ONLY) if f"| `{k}` |" not in text]
+    assert not missing, f"config/README.md does not document train keys {missing}"

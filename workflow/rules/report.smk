@@ -1,0 +1,67 @@
+# Plots and HTML pages of trained SAEs (`actcache visuals`), marked for `snakemake --report`.
+#   per SAE:   <runs_to>/<HASH>/<sae-id>/visuals/   index.html (+ img/, latents.npz, plots)
+#              <runs_to>/<HASH>/<sae-id>/visuals.html  the same page, images inlined (one file)
+#   per cache: <runs_to>/<HASH>/visuals/            nmse_l0.png, curves.png (every SAE of the sweep)
+# `snakemake --report report.html` (or report.zip) collects the one-file pages and the plots.
+
+
+rule report:
+    """One pass over the cache per trained SAE: top images per latent, frequencies, histograms,
+    training curves, and the HTML page."""
+    input:
+        mark=lambda w: visuals_group_mark(w.hash, w.sae),
+    output:
+        visuals=directory(os.path.join(RUNS_TO, "{hash}", "{sae}", "visuals")),
+        page=report(
+            os.path.join(RUNS_TO, "{hash}", "{sae}", "visuals.html"),
+            caption="../report/visuals.rst",
+            category="SAE latents",
+            subcategory="{hash}",
+            labels={"SAE": "{sae}", "cache": "{hash}"},
+        ),
+    params:
+        actcache=ACTCACHE,
+        run_dir=lambda w, output: os.path.dirname(output.visuals),
+    log:
+        "logs/report/{hash}/{sae}.log",
+    benchmark:
+        "benchmarks/report/{hash}/{sae}.tsv"
+    threads: 4
+    conda:
+        "../envs/actcache.yaml"
+    resources:
+        gpu=1,
+    shell:
+        "{params.actcache} visuals {params.run_dir} > {log} 2>&1"
+
+
+rule sweep_report:
+    """Held-out NMSE against L0, one point per SAE, and every SAE's training curves."""
+    input:
+        marks=lambda w: sweep_group_marks(w.hash),
+    output:
+        nmse_l0=report(
+            os.path.join(RUNS_TO, "{hash}", "visuals", "nmse_l0.png"),
+            caption="../report/sweep.rst",
+            category="SAE sweeps",
+            labels={"cache": "{hash}", "plot": "NMSE against L0"},
+        ),
+        curves=report(
+            os.path.join(RUNS_TO, "{hash}", "visuals", "curves.png"),
+            caption="../report/curves.rst",
+            category="SAE sweeps",
+            labels={"cache": "{hash}", "plot": "training curves"},
+        ),
+    params:
+        actcache=ACTCACHE,
+        run_dirs=lambda w: " ".join(sweep_run_dirs(w.hash)),
+        out=lambda w, output: os.path.dirname(output.nmse_l0),
+    log:
+        "logs/report/{hash}/sweep.log",
+    benchmark:
+        "benchmarks/report/{hash}/sweep.tsv"
+    threads: 1
+    conda:
+        "../envs/actcache.yaml"
+    shell:
+        "{params.actcache} visuals --plots-only --out {params.out} {params.run_dirs} > {log} 2>&1"
