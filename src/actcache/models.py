@@ -164,7 +164,10 @@ def _read_vision_config(family: str, ckpt: str):
     if _is_local(ckpt):
         path = os.path.expanduser(ckpt)
         if not os.path.isdir(path):
-            raise ConfigError(f"vit_ckpt {ckpt!r}: checkpoint directory does not exist; fix the path")
+            hint = ""
+            if os.path.normpath(path).endswith(os.path.join("demo", "models", "tiny-clip")):
+                hint = " (the offline demo's model: `actcache demo-assets` writes it, as scripts/demo.sh does)"
+            raise ConfigError(f"vit_ckpt {ckpt!r}: checkpoint directory does not exist; fix the path{hint}")
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ConfigError(
                 f"vit_ckpt {ckpt!r}: no config.json in that directory; point it at a folder written by "
@@ -446,13 +449,13 @@ class Vit:
         return torch.from_numpy(np.stack([self.transform(img) for img in images]))
 
     def forward(self, pixels_B3HW: torch.Tensor, layers) -> torch.Tensor:
-        import torch
-
         """Residual stream after each block in ``layers`` (in that order) → float32 (B, L, T, D).
 
         T is ``n_patches_per_img`` plus the CLS token (first) when the family has one; DINOv2
         register tokens are dropped. The result is on the model's device.
         """
+        import torch
+
         idx = resolve_layers(layers, self.dims.n_layers)
         s = self.dims.image_size
         if pixels_B3HW.ndim != 4 or tuple(pixels_B3HW.shape[1:]) != (3, s, s):
