@@ -10,7 +10,7 @@ import sys
 
 import pytest
 from tests.fixtures_vit import make_checkpoint
-from tests.workflow_helpers import REPO, SNAKEMAKE, dump_ranges, job_counts, snakemake, write_project
+from tests.workflow_helpers import REPO, dump_ranges, job_counts, snakemake, write_project
 
 from actcache import ActivationCache
 from actcache.protocol import shard_name
