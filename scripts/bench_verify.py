@@ -30,6 +30,8 @@ def build(cache_root: str, size_gib: float) -> str:
     d, T = 768, 197
     per_img = T * d * 4
     n_imgs = int(size_gib * 2**30 // per_img)
+    n_shards = max(1, round(size_gib))  # ~1 GiB shards of equal size: no large padded tail
+    per_shard = -(-n_imgs // n_shards)
     md = Metadata(
         vit_family="clip",
         vit_ckpt="bench/synthetic",
@@ -38,7 +40,7 @@ def build(cache_root: str, size_gib: float) -> str:
         cls_token=True,
         d_vit=d,
         n_imgs=n_imgs,
-        max_patches_per_shard=2_400_000,
+        max_patches_per_shard=per_shard * T,
         data={"__class__": "BenchVerify", "n": n_imgs},
     )
     path = os.path.join(cache_root, md.hash)

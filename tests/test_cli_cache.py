@@ -80,3 +80,20 @@ def test_gather_refuses_and_lists(tmp_path):
     proc = run("gather", path, check=2)
     assert shard_name(0) in proc.stderr and "missing" in proc.stderr and shard_name(2) in proc.stderr
     assert not os.path.exists(os.path.join(path, "shards.json"))
+
+
+def test_deep_scan_counts_every_chunk_but_not_the_padded_tail(tmp_path, monkeypatch):
+    from actcache import validate
+
+    monkeypatch.setattr(validate, "CHUNK", 4096)  # many chunks, checked by several threads
+    x = np.zeros(10_000, np.float32)
+    x[[0, 1023, 1024, 5000, 8191]] = [np.nan, np.inf, -np.inf, np.nan, np.inf]  # chunk edges included
+    x[9000] = np.nan  # in the tail past `valid`: read, not counted
+    f = tmp_path / "f.bin"
+    x.tofile(f)
+    for n_threads in (1, 2, 3):
+        assert validate._scan_file(str(f), valid=9000 * 4, n_threads=n_threads) == (40_000, 5)
+    assert validate._scan_file(str(f), valid=40_000) == (40_000, 6)
+    empty = tmp_path / "empty.bin"
+    empty.write_bytes(b"")
+    assert validate._scan_file(str(empty), valid=0) == (0, 0)
