@@ -272,7 +272,8 @@ def bench_cache(args, n_layers: int) -> dict:
     if args.naive_s > 0:
         measure({**base, "kind": "ref"}, True, files)
         res["warm"]["naive"] = [measure({**base, "kind": "naive", "time_box_s": args.naive_s}, False, files)]
-    md = json.load(open(os.path.join(path, "metadata.json")))
+    with open(os.path.join(path, "metadata.json")) as fh:
+        md = json.load(fh)
     return {
         "n_layers": n_layers,
         "path": path,
@@ -424,7 +425,8 @@ def main() -> None:
     for n in (1, 4):
         p = os.path.join(args.cache_dir, f"results-L{n}.json")
         if os.path.exists(p):
-            stored.append(json.load(open(p)))
+            with open(p) as fh:
+                stored.append(json.load(fh))
     if args.render and stored:  # the section names the command that measured the results
         sys.argv = [a for a in stored[0].get("argv", sys.argv) if a != "--render"]
     png = os.path.join(benchlib.ROOT, "docs", "bench_loaders.png")

@@ -88,7 +88,10 @@ def record(name: str, title: str, body: str, path: str = BENCH_MD) -> None:
     lock = path + ".lock"
     with open(lock, "w") as lk:
         fcntl.flock(lk, fcntl.LOCK_EX)
-        text = open(path).read() if os.path.exists(path) else HEADER
+        text = HEADER
+        if os.path.exists(path):
+            with open(path) as fh:
+                text = fh.read()
         pat = re.compile(rf"<!-- bench:{re.escape(name)} -->.*?<!-- /bench:{re.escape(name)} -->\n", re.S)
         if pat.search(text):
             text = pat.sub(lambda _m: section, text)

@@ -25,7 +25,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 import benchlib  # noqa: E402
-
 from tests.test_sae_train import K_TRUE, dictionary_fill, recovery, true_dictionary, write_experiment  # noqa: E402
 
 from actcache import cli  # noqa: E402
@@ -88,8 +87,7 @@ def main() -> None:
         f"Cache: {args.n_imgs:,} images x 16 patches (+ CLS), each token a non-negative mix of {K_TRUE} of "
         f"{args.n_true} unit directions in d={args.d}; SAEs trained through `actcache train` on CPU "
         f"(torch threads: {torch.get_num_threads()}); recovery = mean over true directions of the best cosine "
-        "with a decoder row. The test suite runs the same recipe at 256 directions in d=64.\n\n"
-        + benchlib.table(rows)
+        "with a decoder row. The test suite runs the same recipe at 256 directions in d=64.\n\n" + benchlib.table(rows)
     )
     print(body)
     if not args.no_record:
