@@ -231,6 +231,16 @@ def test_page_renders_with_cards_images_heatmaps_and_no_console_errors(page, chr
     assert re.search(r'data-broken-images="[1-9]', dom) and "failed to load" in dom
 
 
+def test_standalone_page_is_one_file_that_renders_anywhere(page, chromium, tmp_path):
+    """RUN_DIR/visuals.html (what `snakemake --report report.html` embeds): every image inlined."""
+    alone = tmp_path / "alone.html"
+    shutil.copy(os.path.join(os.path.dirname(page), "visuals.html"), alone)
+    text = alone.read_text()
+    assert 'src="img/' not in text and "url(img/" not in text and "data:image/jpeg;base64," in text
+    dom, console = browse(chromium, str(alone))
+    assert console == [] and len(card_ids(dom)) == 12 and 'data-broken-images="0"' in dom
+
+
 def test_cards_sort_by_frequency(page, chromium):
     with np.load(os.path.join(page, "latents.npz")) as z:
         freq = z["freq"]
