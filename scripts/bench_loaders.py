@@ -114,6 +114,13 @@ def entropy(x: np.ndarray, k: int) -> float:
     return float(-(p * np.log(p)).sum() / np.log(min(len(x), k))) if min(len(x), k) > 1 else 1.0
 
 
+def entropy_bound(n_imgs: int, buffer_bytes: int | None, batch: int) -> tuple[int, float]:
+    """(images that fit in the buffer, mean entropy of uniform batches drawn from them)."""
+    m = n_imgs if buffer_bytes is None else max(1, min(n_imgs, buffer_bytes // ((T - 1) * D * 4)))
+    rng = np.random.default_rng(0)
+    return m, float(np.mean([entropy(rng.integers(0, m, batch), n_imgs) for _ in range(5)]))
+
+
 def cpu_s() -> float:
     """CPU seconds (user + system) used by this process so far."""
     t = os.times()
@@ -456,6 +463,14 @@ def main() -> None:
         body.append("")
         rows = [{k: v for k, v in r.items() if k != "layers"} for r in summarize(run)]
         body.append(benchlib.table(rows, columns(rows)))
+        m, bound = entropy_bound(
+            run["n_imgs"], run.get("buffer_bytes", args.buffer_bytes), run.get("batch_size", args.batch_size)
+        )
+        body.append(f"Image-entropy ceiling for a loader that holds whole images: the buffer fits {m:,} of the "
+                    f"{run['n_imgs']:,} images' selected bytes, and a perfectly uniform batch drawn from {m:,} images "
+                    f"scores {bound:.3f} (from all {run['n_imgs']:,}: {entropy_bound(run['n_imgs'], None, run.get('batch_size', args.batch_size))[1]:.3f}). "
+                    "Only partial-image residency (`n_strips` > 1) can go beyond it.")  # fmt: skip
+        body.append("")
     body.append("![loader throughput](docs/bench_loaders.png)")
     benchlib.record("loaders", "Loaders: ordered and shuffled vs raw reads", "\n".join(body))
 
