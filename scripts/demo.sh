@@ -2,7 +2,8 @@
 # Set everything up on a fresh machine, then run the main job on the embedded default:
 # the Snakemake workflow (profiles/local) over the offline demo experiment
 # (config/experiments/demo.yaml: a small random CLIP ViT over 240 generated images) —
-# plan -> dump shards -> gather -> verify -> train the SAE sweep.
+# plan -> dump shards -> gather -> verify -> train the SAE sweep -> visuals; then verify --deep.
+# Afterwards: `.venv/bin/snakemake --report report.html` collects the plots and latent pages.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
