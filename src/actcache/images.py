@@ -13,6 +13,7 @@ builds one from a checkpoint's ``preprocessor_config.json``.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import hashlib
 import json
@@ -181,9 +182,11 @@ class _Strings:
         np.cumsum([len(b) for b in encoded], out=self.offsets[1:])
         self.blob = b"".join(encoded)
 
+    @abc.abstractmethod
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
+    @abc.abstractmethod
     def __getitem__(self, i: int) -> str:
         return os.fsdecode(self.blob[self.offsets[i] : self.offsets[i + 1]])
 
@@ -288,7 +291,7 @@ def _read_listing(path: str, key: dict) -> list[str] | None:
 # Datasets
 
 
-class ImageDataset:
+class ImageDataset(abc.ABC):
     """``ds[i] -> (PIL RGB image, label)``; label is -1 when the dataset has none."""
 
     class_names: list[str] | None = None
@@ -299,9 +302,11 @@ class ImageDataset:
     def __getitem__(self, i: int) -> tuple[PIL.Image.Image, int]:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def labels(self) -> np.ndarray | None:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def describe(self, i: int) -> str:
         raise NotImplementedError
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import abc
 import math
 import os
 import time
@@ -107,7 +108,7 @@ class Iteration:
             )
 
 
-class BaseLoader:
+class BaseLoader(abc.ABC):
     """Options and lifecycle shared by OrderedLoader and ShuffledLoader."""
 
     kind = "loader"
@@ -192,6 +193,7 @@ class BaseLoader:
             act *= np.asarray(self.scale, np.float32)[lpos][:, None]
 
     # ---- iteration ----------------------------------------------------------------------------
+    @abc.abstractmethod
     def _make_iteration(self) -> Iteration:  # pragma: no cover - abstract
         raise NotImplementedError
 
@@ -216,6 +218,7 @@ class BaseLoader:
             if self._it is it:
                 self._it = None
 
+    @abc.abstractmethod
     def _start(self, it: Iteration) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 

@@ -26,6 +26,7 @@ Definitions (B batch, D d_vit, S latents):
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 
 import torch
@@ -121,7 +122,7 @@ def _base_metrics(sae: SAE, x_BD: torch.Tensor, x_hat_BD: torch.Tensor, f_BS: to
     return mse, var_x, l1
 
 
-class Objective:
+class Objective(abc.ABC):
     """Shared state and metrics; subclasses define the sparsity / auxiliary term."""
 
     def __init__(self, sae: SAE, dead_tokens_threshold: int = 10_000_000, dense_frac: float = 0.1):
@@ -146,6 +147,7 @@ class Objective:
             aux=aux_term.detach(),
         )
 
+    @abc.abstractmethod
     def _extra(self, sae, x_BD, x_hat_BD, f_BS, pre_BS, mse, var_x, l1, sparsity_scale):
         raise NotImplementedError
 
