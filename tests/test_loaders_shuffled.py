@@ -310,3 +310,20 @@ def test_scale_norm_gives_mean_norm_sqrt_d_and_stores_the_statistic_once(tmp_pat
         act = np.concatenate([b["act"].numpy() for b in ld])
         assert abs(np.linalg.norm(act, axis=1).mean() - 4.0) < 0.05
     assert len(calls) == 1 and os.path.exists(os.path.join(path, STATS_FILE))
+
+
+def test_balanced_order_spreads_a_batch_over_the_runs_images(cache):
+    """Within a run, a batch takes the same number (+-1) of examples from each of its images."""
+    path, md, acts = cache
+    ld = ShuffledLoader(path, batch_size=16, layer="all", seed=6, buffer_bytes=10**6, run_bytes=5 * 12 * 8 * 4)
+    plan = ld.epoch_plan(0)
+    checked = 0
+    for spec in plan.batches():
+        for r, x in spec.takes:
+            img = x // ld.geom.per_img
+            full = (r.lo, r.hi) == (r.j0 * ld.geom.per_img, r.j1 * ld.geom.per_img)
+            if full and len(x) >= r.j1 - r.j0:
+                c = np.bincount(img - r.j0, minlength=r.j1 - r.j0)
+                assert c.max() - c.min() <= 1, c
+                checked += 1
+    assert checked > 0

@@ -16,7 +16,11 @@ Batches (per part)
     its examples from each admitted run (water-filling, so a nearly empty run gives what it has;
     equal shares measured better mixing than shares proportional to run size); when no run is
     left to admit, shares are proportional to what each run has left, so that all of them end
-    together with the epoch. Within a run, examples are drawn in a random order.
+    together with the epoch. Within a run, examples are drawn in a random order that is
+    balanced over its images: every image's k-th example comes before any image's (k+1)-th, so
+    a batch takes about the same number of examples from each image of the run (a uniform
+    draw would take a multinomial number: fewer distinct images per batch; image-index
+    entropy 0.929 -> 0.945 in the bench's setting).
 
 Progressive release (strips)
     A batch can only mix images that are resident, so with whole-run residency the images
@@ -134,6 +138,16 @@ def part_runs(runs: np.ndarray, per_img: int, start: int, end: int) -> np.ndarra
     lo = np.maximum(start - cum[a:b], 0)
     hi = np.minimum(end - cum[a:b], n_ex[a:b])
     return np.concatenate([sel, lo[:, None], hi[:, None]], axis=1).astype(np.int64)
+
+
+def _rank_within(group: np.ndarray, n_groups: int) -> np.ndarray:
+    """For each element, how many elements of its group come before it in the sequence."""
+    o = np.argsort(group, kind="stable")
+    counts = np.bincount(group, minlength=n_groups)
+    first = np.r_[0, np.cumsum(counts)[:-1]]
+    rank = np.empty(len(group), np.int64)
+    rank[o] = np.arange(len(group), dtype=np.int64) - np.repeat(first, counts)
+    return rank
 
 
 class Run:
@@ -256,12 +270,22 @@ class EpochPlan:
             r.off = rng.integers(0, self.nT, size=r.j1 - r.j0)
         else:  # one strip: no rotation (keeps each image's bytes one range)
             r.off = np.zeros(r.j1 - r.j0, np.int64)
-        x = rng.permutation(np.arange(r.lo, r.hi, dtype=np.int64))
-        if self.G > 1:  # strip-major: strip 0's examples (in random order), then strip 1's, ...
-            strip = ((x % per) % self.nT - r.off[x // per - r.j0]) % self.nT * self.G // self.nT
-            x = x[np.argsort(strip, kind="stable")]
+        # Balanced: the k-th example of each image (in a random order) comes before the
+        # (k+1)-th of any image, so a batch's share of the run takes the same count (+-1) from
+        # every image of it rather than a multinomial draw (more images per batch, same
+        # examples in expectation).
+        if self.G > 1:  # strip-major: strip 0's examples (balanced), then strip 1's, ...
+            x = rng.permutation(np.arange(r.lo, r.hi, dtype=np.int64))
+            img = x // per - r.j0
+            strip = ((x % per) % self.nT - r.off[img]) % self.nT * self.G // self.nT
+            rank = _rank_within(img * self.G + strip, (r.j1 - r.j0) * self.G)
+            x = x[np.lexsort((rank, strip))]
             r.strip_end = np.cumsum(np.bincount(strip, minlength=self.G))
         else:
+            # (images, examples): shuffle each image's examples, then each round's image order
+            ids = np.arange(r.j0 * per, r.j1 * per, dtype=np.int64).reshape(r.j1 - r.j0, per)
+            rounds = rng.permuted(rng.permuted(ids, axis=1).T, axis=1).ravel()
+            x = rounds[(rounds >= r.lo) & (rounds < r.hi)] if (r.lo, r.hi) != (r.j0 * per, r.j1 * per) else rounds
             r.strip_end = np.array([len(x)])
         r.order = x
         tok = np.array([r.strip_tokens(k) for k in range(self.G)])
