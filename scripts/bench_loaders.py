@@ -128,11 +128,11 @@ def cpu_s() -> float:
 
 
 class MemSampler:
-    """Peak anonymous-memory growth and peak mapped-file memory of this process (every 20 ms)."""
+    """Peak growth of this process's anonymous and mapped-file memory (sampled every 20 ms)."""
 
     def __init__(self):
-        self.base_anon, _ = self.sample()
-        self.anon_peak, self.file_peak = self.base_anon, 0
+        self.base_anon, self.base_file = self.sample()  # the interpreter's own code is file-mapped
+        self.anon_peak, self.file_peak = self.base_anon, self.base_file
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
@@ -232,7 +232,7 @@ def run_loader(spec: dict) -> dict:
         "peak_rss_GB": hwm / 1e9,
         "rss_growth_GB": (hwm - base) / 1e9,
         "anon_growth_GB": mem.anon_growth / 1e9,
-        "file_mapped_GB": mem.file_peak / 1e9,
+        "file_mapped_GB": (mem.file_peak - mem.base_file) / 1e9,
         "GB_per_cpu_s": n * D * 4 / 1e9 / cpu if kind != "naive" else None,
     }
     if hasattr(loader, "stats"):
@@ -447,7 +447,7 @@ def main() -> None:
         "naive = torch DataLoader over IndexedDataset, RandomSampler, 2 workers (time-boxed, warm). "
         "Memory: RSS = peak resident-set growth while iterating; anon = peak growth of the process's anonymous memory while iterating (batch buffers, "
         "arenas); held = most shard bytes the loader kept resident on purpose (its shuffle window plus "
-        "read-ahead); mapped = peak page-cache memory mapped in the process (the kernel maps whole "
+        "read-ahead); mapped = peak growth of the page-cache memory mapped in the process (the kernel maps whole "
         "large page-cache folios, so this can exceed what was asked for). GB/cpu-s = bytes copied per "
         "CPU-second of the whole process (user + system); 'cpu x ref2' compares that efficiency with "
         "ref2's: warm, both are CPU-bound, so it predicts the wall-clock ratio on an idle machine and "

@@ -21,7 +21,8 @@ BENCHMARKS.md)
     work on every pass. Cold, the same populate reads ~2-2.5 GB/s with two readers.
 
     Memory: the plan holds at most ``buffer_bytes`` of runs (a run is charged the 2 MiB blocks its
-    mapping spans); readers may load ``read_ahead_bytes`` (~2 batches) more ahead of the plan; a
+    mapping spans; runs are cut on 2 MiB boundaries of the files, through images where needed, so
+    those blocks hold only the run's own vectors, plus CLS ones it does not use); readers may load ``read_ahead_bytes`` (~2 batches) more ahead of the plan; a
     run is unmapped as soon as its last example is copied (MADV_DONTNEED; with ``evict=True``
     also dropped from the page cache, for shared nodes); batch buffers add ``read_ahead + 2``
     batches. Nothing else grows with the dataset.
@@ -59,7 +60,7 @@ from actcache.errors import ConfigError
 from actcache.loaders.base import BaseLoader, Iteration, check_number
 from actcache.loaders.buffers import HUGE, huge_empty
 from actcache.loaders.partition import Partition
-from actcache.loaders.plan import EpochPlan, epoch_runs, part_runs
+from actcache.loaders.plan import EpochPlan, cut_points, epoch_runs, part_runs
 from actcache.loaders.runtime import Stopped
 
 IO_MODES = ("mmap", "read")
@@ -164,6 +165,7 @@ class ShuffledLoader(BaseLoader):
         self.slot_bytes = run_max
         # The plan mixes batches from up to buffer_bytes of runs; readers may load up to
         # read_ahead_bytes more (the next runs, before the plan releases room for them).
+        self._points = None  # plan.cut_points per shard (huge mappings), computed once
         self.read_ahead_bytes = min(buffer_bytes // 4, max(2 * batch_size * g.vec_bytes, run_max))
         self.plan_budget = buffer_bytes
         if io == "read":
@@ -209,7 +211,7 @@ class ShuffledLoader(BaseLoader):
     def epoch_plan(self, epoch: int) -> EpochPlan:
         """The plan of one epoch for this part (no I/O)."""
         g = self.geom
-        runs = epoch_runs(self.shard_imgs, self.run_imgs, g.per_img, self.seed, epoch)
+        runs = epoch_runs(self.shard_imgs, self.run_imgs, g.per_img, self.seed, epoch, self._cut_points())
         s, e = self.partition.part_range(self.world)
         rng = np.random.default_rng([self.seed, epoch, self.world.part, 1])
         fixed = self.slot_bytes if self.io == "read" else None
@@ -226,6 +228,15 @@ class ShuffledLoader(BaseLoader):
             fixed_run_bytes=fixed,
             map_unit=unit,
         )
+
+    def _cut_points(self) -> list[np.ndarray] | None:
+        """Huge-page mappings: where runs may be cut on 2 MiB boundaries (plan.cut_points)."""
+        if self.map_mode != "huge":
+            return None
+        if self._points is None:
+            pts = {n: cut_points(self.geom, n, HUGE) for n in set(self.shard_imgs)}
+            self._points = [pts[n] for n in self.shard_imgs]
+        return self._points
 
     # ---- threads ------------------------------------------------------------------------------
     def _make_iteration(self) -> Iteration:
@@ -380,7 +391,9 @@ class ShuffledLoader(BaseLoader):
                 continue
             if not last:
                 it.maps.release(r.shard, *r.extents(self.geom, [g]))
-            else:  # everything the run's images hold (and what huge pages mapped around them)
+            elif r.n_strips == 1:  # the run's bytes, widened to the 2 MiB blocks mapped with them
+                it.maps.release(r.shard, *r.extents(self.geom, [0]), whole=True)
+            else:  # everything the run's images hold
                 imgs = np.arange(r.j0, r.j1, dtype=np.int64) + r.img0
                 z = np.zeros(len(imgs), np.int64)
                 it.maps.release(r.shard, *self.geom.token_extents(imgs, z, z + self.geom.n_tokens), whole=True)
@@ -411,9 +424,9 @@ class ShuffledLoader(BaseLoader):
                 row, layer, patch, lpos = g.decode(shard_img, e)
             if self.io == "mmap":
                 src = it.maps.view(r0.shard, (self.shard_imgs[r0.shard] * g.L * g.T, g.D))
-            else:  # arena slot: image-major, selected tokens only
-                src = r0.slot[: (r0.j1 - r0.j0) * per * g.D].reshape(-1, g.D)
-                row = (x // per - r0.j0) * per + e
+            else:  # arena slot: the run's examples in order
+                src = r0.slot[: (r0.hi - r0.lo) * g.D].reshape(-1, g.D)
+                row = x - r0.lo
             out = buf.act[pos : pos + m]
             if self.scale is None:
                 np.take(src, row, axis=0, out=out, mode="clip")

@@ -1,0 +1,182 @@
+"""The shuffled loader's plan (pure numpy): runs cut on huge-page boundaries, partial images,
+what each run is charged, and the loader reading such runs through 2 MiB mappings."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from actcache.loaders import ShuffledLoader
+from actcache.loaders.plan import EpochPlan, Geometry, cut_points, cut_runs, part_runs
+from conftest import make_cache
+
+# 2 stored layers of CLS + 4 patches, D=3 (12-byte vectors); the selection reads layer 1's patches
+GEOM = Geometry(L=2, T=5, D=3, layer_idx=(1,), token_start=1, n_tokens=4, layers=(3, 7), cls=True)
+
+
+def example_bytes(geom: Geometry, n_imgs: int):
+    """[start, end) in the shard of every selected example, image-major (brute force)."""
+    img = np.repeat(np.arange(n_imgs), geom.per_img)
+    e = np.tile(np.arange(geom.per_img), n_imgs)
+    row = geom.decode(img, e)[0]
+    return row * geom.vec_bytes, (row + 1) * geom.vec_bytes
+
+
+@pytest.mark.parametrize("unit", [16, 64, 100])
+@pytest.mark.parametrize(
+    "geom",
+    [
+        GEOM,
+        Geometry(L=2, T=5, D=3, layer_idx=(0, 1), token_start=0, n_tokens=5, layers=(3, 7), cls=True),
+        Geometry(L=1, T=7, D=2, layer_idx=(0,), token_start=1, n_tokens=6, layers=(5,), cls=True),
+    ],
+)
+def test_cut_points_are_exactly_the_cuts_with_a_unit_boundary_between_the_examples(geom, unit):
+    n = 9
+    s, e = example_bytes(geom, n)
+    want = []
+    for k in range(1, n * geom.per_img):
+        lo, hi = e[:k].max(), s[k:].min()  # a multiple of unit must lie in [lo, hi]
+        if -(-lo // unit) * unit <= hi:
+            want.append(k)
+    np.testing.assert_array_equal(cut_points(geom, n, unit), want)
+
+
+def test_cut_runs_cover_each_shard_once_and_cut_on_points_when_they_can():
+    per, shard_imgs, run_imgs = GEOM.per_img, [40, 0, 13, 25], 6
+    points = [cut_points(GEOM, n, 64) for n in shard_imgs]
+    runs = cut_runs(shard_imgs, run_imgs, np.random.default_rng(5), per, points)
+    assert runs.shape[1] == 5
+    for shard, n in enumerate(shard_imgs):
+        rs = runs[runs[:, 0] == shard]
+        start = rs[:, 1] * per + rs[:, 3]  # shard-local example indices
+        end = rs[:, 1] * per + rs[:, 4]
+        if n == 0:
+            continue
+        np.testing.assert_array_equal(start[1:], end[:-1])  # contiguous, no gap, no overlap
+        assert start[0] == 0 and end[-1] == n * per
+        assert ((rs[:, 2] == -(-end // per) - rs[:, 1]) & (rs[:, 3] < per)).all()
+        lengths = end - start
+        assert (lengths[:-1] >= (run_imgs // 2) * per).all() and (lengths <= (run_imgs + run_imgs // 2) * per).all()
+        cuts = end[:-1]
+        assert np.isin(cuts, points[shard]).all()  # points come every few images here
+    # without points: whole images, as before
+    plain = cut_runs(shard_imgs, run_imgs, np.random.default_rng(5), per)
+    assert (plain[:, 3] == 0).all() and (plain[:, 4] == plain[:, 2] * per).all()
+
+
+def test_part_runs_narrow_runs_that_start_inside_an_image():
+    per = 4
+    runs = np.array([[0, 2, 3, 1, 10], [1, 0, 2, 0, 8], [0, 4, 2, 2, 6]], np.int64)  # 9 + 8 + 4 examples
+    got = part_runs(runs, per, 5, 19)
+    np.testing.assert_array_equal(got, [[0, 2, 3, 6, 10], [1, 0, 2, 0, 8], [0, 4, 2, 2, 4]])
+    assert part_runs(runs, per, 3, 3).shape == (0, 5)
+
+
+def test_huge_mode_runs_are_charged_the_blocks_they_map_and_share_none():
+    shard_imgs, unit = [40, 13, 25], 64
+    points = [cut_points(GEOM, n, unit) for n in shard_imgs]
+    runs = cut_runs(shard_imgs, 6, np.random.default_rng(2), GEOM.per_img, points)
+    runs = runs[np.random.default_rng(3).permutation(len(runs))]
+    n_ex = int((runs[:, 4] - runs[:, 3]).sum())
+    plan = EpochPlan(GEOM, runs, 0, 7, n_ex, 10**9, 1, np.random.default_rng(1), map_unit=unit)
+    blocks: dict[int, set] = {}
+    taken = []
+    for spec in plan.batches():
+        for r in spec.admit:
+            s, e = r.extents(GEOM, [0])
+            mine = set()
+            for a, b in zip(s.tolist(), e.tolist(), strict=True):
+                mine |= set(range(a // unit, -(-b // unit)))
+            # charged: every block the run's mapping spans (first to last, like a merged range)
+            assert int(r.strip_bytes.sum()) == (max(mine) - min(mine) + 1) * unit
+            assert not (blocks.setdefault(r.shard, set()) & mine)  # cut on points: nothing shared
+            blocks[r.shard] |= mine
+        taken += [(r.shard, r.img0 * GEOM.per_img + int(v)) for r, x in spec.takes for v in x]
+    assert len(taken) == len(set(taken)) == n_ex == sum(shard_imgs) * GEOM.per_img
+
+
+def test_exact_extents_of_a_partial_run():
+    geom = Geometry(L=2, T=5, D=3, layer_idx=(0, 1), token_start=1, n_tokens=4, layers=(3, 7), cls=True)
+    assert geom.per_img == 8  # layer 0's patches, then layer 1's
+    runs = np.array([[0, 1, 2, 3, 13]], np.int64)  # image 1 from example 3, image 2 up to example 5
+    plan = EpochPlan(geom, runs, 0, 4, 10, 10**9, 1, np.random.default_rng(0))
+    (spec,) = list(plan.batches())[:1]
+    (r,) = spec.admit
+    s, e = r.extents(geom, [0])
+    vb = geom.vec_bytes
+    got = sorted(zip((s // vb).tolist(), (e // vb).tolist(), strict=True))
+    # image 1 (rows 10..19): layer 0 token 4 (example 3), layer 1 tokens 1-4; image 2 (rows
+    # 20..29): layer 0 tokens 1-4, layer 1 token 1 (example 4)
+    assert got == [(14, 15), (16, 20), (21, 25), (26, 27)]
+    assert int(r.strip_bytes.sum()) == 10 * vb
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory):
+    # 1 layer of CLS + 62 patches, D=64: 16,128 bytes per image, so 2 MiB boundaries fall inside
+    # images (runs then start and end with part of an image); ~39 MB in 4 shards
+    return make_cache(tmp_path_factory.mktemp("big"), n_imgs=2400, layers=(4,), n_patches=62, d=64, imgs_per_shard=700)
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_loader_through_huge_mappings_reads_runs_cut_on_2mib_boundaries(big, world_size):
+    path, md, acts = big
+    seen = []
+    for rank in range(world_size):
+        ld = ShuffledLoader(
+            path,
+            batch_size=1000,
+            layer=4,
+            seed=9,
+            buffer_bytes=26 * 2**20,
+            run_bytes=int(1.6 * 2**20),
+            rank=rank,
+            world_size=world_size,
+        )
+        ld.map_mode = "huge"  # forced: by default only runs of >= ~11 MiB are read this way
+        per, n_cut = ld.geom.per_img, 0
+        runs = [r for spec in ld.epoch_plan(0).batches() for r in spec.admit]
+        for r in runs:  # a cut is on a 2 MiB boundary unless it is a shard's or a part's end
+            pts = set(ld._cut_points()[r.shard].tolist())
+            start, end = r.img0 * per + r.lo, r.img0 * per + r.hi
+            assert start == 0 or start in pts or (r is runs[0] and rank > 0)
+            assert end == ld.shard_imgs[r.shard] * per or end in pts or (r is runs[-1] and rank < world_size - 1)
+            n_cut += start % per != 0
+        assert n_cut > 0  # some runs start inside an image
+        batches = []
+        for b in ld:
+            batches.append({k: v.numpy().copy() for k, v in b.items()})
+        for b in batches:
+            np.testing.assert_array_equal(b["act"], acts[b["image_i"], 0, b["patch_i"] + 1])
+        seen += [(i, p) for b in batches for i, p in zip(b["image_i"], b["patch_i"], strict=True)]
+        assert ld.stats.peak_held_bytes <= 26 * 2**20 + ld.read_ahead_bytes + 2 * 1000 * md.d_vit * 4
+    assert len(seen) == len(set(seen)) == 2400 * 62
+
+
+def test_private_arena_reads_parts_that_cut_images(big):
+    # io="read" packs a run's examples into its slot; a part's end cuts an image, so the slot
+    # then starts or ends with part of one
+    path, md, acts = big
+    seen = []
+    for rank in range(7):
+        ld = ShuffledLoader(
+            path,
+            batch_size=777,
+            layer=4,
+            seed=4,
+            buffer_bytes=8 * 2**20,
+            run_bytes=2**19,
+            io="read",
+            rank=rank,
+            world_size=7,
+        )
+        assert any(
+            (r.lo % ld.geom.per_img) or (r.hi % ld.geom.per_img)
+            for spec in ld.epoch_plan(0).batches()
+            for r in spec.admit
+        )
+        for b in ld:
+            np.testing.assert_array_equal(b["act"].numpy(), acts[b["image_i"], 0, b["patch_i"] + 1])
+            seen += list(zip(b["image_i"].tolist(), b["patch_i"].tolist(), strict=True))
+    assert len(seen) == len(set(seen)) == 2400 * 62
