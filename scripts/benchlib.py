@@ -77,9 +77,11 @@ def table(rows: list[dict], columns: list[str] | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def record(name: str, title: str, body: str, path: str = BENCH_MD) -> None:
-    """Replace (or append) section ``name`` of BENCHMARKS.md with title, command, machine, date, body."""
-    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+def record(name: str, title: str, body: str, path: str = BENCH_MD, when: float | None = None) -> None:
+    """Replace (or append) section ``name`` of BENCHMARKS.md with title, command, machine, date
+    (``when``, a Unix time: when the figures were measured; default now), body."""
+    stamp = datetime.datetime.now(datetime.UTC) if when is None else datetime.datetime.fromtimestamp(when, datetime.UTC)
+    now = stamp.strftime("%Y-%m-%d %H:%M UTC")
     section = (
         f"<!-- bench:{name} -->\n## {title}\n\n"
         f"- command: `{command_line()}`\n- machine: {machine()}\n- date: {now}\n\n{body.rstrip()}\n"
