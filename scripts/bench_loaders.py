@@ -116,8 +116,9 @@ def entropy(x: np.ndarray, k: int) -> float:
 
 def entropy_balanced(m: int, n_imgs: int, batch: int) -> float:
     """Entropy of a batch taking the same count (+-1) from each of ``m`` images."""
-    c = np.full(min(m, batch), batch // min(m, batch), np.int64)
-    c[: batch % len(c)] += 1
+    k = min(m, batch)
+    c = np.full(k, batch // k, np.int64)
+    c[: batch % k] += 1
     p = c / batch
     return float(-(p * np.log(p)).sum() / np.log(min(batch, n_imgs)))
 

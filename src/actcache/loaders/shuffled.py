@@ -30,10 +30,11 @@ BENCHMARKS.md)
     Mixing: each batch takes the same share from every held run and, within a run, the same
     count (+-1) from each of its images (plan.py), so it mixes about buffer_bytes /
     bytes-per-image images nearly evenly (3.2 GB of a 4.3 GB cache: image-index entropy ~0.95,
-    measured 0.949 first epoch and 0.952 second; a uniform draw from the same runs scored 0.93). ``n_strips=3`` releases each image a third
-    at a time (plan.py), which mixes ~1.5x more images for the same buffer (entropy ~0.98) but
-    needs 4 KiB mappings (huge ones are all-or-nothing): slower gathers, more mapping work, ~1.6x the CPU per byte (measured 0.39
-    of ref2 warm against 0.65); throughput is what the loader is for, hence the default 1.
+    measured 0.949 first epoch and 0.952 second; a uniform draw from the same runs scored
+    0.93). ``n_strips=3`` releases each image a third at a time (plan.py), which mixes ~1.5x
+    more images for the same buffer (entropy ~0.98) but needs 4 KiB mappings (huge ones are
+    all-or-nothing): slower gathers, more mapping work, ~1.8x the CPU per byte (measured 0.61
+    of ref2 warm against 1.15); throughput is what the loader is for, hence the default 1.
 
     ``io="read"`` reads runs with ``preadv`` into a private arena instead and gathers from there:
     memory is then strictly the arena and does not rely on the page cache (for filesystems whose
