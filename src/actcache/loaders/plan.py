@@ -17,11 +17,21 @@ Epoch order
 
 Batches (per part)
     Runs are *admitted* in order while the bytes they hold fit in the budget (a run admitted
-    at batch t must be resident before batch t is copied). Every batch takes the same share of
-    its examples from each admitted run (water-filling, so a nearly empty run gives what it has;
-    equal shares measured better mixing than shares proportional to run size); when no run is
-    left to admit, shares are proportional to what each run has left, so that all of them end
-    together with the epoch. Within a run, examples are drawn in a random order that is
+    at batch t must be resident before batch t is copied). Every batch takes from each admitted
+    run a share proportional to the run's weight (water-filling, so a nearly empty run gives
+    what it has); when no run is left to admit, shares are proportional to what each run has
+    left, so that all of them end together with the epoch (for a fixed set of resident images
+    that is the most even mix: entropy is concave).
+    Weights: by default equal per run. Runs of random length then end at spread-out times, and
+    the runs admitted in their place do too (equal shares measured better than shares
+    proportional to run size, whose runs all end together). When the data left out of the first
+    fill is under half of it (e.g. a 3.2 GB buffer over 4.3 GB), a plan with two rates mixes
+    better: the first ~1.05x that much of the first fill (in epoch order) is drawn about twice
+    as fast per image (2 +-20%, spreading its ends) as the rest, so it is used up near mid-epoch,
+    and the rest of the data then comes in and mixes with the remaining first fill until the
+    end. Weights are then per image (run weight = rate x images). In a fluid model this two-rate
+    plan is the best of its kind (entropy 0.961 for the bench's setting against 0.967 with all
+    resident images even); the plan measured 0.954 against 0.948 with equal shares. Within a run, examples are drawn in a random order that is
     balanced over its images: every image's k-th example comes before any image's (k+1)-th, so
     a batch takes about the same number of examples from each image of the run (a uniform
     draw would take a multinomial number: fewer distinct images per batch; image-index
@@ -251,6 +261,7 @@ class Run:
         "n_strips",
         "nT",
         "slot",
+        "weight",
     )
 
     def __init__(self, key, row, n_strips: int, nT: int):
@@ -262,6 +273,7 @@ class Run:
         self.first_strip = 0  # strips before this one need not be loaded (resume)
         self.loaded = False
         self.slot = None  # io="read": the arena slot holding the run
+        self.weight = 1.0  # share weight while runs are still admitted (EpochPlan.batches)
 
     def strip_tokens(self, g: int) -> tuple[int, int]:
         """[a, b): the rotated token positions of strip g (strip = position * n_strips // nT)."""
@@ -402,6 +414,7 @@ class EpochPlan:
     def batches(self, start: int = 0) -> Iterator[BatchSpec]:
         """Batch specs from batch ``start`` on (earlier batches are planned, not yielded)."""
         active: list[Run] = []
+        per_image = False  # weights per image (two-rate plan) or equal per run
         nxt = 0  # next run to admit
         mem = 0
         left = self.n_examples
@@ -418,12 +431,18 @@ class EpochPlan:
                 mem += r.held_bytes()
                 avail += r.remaining
             held = mem  # what the plan holds while this batch is gathered
+            if t == 0:
+                per_image = self._first_weights(admitted)
+            elif per_image:
+                for r in admitted:
+                    r.weight = float(r.j1 - r.j0)
             if t == start:  # resuming: load what the active runs still hold (not used-up strips)
                 for r in active:
                     r.first_strip = r.done
                 admitted = list(active)
             rem = np.array([r.remaining for r in active], np.int64)
-            q = self._shares(rem, need, tail=nxt >= len(self.runs), w=np.ones(len(rem)))
+            w = np.array([r.weight for r in active])
+            q = self._shares(rem, need, tail=nxt >= len(self.runs), w=w)
             takes, releases, keep = [], [], []
             for r, k in zip(active, q.tolist(), strict=True):
                 if k:
@@ -440,6 +459,32 @@ class EpochPlan:
             if t >= start:
                 yield BatchSpec(self.epoch, t, need, admitted, takes, releases, held)
 
+    # Two-rate plan (module doc): used while the data left out of the first fill is under
+    # LATE_MAX of it; the first FAST_SPAN x that much of the fill is drawn FAST_RATE (+-
+    # FAST_SPREAD) times as fast per image as the rest. Tuned on the plan alone (tests/bench).
+    LATE_MAX, FAST_SPAN, FAST_RATE, FAST_SPREAD = 0.5, 1.05, 2.0, 0.2
+
+    def _first_weights(self, first: list[Run]) -> bool:
+        """Set the weights of the runs admitted before batch 0; -> whether weights are per image
+        (two-rate plan) rather than equal per run."""
+        if not first:
+            return False
+        held = np.array([r.held_bytes() for r in first], np.float64)
+        late = 0  # bytes of the data left out of the first fill (counted up to LATE_MAX x it)
+        for i in range(len(first), len(self.runs)):
+            late += self.run_bytes(i)
+            if late >= self.LATE_MAX * held.sum():
+                return False
+        if not late:
+            return False
+        span = min(0.5, self.FAST_SPAN * late / held.sum())
+        u = (np.cumsum(held) - held / 2) / held.sum()  # position in the fill, 0..1
+        fast = self.FAST_RATE * (1 + self.FAST_SPREAD * (1 - 2 * u / span))
+        rate = np.where(u < span, fast, 1.0)
+        for r, a in zip(first, rate.tolist(), strict=True):
+            r.weight = a * (r.j1 - r.j0)
+        return True
+
     def _shares(self, rem: np.ndarray, need: int, tail: bool, w: np.ndarray) -> np.ndarray:
         """Examples each active run gives to a batch of ``need`` (sums to ``need``)."""
         n = len(rem)
@@ -448,7 +493,7 @@ class EpochPlan:
             return rem.copy()
         if tail:  # proportional to what is left: every run ends with the epoch
             exact = rem * (need / total)
-        else:  # shares proportional to w (equal: measured best), capped by what is left (water-filling)
+        else:  # shares proportional to w, capped by what is left (water-filling)
             ratio = rem / w
             o = np.argsort(ratio, kind="stable")
             before = np.r_[0, np.cumsum(rem[o])[:-1]]
