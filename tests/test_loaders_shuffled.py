@@ -219,6 +219,31 @@ def test_kept_batches_are_never_overwritten(cache):
     ld = ShuffledLoader(path, batch_size=7, layer=3, read_ahead=1, **SMALL)
     kept = list(ld)  # the consumer keeps every batch: the loader must not reuse their memory
     check_values([{k: v.numpy() for k, v in b.items()} for b in kept], md, acts)
+    assert ld.stats.buffer_sets > 3
+
+
+def test_pool_spares_the_batch_a_loop_still_holds_while_next_runs():
+    """While next() hands out batch k+1, a plain loop still holds batch k: with every set
+    owned and those two lent, the pool must wait, not take k for a kept batch and allocate."""
+    import threading
+
+    from actcache.loaders.buffers import BatchBuffers, BatchPool
+
+    pool = BatchPool(lambda: BatchBuffers(4, 2), 3, threading.Condition())
+    sets = [pool.try_acquire() for _ in range(3)]
+    assert pool.n_allocated == 3 and pool.try_acquire() is None
+    held = [sets[0].to_torch()]  # the loop variable: batch k
+    pool.lend(sets[0])
+    held.append(sets[1].to_torch())  # batch k+1, being returned by next()
+    pool.lend(sets[1])
+    assert pool.try_acquire() is None and pool.n_allocated == 3
+    held.pop(0)  # the loop moved on: batch k is free again
+    assert pool.try_acquire() is sets[0] and pool.n_allocated == 3
+    kept = [sets[0].to_torch(), sets[2].to_torch(), *held]  # a consumer that keeps every batch
+    pool.lend(sets[2])
+    pool.lend(sets[0])
+    assert pool.try_acquire() is not None and pool.n_allocated == 4  # 3 lent and in use
+    del held, kept
 
 
 def test_reader_crash_reaches_the_consumer_with_traceback(cache, tmp_path):

@@ -96,6 +96,7 @@ class Iteration:
             role = who.rstrip("0123456789").rstrip("-")
             self.loader.stats.thread_cpu_s[role] = self.loader.stats.thread_cpu_s.get(role, 0.0) + cpu
         with self.cond:
+            self.loader.stats.buffer_sets += self.pool.n_allocated
             self.ready.clear()
             self.pool.clear()
         if not alive:  # never unmap while a thread might still copy out of a mapping

@@ -358,8 +358,10 @@ class BatchPool:
             self.n_owned += 1
             self.n_allocated += 1
             return self._new()
-        if len(self.lent) > 1:
+        if len(self.lent) > 2:
             # The consumer keeps old batches: they are its memory now; the loader allocates anew.
+            # (The last two lent are spared: while next() hands out batch k+1, a plain loop
+            # still holds batch k in its loop variable.)
             self.lent.pop(0)
             self.n_allocated += 1
             return self._new()
