@@ -22,6 +22,12 @@ Batches (per part)
     what it has); when no run is left to admit, shares are proportional to what each run has
     left, so that all of them end together with the epoch (for a fixed set of resident images
     that is the most even mix: entropy is concave).
+    Ramp: when the whole part fits in the budget, batch 0 draws only from the first quarter
+    of it (in epoch order), batch 1 from the first half, batch 2 from three quarters, and from
+    batch 3 on from all of it: the first batches are gathered while the rest is still being
+    read instead of after (4-layer bench cache, one layer of 1 GiB: cold ~1.35 against ~1.14
+    GB/s, first batch ~0.27 against ~0.72 s; warm ~+7%, within the noise) for a small cost in
+    mixing (image-index entropy 1.00 -> 0.98 there, the first batches drawing from fewer images).
     Weights: by default equal per run. Runs of random length then end at spread-out times, and
     the runs admitted in their place do too (equal shares measured better than shares
     proportional to run size, whose runs all end together). When the data left out of the first
@@ -423,7 +429,10 @@ class EpochPlan:
             # admit while the budget allows (and always enough to fill the batch)
             admitted = []
             avail = sum(r.remaining for r in active)
-            while nxt < len(self.runs) and (mem + self.run_bytes(nxt) <= self.budget or avail < need):
+            if t == 0:
+                ramp = self._ramp()
+            cap = self.budget if t >= len(ramp) else ramp[t]
+            while nxt < len(self.runs) and (mem + self.run_bytes(nxt) <= cap or avail < need):
                 r = self._admit(nxt)
                 nxt += 1
                 active.append(r)
@@ -458,6 +467,20 @@ class EpochPlan:
             left -= need
             if t >= start:
                 yield BatchSpec(self.epoch, t, need, admitted, takes, releases, held)
+
+    RAMP_BATCHES = 4  # a part that fits in the budget comes in over this many batches
+
+    def _ramp(self) -> list[float]:
+        """Byte caps on admission for the first batches: when the whole part fits in the budget,
+        batch t < RAMP_BATCHES draws only from the first (t+1)/RAMP_BATCHES of it, so gathering
+        starts once that much is read instead of all of it (module doc); else no ramp."""
+        total = 0
+        for i in range(len(self.runs)):
+            total += self.run_bytes(i)
+            if total > self.budget:
+                return []
+        k = self.RAMP_BATCHES
+        return [total * (t + 1) / k for t in range(k - 1)]
 
     # Two-rate plan (module doc): used while the data left out of the first fill is under
     # LATE_MAX of it; the first FAST_SPAN x that much of the fill is drawn FAST_RATE (+-
