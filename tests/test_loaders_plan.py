@@ -222,3 +222,23 @@ def test_two_rate_plan_mixes_better_when_most_of_the_data_fits(seed, monkeypatch
     equal, seen = plan_entropy(plan(), per, n_imgs)
     np.testing.assert_array_equal(np.sort(seen), np.sort(want))
     assert two > equal + 0.003, (two, equal)
+
+
+def test_a_part_that_fits_comes_in_over_the_first_batches():
+    """Whole part within the budget: batch t draws only from what its first (t+1)/4 holds, so
+    the first batch waits for a quarter of the reads, not all of them (plan.py, Ramp)."""
+    geom = Geometry(L=1, T=200, D=1, layer_idx=(0,), token_start=0, n_tokens=200, layers=(5,), cls=False)
+    shard_imgs = [60] * 4
+    per = geom.per_img
+    runs = epoch_runs(shard_imgs, 6, per, 3, 0)
+    total = sum(int(r[2]) for r in runs) * geom.img_bytes
+    plan = EpochPlan(geom, runs, 0, 2000, 240 * per, 10 * total, 1, np.random.default_rng(3))
+    admitted, frac = 0, []
+    for spec in plan.batches():
+        admitted += sum(r.held_bytes() for r in spec.admit)
+        frac.append(admitted / total)
+    assert frac[0] <= 0.25 + 0.1 and frac[1] <= 0.5 + 0.1 and frac[2] <= 0.75 + 0.1 and frac[3] == 1
+    assert frac[0] > 0.1
+    H, seen = plan_entropy(EpochPlan(geom, runs, 0, 2000, 240 * per, 10 * total, 1, np.random.default_rng(3)), per, 240)
+    want = np.concatenate([(s * 10**6 + np.arange(n)) * per for s, n in enumerate(shard_imgs)])
+    np.testing.assert_array_equal(np.sort(seen), np.sort((want[:, None] + np.arange(per)).ravel()))
