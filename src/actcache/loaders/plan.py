@@ -37,11 +37,13 @@ Batches (per part)
     and the rest of the data then comes in and mixes with the remaining first fill until the
     end. Weights are then per image (run weight = rate x images). In a fluid model this two-rate
     plan is the best of its kind (entropy 0.961 for the bench's setting against 0.967 with all
-    resident images even); the plan measured 0.954 against 0.948 with equal shares. Within a run, examples are drawn in a random order that is
-    balanced over its images: every image's k-th example comes before any image's (k+1)-th, so
-    a batch takes about the same number of examples from each image of the run (a uniform
-    draw would take a multinomial number: fewer distinct images per batch; image-index
-    entropy 0.929 -> 0.946 in the bench's setting, image-aligned runs).
+    resident images even); the plan measured 0.954 against 0.948 with equal shares
+    (``scripts/plan_entropy.py``, ``--equal``).
+    Within a run, examples are drawn in a random order that is balanced over its images: every
+    image's k-th example comes before any image's (k+1)-th, so a batch takes about the same
+    number of examples from each image of the run (a uniform draw would take a multinomial
+    number: fewer distinct images per batch; image-index entropy 0.929 -> 0.946 in the bench's
+    setting, image-aligned runs).
 
 Progressive release (strips)
     A batch can only mix images that are resident, so with whole-run residency the images
