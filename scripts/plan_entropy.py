@@ -13,6 +13,9 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_loaders import entropy  # noqa: E402  (the bench's measure, same normalisation)
 
 from actcache.loaders import ShuffledLoader  # noqa: E402
 
@@ -40,9 +43,7 @@ def main() -> None:
         H, late = [], []
         for spec in ld.epoch_plan(epoch).batches():
             imgs = np.concatenate([r.img0 + ld.shard_start[r.shard] + x // per for r, x in spec.takes])
-            c = np.bincount(imgs)
-            p = c[c > 0] / len(imgs)
-            H.append(-(p * np.log(p)).sum() / np.log(min(len(imgs), n_imgs)))
+            H.append(entropy(imgs, n_imgs))
             if spec.admit and spec.index:
                 late.append(spec.index)
         d = np.array_split(np.array(H), 10)

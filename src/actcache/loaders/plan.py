@@ -423,6 +423,7 @@ class EpochPlan:
         """Batch specs from batch ``start`` on (earlier batches are planned, not yielded)."""
         active: list[Run] = []
         per_image = False  # weights per image (two-rate plan) or equal per run
+        ramp = self._ramp()
         nxt = 0  # next run to admit
         mem = 0
         left = self.n_examples
@@ -431,8 +432,6 @@ class EpochPlan:
             # admit while the budget allows (and always enough to fill the batch)
             admitted = []
             avail = sum(r.remaining for r in active)
-            if t == 0:
-                ramp = self._ramp()
             cap = self.budget if t >= len(ramp) else ramp[t]
             while nxt < len(self.runs) and (mem + self.run_bytes(nxt) <= cap or avail < need):
                 r = self._admit(nxt)

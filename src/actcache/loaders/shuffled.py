@@ -31,9 +31,9 @@ BENCHMARKS.md)
     count (+-1) from each of its images (plan.py), so it mixes about buffer_bytes /
     bytes-per-image images nearly evenly (3.2 GB of a 4.3 GB cache: image-index entropy 0.954
     first epoch, 0.955 second, with plan.py's two-rate plan; 0.949 with equal shares per run; a
-    uniform draw from the same runs scored 0.93). ``n_strips=3`` releases each image a third at a time (plan.py), which mixes ~1.5x
-    more images for the same buffer (entropy ~0.98) but needs 4 KiB mappings (huge ones are
-    all-or-nothing): slower gathers, more mapping work, ~1.8x the CPU per byte (measured 0.61
+    uniform draw from the same runs scored 0.93). ``n_strips=3`` releases each image a third at
+    a time (plan.py), which mixes ~1.5x more images for the same buffer (entropy ~0.98) but
+    needs 4 KiB mappings (huge ones are all-or-nothing): slower gathers, more mapping work, ~1.8x the CPU per byte (measured 0.61
     of ref2 warm against 1.15); throughput is what the loader is for, hence the default 1.
 
     ``io="read"`` reads runs with ``preadv`` into a private arena instead and gathers from there:
