@@ -468,7 +468,7 @@ def main() -> None:
         body.append(
             f"**{run['n_layers']} recorded layer(s)**: {run['n_imgs']:,} images, {run['size_GB']:.2f} GB, "
             f"measured {when} UTC, load average at the end {run['load'][0]:.1f}, by "
-            f"`{' '.join(['python scripts/bench_loaders.py', *run.get('argv', ['x'])[1:]])}`"
+            f"`{benchlib.command_line(run.get('argv', [__file__]))}`"
         )
         body.append("")
         rows = [{k: v for k, v in r.items() if k != "layers"} for r in summarize(run)]

@@ -51,9 +51,11 @@ def machine() -> str:
     )
 
 
-def command_line() -> str:
-    script = os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)
-    return " ".join(shlex.quote(a) for a in ["python", script, *sys.argv[1:]])
+def command_line(argv: list[str] | None = None) -> str:
+    """The command as typed from the repository root (``argv``: default this process's)."""
+    argv = sys.argv if argv is None else argv
+    script = os.path.relpath(os.path.abspath(argv[0]), ROOT)
+    return " ".join(shlex.quote(a) for a in ["python", script, *argv[1:]])
 
 
 def table(rows: list[dict], columns: list[str] | None = None) -> str:

@@ -161,6 +161,7 @@ class OrderedLoader(BaseLoader):
 
     def _copier(self, it: Iteration, name: str) -> None:
         it.rt.status(name, "allocating batch buffers")
+        # all sets up front (lazily, as the shuffled loader does, measured ~10% slower here)
         for _ in range(-(-it.pool.max_sets // self.n_threads)):
             it.pool.prefill()
         while True:
