@@ -274,3 +274,22 @@ def test_writer_thread_error_surfaces_promptly(tmp_path):
             sink.put(0, acts)
     assert time.monotonic() - t0 < 10
     sink.abort(drain=False)
+
+
+def test_cuda_forward_runs_in_full_float32_and_restores_the_flags():
+    from actcache.dump import _full_fp32
+
+    mm, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = mm.allow_tf32, cudnn.allow_tf32
+    try:
+        mm.allow_tf32 = cudnn.allow_tf32 = True  # what a training script may have set
+        with _full_fp32(torch.device("cuda")):
+            assert (mm.allow_tf32, cudnn.allow_tf32) == (False, False)
+        assert (mm.allow_tf32, cudnn.allow_tf32) == (True, True)
+        with pytest.raises(RuntimeError), _full_fp32(torch.device("cuda")):
+            raise RuntimeError("a failed dump restores them too")
+        assert (mm.allow_tf32, cudnn.allow_tf32) == (True, True)
+        with _full_fp32(torch.device("cpu")):
+            assert (mm.allow_tf32, cudnn.allow_tf32) == (True, True)  # nothing to change on the CPU
+    finally:
+        mm.allow_tf32, cudnn.allow_tf32 = saved

@@ -19,6 +19,10 @@ Guarantees:
   spans two shards), so the bytes of a shard do not depend on how the shard range is split into
   jobs (for the same batch size, device type and number of CPU threads; other settings change
   only the float rounding).
+- On CUDA the forward pass runs in full float32: TF32 (which PyTorch allows for convolutions by
+  default, and which rounds inputs to 10 mantissa bits) is switched off while the dump runs, so
+  the cache holds the model's float32 activations whatever the GPU (the patch embedding is a
+  convolution). The flags are restored afterwards.
 - A corrupt image, a write failure (disk full, file size limit) or a worker crash is a
   ``DumpError`` naming the file; the shard being written is discarded, finished shards are kept.
 """
@@ -175,6 +179,21 @@ class _Batches(torch.utils.data.Sampler):
 
 
 @contextlib.contextmanager
+def _full_fp32(dev: torch.device):
+    """No TF32 in matrix products or convolutions on CUDA while the block runs (restored after)."""
+    if dev.type != "cuda":
+        yield
+        return
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = matmul.allow_tf32, cudnn.allow_tf32
+    matmul.allow_tf32 = cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        matmul.allow_tf32, cudnn.allow_tf32 = saved
+
+
+@contextlib.contextmanager
 def _ignore_sigxfsz():
     """Exceeding RLIMIT_FSIZE raises OSError(EFBIG) instead of killing the process (SIGXFSZ)."""
     if not hasattr(signal, "SIGXFSZ") or threading.current_thread() is not threading.main_thread():
@@ -300,7 +319,7 @@ def _dump(exp, md, path, todo, dev, batch_size, n_workers, progress, ds, load_tr
         vit = load_vit(exp.vit.family, exp.vit.ckpt, dev)
         log.info("loaded %s %s on %s in %.1f s", exp.vit.family, exp.vit.ckpt, dev, time.monotonic() - t0)
         sink = ShardSink(path, md, on_done=lambda s: log.info("wrote %s", shard_name(s))).start()
-        with Progress(n_imgs, desc="dump", unit="img", enabled=progress) as bar:
+        with Progress(n_imgs, desc="dump", unit="img", enabled=progress) as bar, _full_fp32(dev):
             skipped = _run(md, path, batches, batch_iter, vit, list(exp.vit.layers), dev, sink, bar)
     finally:
         # Stop the workers now (a traceback may keep the iterator alive for a while).
