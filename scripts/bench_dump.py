@@ -1,10 +1,13 @@
 """Benchmark `actcache dump` (actcache.dump.dump_shards) against references measured in the same run.
 
     python scripts/bench_dump.py [--dir bench-out/dump] [--rounds 3] [--vit-rounds 5] [--io-imgs 20000]
-                                 [--vit-imgs 48] [--quick] [--no-record]
+                                 [--vit-imgs 48] [--device cpu] [--workers N] [--only io|compute|both]
+                                 [--quick] [--no-record]
 
 Two scenarios, each with random-weight CLIP vision checkpoints written with save_pretrained
-(no downloads) and synthetic images (``data.kind: synthetic``), on the CPU:
+(no downloads) and synthetic images (``data.kind: synthetic``), on ``--device`` (default cpu;
+``cuda`` records section ``dump-cuda`` of BENCHMARKS.md instead of ``dump``, runs only the
+I/O-bound scenario unless ``--only both``, and defaults to 100,000 images and cores - 2 workers):
 
 I/O-bound: a tiny model (d=32, MLP 32, 4 blocks, all 4 recorded, 32x32 images in 4x4 patches:
 65 tokens, 33 KB of activations per image). References: ``seq write`` = the same bytes in the same number
@@ -65,12 +68,27 @@ def make_ckpt(root: str, name: str, **vision) -> str:
     return path
 
 
+DEVICE = "cpu"  # --device
+
+
+def sync() -> None:
+    if torch.device(DEVICE).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def where() -> str:
+    """The device in words, for the tables' text."""
+    if torch.device(DEVICE).type == "cuda":
+        return f"{DEVICE} ({torch.cuda.get_device_name(torch.device(DEVICE))}; CPU: {torch.get_num_threads()} torch threads)"
+    return f"CPU ({torch.get_num_threads()} threads)"
+
+
 def make_exp(ckpt: str, n_imgs: int, size: int, layers: list[int], max_patches: int, batch: int, workers: int):
     doc = {
         "name": "bench",
         "vit": {"family": "clip", "ckpt": ckpt, "layers": layers},
         "data": {"kind": "synthetic", "n_imgs": n_imgs, "size": size, "seed": 0},
-        "cache": {"max_patches_per_shard": max_patches, "batch_size": batch, "n_workers": workers, "device": "cpu"},
+        "cache": {"max_patches_per_shard": max_patches, "batch_size": batch, "n_workers": workers, "device": DEVICE},
     }
     return experiment_from_dict(doc, source="<bench>")
 
@@ -127,14 +145,18 @@ def forward_only(exp, md, pixels: torch.Tensor) -> tuple[float, float, float]:
     from actcache.models import load_vit
 
     t0 = time.perf_counter()
-    vit = load_vit(exp.vit.family, exp.vit.ckpt, "cpu")
+    vit = load_vit(exp.vit.family, exp.vit.ckpt, DEVICE)
+    sync()
     t_load = time.perf_counter() - t0
     layers = list(exp.vit.layers)
     n = len(pixels)
+    if torch.device(DEVICE).type == "cuda":
+        pixels = pixels.pin_memory()  # as the dump's DataLoader delivers them
     c0, t0 = cpu_seconds(), time.perf_counter()
     for _, lo, hi in plan_batches(md, range(md.n_shards), exp.cache.batch_size):
         k = lo % n
-        vit.forward(pixels[k : k + hi - lo], layers)
+        vit.forward(pixels[k : k + hi - lo].to(DEVICE, non_blocking=True), layers)
+    sync()
     return time.perf_counter() - t0, cpu_seconds() - c0, t_load
 
 
@@ -199,13 +221,13 @@ def io_bound(root: str, n_imgs: int, rounds: int, workers: int) -> tuple[list[di
         })  # fmt: skip
     verdict = "met" if ratio >= 0.70 else "MISSED"
     why = (
-        " The forward pass alone produces activations slower than the disk takes them, so on this CPU the dump "
+        f" The forward pass alone produces activations slower than the disk takes them, so on this {'GPU' if torch.device(DEVICE).type == 'cuda' else 'CPU'} the dump "
         "is compute-bound, not I/O-bound; compare dump with forward only, and write path with seq write."
         if med["fwd"] > med["seq"]
         else ""
     )
     text = (
-        f"I/O-bound: {md.n_imgs:,} synthetic 32x32 images, d=32, 4 blocks recorded, 65 tokens "
+        f"I/O-bound, on {where()}: {md.n_imgs:,} synthetic 32x32 images, d=32, 4 blocks recorded, 65 tokens "
         f"({md.bytes_per_img / 1e3:.1f} KB/image), {total / 1e9:.2f} GB in {md.n_shards} shards of "
         f"{md.shard_nbytes / MiB:.0f} MiB, batch {batch}, {workers} worker(s). Dump MB/s / seq-write MB/s: "
         f"{ratio:.3f} (best times; per round {', '.join(f'{x:.3f}' for x in ratios)}; target >= 0.70: {verdict}). "
@@ -245,8 +267,8 @@ def compute_bound(root: str, n_imgs: int, rounds: int, workers: int, batch: int)
     verdict = "met" if dmp / fwd <= 1.10 else "MISSED"
     text = (
         f"Compute-bound: ViT-B/16-sized random CLIP (d=768, 12 blocks, 12 heads, MLP 3072, 224x224, patch 16), "
-        f"layer -2, {n_imgs} synthetic 224x224 images, batch {batch}, {workers} worker(s), CPU "
-        f"({torch.get_num_threads()} threads), {md.n_shards} shards. Dump wall time / forward-only time: "
+        f"layer -2, {n_imgs} synthetic 224x224 images, batch {batch}, {workers} worker(s), {where()}, "
+        f"{md.n_shards} shards. Dump wall time / forward-only time: "
         f"{dmp / fwd:.3f} (best times; per round {', '.join(f'{x:.3f}' for x in ratios)}; target <= 1.10: "
         f"{verdict}). CPU seconds (process + image workers), which other jobs on a shared machine disturb much "
         f"less than wall time: dump / forward-only {dmp_cpu / fwd_cpu:.3f}. Model load (part of the dump's time): "
@@ -256,41 +278,60 @@ def compute_bound(root: str, n_imgs: int, rounds: int, workers: int, batch: int)
 
 
 def main() -> None:
+    global DEVICE
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", default=os.path.join(benchlib.ROOT, "bench-out", "dump"))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--vit-rounds", type=int, default=5)
-    ap.add_argument("--io-imgs", type=int, default=20_000)
+    ap.add_argument("--io-imgs", type=int, default=None, help="default 20,000 (cpu), 100,000 (cuda)")
     ap.add_argument("--vit-imgs", type=int, default=48)
     ap.add_argument("--vit-batch", type=int, default=16)
-    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    ap.add_argument("--workers", type=int, default=None, help="image workers (default 1 on cpu, cores - 2 on cuda)")
+    ap.add_argument("--only", choices=["io", "compute", "both"], default=None,
+                    help="scenarios to run (default both on cpu, io on cuda)")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="small sizes, 1 round, no record (a smoke test)")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
+    DEVICE = args.device
+    cuda = torch.device(DEVICE).type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        sys.exit(f"--device {DEVICE}: torch {torch.__version__} sees no CUDA GPU here")
+    if args.workers is None:
+        args.workers = max(1, (os.cpu_count() or 2) - 2) if cuda else 1
+    if args.io_imgs is None:
+        args.io_imgs = 100_000 if cuda else 20_000
+    only = args.only or ("io" if cuda else "both")
     if args.quick:
         args.rounds, args.vit_rounds, args.io_imgs, args.vit_imgs, args.no_record = 1, 1, 4000, 16, True
     logging.basicConfig(level=logging.WARNING)
     os.makedirs(args.dir, exist_ok=True)
     root = tempfile.mkdtemp(prefix="run-", dir=args.dir)
     load0 = os.getloadavg()[0]
+    parts = []
     try:
-        print("I/O-bound", flush=True)
-        io_rows, io_text = io_bound(root, args.io_imgs, args.rounds, args.workers)
-        print(io_text, flush=True)
-        print("compute-bound", flush=True)
-        cb_rows, cb_text = compute_bound(root, args.vit_imgs, args.vit_rounds, args.workers, args.vit_batch)
-        print(cb_text, flush=True)
+        if only in ("io", "both"):
+            print("I/O-bound", flush=True)
+            io_rows, io_text = io_bound(root, args.io_imgs, args.rounds, args.workers)
+            print(io_text, flush=True)
+            parts.append(f"{io_text}\n\n{benchlib.table(io_rows)}")
+        if only in ("compute", "both"):
+            print("compute-bound", flush=True)
+            cb_rows, cb_text = compute_bound(root, args.vit_imgs, args.vit_rounds, args.workers, args.vit_batch)
+            print(cb_text, flush=True)
+            parts.append(f"{cb_text}\n\n{benchlib.table(cb_rows)}")
     finally:
         shutil.rmtree(root, ignore_errors=True)
     body = (
-        f"{io_text}\n\n{benchlib.table(io_rows)}\n{cb_text}\n\n{benchlib.table(cb_rows)}\n"
-        f"Best of {args.rounds} (I/O) and {args.vit_rounds} (compute) rounds with alternating order. "
-        f"1-minute load average at the start / end: {load0:.1f} / {os.getloadavg()[0]:.1f} "
+        "\n".join(parts) + f"\nBest of {args.rounds} (I/O) and {args.vit_rounds} (compute) rounds with alternating "
+        f"order. 1-minute load average at the start / end: {load0:.1f} / {os.getloadavg()[0]:.1f} "
         f"(on {os.cpu_count()} cores; above the core count, other jobs were competing for the CPU).\n"
     )
     print(body)
     if not args.no_record:
-        benchlib.record("dump", "dump: activations written vs. disk speed and forward-pass time", body)
+        name = "dump" if not cuda else "dump-cuda"
+        title = "dump: activations written vs. disk speed and forward-pass time"
+        benchlib.record(name, title + ("" if not cuda else " (CUDA)"), body)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark SAE training through the real loader: 1 and 8 SAEs per loader pass, on CPU.
+"""Benchmark SAE training through the real loader: 1 and 8 SAEs per loader pass, on the CPU (or --device cuda).
 
     python scripts/bench_train.py [--d 128] [--exp-factor 8] [--k 32] [--batch 2048] [--steps 60]
 
@@ -59,7 +59,7 @@ def train_section(args, n_saes: int) -> dict:
 def loader_run(cache: str, args, n_saes: int, out: str) -> dict:
     runs = expand_train_section(train_section(args, n_saes), "bench")
     t0 = time.perf_counter()
-    train_group(cache, runs, out, device="cpu")
+    train_group(cache, runs, out, device=args.device)
     wall = time.perf_counter() - t0
     lines = [json.loads(x) for x in open(os.path.join(run_dir(out, os.path.basename(cache), runs[0]), "metrics.jsonl"))]
     steady = lines[1:]  # the first window includes the loader's start-up
@@ -76,9 +76,9 @@ def memory_run(cache: str, args, n_saes: int) -> float:
     c = ActivationCache.open(cache)
     imgs = np.arange(min(c.n_imgs, args.batch // 196 + 2))
     x = torch.from_numpy(c[imgs, -2][:, 1:])  # patch tokens, as patches="image"
-    x = x.reshape(-1, x.shape[-1])[: args.batch].contiguous()
+    x = x.reshape(-1, x.shape[-1])[: args.batch].contiguous().to(args.device)
     runs = expand_train_section(train_section(args, n_saes), "bench")
-    saes = [SAE(r.sae_config(x.shape[1])) for r in runs]
+    saes = [SAE(r.sae_config(x.shape[1])).to(args.device) for r in runs]
     objs = [make_objective(s, dead_tokens_threshold=r.dead_tokens) for s, r in zip(saes, runs, strict=True)]
     opts = [make_optimizer(s, lr=1e-3) for s in saes]
     for s in saes:
@@ -88,30 +88,43 @@ def memory_run(cache: str, args, n_saes: int) -> float:
         for s, o, opt in zip(saes, objs, opts, strict=True):
             train_step(s, o, opt, x, max_grad_norm=1.0)
 
+    sync = torch.cuda.synchronize if torch.device(args.device).type == "cuda" else (lambda: None)
     for _ in range(3):
         step()
     n = max(5, args.steps - args.log_every)
+    sync()
     t0 = time.perf_counter()
     for _ in range(n):
         step()
+    sync()
     return n / (time.perf_counter() - t0)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--d", type=int, default=128)
-    p.add_argument("--exp-factor", type=float, default=8)
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N (section train-cuda; its defaults: "
+                   "--d 768 --exp-factor 16 --batch 16384 --steps 100 --n-imgs 4096)")  # fmt: skip
+    p.add_argument("--d", type=int, default=None, help="default 128")
+    p.add_argument("--exp-factor", type=float, default=None, help="default 8")
     p.add_argument("--k", type=int, default=32)
-    p.add_argument("--batch", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--batch", type=int, default=None, help="default 2048")
+    p.add_argument("--steps", type=int, default=None, help="default 60")
     p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--n-imgs", type=int, default=2048)
+    p.add_argument("--n-imgs", type=int, default=None, help="default 2048")
     p.add_argument("--saes", default="1,8")
     p.add_argument("--repeats", type=int, default=3, help="measurements per configuration (best kept)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out", default=os.path.join(benchlib.ROOT, "bench-out", "train"))
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args()
+    cuda = torch.device(args.device).type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        sys.exit(f"--device {args.device}: torch {torch.__version__} sees no CUDA GPU here")
+    defaults = dict(d=768, exp_factor=16, batch=16384, steps=100, n_imgs=4096) if cuda else \
+        dict(d=128, exp_factor=8, batch=2048, steps=60, n_imgs=2048)  # fmt: skip
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.threads:
         torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
@@ -134,8 +147,9 @@ def main() -> int:
         })  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     width = int(args.d * args.exp_factor)
+    where = f"{args.device} ({torch.cuda.get_device_name(torch.device(args.device))})" if cuda else "the CPU"
     body = (
-        f"TopK SAEs (d={args.d}, width {width}, k={args.k}) on CPU (torch threads: {torch.get_num_threads()}), "
+        f"TopK SAEs (d={args.d}, width {width}, k={args.k}) on {where} (torch threads: {torch.get_num_threads()}), "
         f"batch {args.batch}, {args.steps} steps (best of {args.repeats}), fed by the ShuffledLoader from a {args.n_imgs}-image "
         "synthetic cache (warm page cache). All SAEs of a pass step on the same batch. The loader's "
         "wait share is the time the trainer waited for a batch over the wall time; 'vs in-memory' "
@@ -145,7 +159,8 @@ def main() -> int:
     )
     print(body)
     if not args.no_record:
-        benchlib.record("train", "SAE training (scripts/bench_train.py)", body)
+        name, title = ("train-cuda", " (CUDA)") if cuda else ("train", "")
+        benchlib.record(name, "SAE training (scripts/bench_train.py)" + title, body)
     return 0
 
 

@@ -1,6 +1,6 @@
 """Benchmark `actcache visuals` against one ordered pass over the same 4 GiB cache.
 
-    python scripts/bench_visuals.py [--widths 64,768,6144] [--size-gib 4] [--out bench-out/visuals]
+    python scripts/bench_visuals.py [--widths 64,768,6144] [--size-gib 4] [--out bench-out/visuals] [--device cpu]
 
 The cache: d=768, 197 tokens (CLS + 196 patches), 1 layer, synthetic activations (distinct per
 image), written once under ``--out``; its data config is a SyntheticImages dataset, so the page
@@ -12,6 +12,9 @@ has real images to load and crop (through a local CLIP-224 checkpoint config). P
   with 128 latent cards x 16 images, plots), via ``actcache.cli.main``, with its parts (loader
   wait, ``sae.encode``, statistics, page) as visuals records them in summary.json. On a
   small CPU the SAE's forward pass dominates; ``(visuals - encode) / pass`` is the ratio without it.
+
+``--device cuda`` runs the SAEs and the statistics on the GPU and records section
+``visuals-cuda`` of BENCHMARKS.md instead of ``visuals``.
 
 Cold = the cache's pages dropped first (posix_fadvise DONTNEED on its files; the virtual disk
 may still be cached by the host); warm = read once just before. Target: visuals <= 1.5x pass.
@@ -109,10 +112,10 @@ def ordered_pass(cache: str, width: int) -> float:
     return time.perf_counter() - t0
 
 
-def visuals(run: str) -> tuple[float, dict]:
+def visuals(run: str, device: str) -> tuple[float, dict]:
     shutil.rmtree(os.path.join(run, "visuals"), ignore_errors=True)  # time making it, not deleting the last one
     t0 = time.perf_counter()
-    rc = cli.main(["visuals", run, "--device", "cpu"])
+    rc = cli.main(["visuals", run, "--device", device])
     dt = time.perf_counter() - t0
     assert rc == 0, rc
     with open(os.path.join(run, "visuals", "summary.json")) as fh:
@@ -126,8 +129,12 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(benchlib.ROOT, "bench-out", "visuals"))
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--warm-max-width", type=int, default=1024, help="measure warm visuals only up to this width")
+    ap.add_argument("--device", default="cpu", help="where the SAEs run: cpu (default), cuda or cuda:N")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
+    cuda = torch.device(args.device).type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        sys.exit(f"--device {args.device}: torch {torch.__version__} sees no CUDA GPU here")
     if args.threads:
         torch.set_num_threads(args.threads)
     cache = build_cache(args.out, args.size_gib)
@@ -143,7 +150,7 @@ def main() -> None:
             t_pass = ordered_pass(cache, width)
             if mode == "cold":
                 evict(cache)
-            t_vis, parts = visuals(run)
+            t_vis, parts = visuals(run, args.device)
             r = {"width": width, "page cache": mode, "pass s": t_pass, "visuals s": t_vis,
                  "loader wait s": parts["wait_s"], "SAE encode s": parts["encode_s"], "top-k/stats s": parts["stats_s"],
                  "page s": parts["page_s"], "visuals / pass": t_vis / t_pass,
@@ -151,9 +158,10 @@ def main() -> None:
             print(json.dumps(r), flush=True)
             rows.append(r)
     gib = md.n_imgs * md.bytes_per_img / 2**30
+    where = f"{args.device} ({torch.cuda.get_device_name(torch.device(args.device))})" if cuda else "the CPU"
     body = (
         f"Cache: {gib:.2f} GiB ({md.n_imgs:,} images x {T} tokens x d={D}, 1 layer); SAEs: random-init TopK "
-        f"(k=min(32, width/8)), patches=image ({md.n_imgs * (T - 1):,} tokens per pass), CPU, torch "
+        f"(k=min(32, width/8)), patches=image ({md.n_imgs * (T - 1):,} tokens per pass), SAEs on {where}, torch "
         f"threads: {torch.get_num_threads()}. `pass` = one OrderedLoader pass (same batch size); `visuals` = "
         f"`actcache visuals RUN_DIR` end to end, in-process; its parts, measured in the same run: waiting for "
         f"batches, `sae.encode`, the streaming top-k/frequency/histogram updates, and the page (npz, 128 cards x 16 "
@@ -161,7 +169,8 @@ def main() -> None:
         f"without the SAE's own forward pass, which no visualisation can skip.\n\n" + benchlib.table(rows)
     )
     if not args.no_record:
-        benchlib.record("visuals", "actcache visuals vs one ordered pass", body)
+        name, title = ("visuals-cuda", " (CUDA)") if cuda else ("visuals", "")
+        benchlib.record(name, "actcache visuals vs one ordered pass" + title, body)
     print(body)
 
 

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The checks and benchmarks that need an NVIDIA GPU, for a machine that has one.
+#
+#   bash scripts/gpu_session.sh [STEP...]      STEP: env check dump train visuals (default: all five)
+#
+# env      nvidia-smi, torch / transformers versions, the GPU torch sees
+# check    ACTCACHE_TEST_DEVICE=cuda pytest tests/test_device.py: CUDA dump (3 families) equals
+#          transformers' hidden states and any job split byte for byte; SAE training on the GPU
+#          follows the CPU's curve; the visuals pass on the GPU equals the CPU's
+# dump     scripts/bench_dump.py --device cuda (I/O-bound: tiny model, cores - 2 image workers)
+# train    scripts/bench_train.py --device cuda (d=768, width 12,288, batch 16,384)
+# visuals  scripts/bench_visuals.py --device cuda (4 GiB cache; target visuals <= 1.5x one pass)
+#
+# Needs python3 with torch (CUDA), transformers, numpy, pillow, pyyaml, safetensors, matplotlib and
+# pytest; actcache itself is used from src/ (no install). Logs go to $OUT (default
+# bench-out/gpu), one per step, plus summary.txt and a copy of BENCHMARKS.md with the new
+# sections (dump-cuda, train-cuda, visuals-cuda) to merge into the repository's.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench-out/gpu}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+PY=${PYTHON:-python3}
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(env check dump train visuals)
+status=0
+
+run_step() {  # name command...: log to $OUT/name.log, one line per step in summary.txt
+    local name=$1 t0 rc
+    shift
+    t0=$(date +%s)
+    echo "== $name: $*" | tee "$OUT/$name.log"
+    "$@" 2>&1 | tee -a "$OUT/$name.log"
+    rc=${PIPESTATUS[0]}
+    echo "$name: exit $rc after $(($(date +%s) - t0)) s (log: $name.log)" | tee -a "$OUT/summary.txt"
+    [ "$rc" -eq 0 ] || status=1
+}
+
+for step in "${steps[@]}"; do
+    case $step in
+        env)
+            run_step env bash -c "nvidia-smi; nproc; free -g; df -h .; $PY -c 'import sys, torch, transformers, numpy;
+print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.is_available());
+print(\"transformers\", transformers.__version__, \"numpy\", numpy.__version__);
+print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"no GPU\")'" ;;
+        check)
+            run_step check env ACTCACHE_TEST_DEVICE=cuda "$PY" -m pytest tests/test_device.py -q -p no:cacheprovider ;;
+        dump)
+            run_step dump "$PY" scripts/bench_dump.py --device cuda --dir "${BENCH_DIR:-bench-out}/dump" ;;
+        train)
+            run_step train "$PY" scripts/bench_train.py --device cuda --out "${BENCH_DIR:-bench-out}/train" ;;
+        visuals)
+            run_step visuals "$PY" scripts/bench_visuals.py --device cuda --out "${BENCH_DIR:-bench-out}/visuals" ;;
+        *)
+            echo "unknown step '$step': use env, check, dump, train or visuals" >&2
+            exit 2 ;;
+    esac
+done
+cp BENCHMARKS.md "$OUT/BENCHMARKS.md"
+exit $status
