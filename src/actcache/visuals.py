@@ -32,6 +32,7 @@ import logging
 import math
 import os
 import shutil
+import threading
 import time
 
 import numpy as np
@@ -369,6 +370,16 @@ def write_visuals(run: Run, cache, res: LatentSummary, src, opts, timings: dict)
     return os.path.join(final, "index.html")
 
 
+def _preload_plotting() -> None:
+    """Import matplotlib (~0.5-1 s) while the pass runs; a failure is reported later, where it is used."""
+    try:
+        from actcache.visuals_plots import _plt
+
+        _plt()
+    except Exception:  # noqa: BLE001 - the plot step reports a missing matplotlib itself
+        pass
+
+
 def _weights_stamp(run_dir: str) -> dict:
     st = os.stat(os.path.join(run_dir, "sae.safetensors"))
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
@@ -425,6 +436,7 @@ def cli_visuals(args) -> int:
                 else:
                     todo.append(r)
             t0, timings = time.perf_counter(), {}
+            threading.Thread(target=_preload_plotting, name="actcache-import-matplotlib", daemon=True).start()
             if todo:
                 log.info("visuals: one pass over %s (layer %s, patches %s) for %d SAE(s)", cache.path, key[1], key[2],
                          len(todo))  # fmt: skip

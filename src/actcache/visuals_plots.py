@@ -141,7 +141,7 @@ def plot_freq(res: LatentSummary, path: str) -> None:
     b.set_ylabel("log10 mean activation")
     for ax in (a, b):
         ax.grid(alpha=0.3)
-    fig.tight_layout()
+    fig.subplots_adjust(left=0.07, right=0.985, bottom=0.16, top=0.9, wspace=0.25)  # tight_layout: 2x slower
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
