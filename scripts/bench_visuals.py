@@ -138,6 +138,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     cache = build_cache(args.out, args.size_gib)
+    if cuda:  # the CUDA context and cuBLAS start once per process (~1 s), like Python and torch's import: not timed
+        x = torch.ones((64, 64), device=args.device)
+        (x @ x).sum().item()
     md = Metadata.load(cache)
     rows = []
     for width in (int(w) for w in args.widths.split(",")):
@@ -166,7 +169,8 @@ def main() -> None:
         f"`actcache visuals RUN_DIR` end to end, in-process; its parts, measured in the same run: waiting for "
         f"batches, `sae.encode`, the streaming top-k/frequency/histogram updates, and the page (npz, 128 cards x 16 "
         f"images + heatmaps, plots). Target: visuals <= 1.5x pass; `(visuals - encode) / pass` is that ratio "
-        f"without the SAE's own forward pass, which no visualisation can skip.\n\n" + benchlib.table(rows)
+        f"without the SAE's own forward pass, which no visualisation can skip. In-process: Python's start, "
+        f"imports{' and CUDA start-up' if cuda else ''} are not timed.\n\n" + benchlib.table(rows)
     )
     if not args.no_record:
         name, title = ("visuals-cuda", " (CUDA)") if cuda else ("visuals", "")
