@@ -293,3 +293,16 @@ def test_cuda_forward_runs_in_full_float32_and_restores_the_flags():
             assert (mm.allow_tf32, cudnn.allow_tf32) == (True, True)  # nothing to change on the CPU
     finally:
         mm.allow_tf32, cudnn.allow_tf32 = saved
+
+
+def test_uint8_pixel_route_of_cuda_dumps_writes_the_same_bytes(tmp_path, ckpt, images, monkeypatch):
+    # A CUDA dump's workers send resized and cropped uint8 pixels, normalised where the model runs.
+    # Taken here on the CPU (no GPU in CI), it must write exactly what the float32 route writes.
+    exp = load_experiment(write_experiment(tmp_path / "exp.yaml", ckpt, images))
+    plain = dump_shards(exp, None, str(tmp_path / "plain"), n_workers=2, progress=False)
+    import actcache.dump as dump_mod
+
+    monkeypatch.setattr(dump_mod, "_raw_pixels", lambda dev: True)
+    for workers in (2, 0):
+        raw = dump_shards(exp, None, str(tmp_path / f"raw{workers}"), n_workers=workers, progress=False)
+        assert shard_files(raw) == shard_files(plain)

@@ -159,6 +159,12 @@ def test_preprocessing_matches_transformers_slow_processors(tmp_path, family, cl
         ours = transform(img)
         assert ours.shape == expected.shape and ours.dtype == np.float32
         np.testing.assert_allclose(ours, expected, atol=1e-5, rtol=0)
+        # The dump's split: uint8 geometry in the workers, normalize() where the model runs: same bits.
+        u8 = transform.geometry(img)
+        assert u8.dtype == np.uint8 and u8.shape == (*ours.shape[1:], 3)
+        split = transform.normalize(torch.from_numpy(np.stack([u8, u8])))
+        assert split.dtype == torch.float32 and split.is_contiguous()
+        np.testing.assert_array_equal(split.numpy(), np.stack([ours, ours]))
 
 
 def test_resolve_layers():

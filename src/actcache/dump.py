@@ -5,8 +5,9 @@ One Slurm job runs one shard range; many jobs write the same ``<dump_to>/<HASH>/
 Pipeline (each stage overlaps the others)::
 
     DataLoader workers       decode + preprocess images (n_workers processes), in image order
-          │  (B, 3, H, W) float32 batches
-    main thread              forward pass on the device (stops after the last requested block)
+          │  (B, 3, H, W) float32 batches; for CUDA: (B, H, W, 3) uint8, resized and cropped only
+    main thread              forward pass on the device (stops after the last requested block);
+                             for CUDA the batch is first rescaled and normalised on the GPU
           │  (B, L, T, D) float32, bounded queue (a few batches)
     writer thread            streams into the open shard's temporary file; fsync + rename when full
 
@@ -118,11 +119,22 @@ class _BatchError:
         self.message = message
 
 
-class _Pixels(torch.utils.data.Dataset):
-    """Image i -> (preprocessed (3, H, W) float32, None) or (None, error message)."""
+def _raw_pixels(dev: torch.device) -> bool:
+    """Whether the workers send uint8 pixels, normalised on ``dev`` (see _Pixels)."""
+    return dev.type == "cuda"
 
-    def __init__(self, ds, transform):
-        self.ds, self.transform = ds, transform
+
+class _Pixels(torch.utils.data.Dataset):
+    """Image i -> (pixels, None) or (None, error message). Pixels: the preprocessed (3, H, W)
+    float32 image, or with ``raw`` the resized and cropped (H, W, 3) uint8 one, which
+    ``ImageTransform.normalize`` turns into the same float32 numbers where the model runs. For a
+    GPU that saves the workers ~30% of their CPU time (224-pixel crops of JPEGs: 4.3 instead of
+    6.3 ms per image here) and passes a quarter of the bytes to the main process and the GPU.
+    On the CPU the normalisation stays in the workers, in parallel (torch does it in the main
+    process more slowly than numpy does it in a worker: 1.8 against 1.2 ms per 224x224 image)."""
+
+    def __init__(self, ds, transform, raw: bool = False):
+        self.ds, self.transform, self.raw = ds, transform, raw
 
     def __len__(self) -> int:
         return len(self.ds)
@@ -130,7 +142,7 @@ class _Pixels(torch.utils.data.Dataset):
     def __getitem__(self, i: int):
         try:
             img, _ = self.ds[i]
-            return self.transform(img), None
+            return (self.transform.geometry(img) if self.raw else self.transform(img)), None
         except DumpError as err:
             return None, str(err)
         except Exception as err:  # noqa: BLE001 - any failure on one image names that image
@@ -147,14 +159,14 @@ def _collate(items):
             return _BatchError(err)
     shape = (len(items), *items[0][0].shape)
     try:
-        out = torch.empty(shape, dtype=torch.float32)
+        out = torch.from_numpy(np.empty(shape, dtype=items[0][0].dtype))
         if torch.utils.data.get_worker_info() is not None:
             # Allocate the shared memory here: a failure in the queue's feeder thread would be
             # printed and the batch silently lost (the main process would wait for ever).
             out = out.share_memory_()
         np.stack([x for x, _ in items], out=out.numpy())
     except (RuntimeError, OSError) as err:
-        nbytes = int(np.prod(shape)) * 4
+        nbytes = int(np.prod(shape)) * items[0][0].itemsize
         return _BatchError(
             f"cannot pass a batch of {shape[0]} images ({nbytes:,} bytes) from an image-loading worker to the "
             f"main process ({err}): is /dev/shm full, or the file size limit (ulimit -f) too small? "
@@ -305,8 +317,9 @@ def _dump(exp, md, path, todo, dev, batch_size, n_workers, progress, ds, load_tr
         "%s: computing %d shard(s) (%s), %d images, batch %d, %d worker(s), device %s",
         path, len(todo), _ranges(todo), n_imgs, batch_size, n_workers, dev,
     )  # fmt: skip
+    transform = load_transform(exp.vit.family, exp.vit.ckpt)
     loader = torch.utils.data.DataLoader(
-        _Pixels(ds, load_transform(exp.vit.family, exp.vit.ckpt)),
+        _Pixels(ds, transform, raw=_raw_pixels(dev)),
         batch_sampler=_Batches(batches),
         num_workers=n_workers,
         collate_fn=_collate,
@@ -320,7 +333,7 @@ def _dump(exp, md, path, todo, dev, batch_size, n_workers, progress, ds, load_tr
         log.info("loaded %s %s on %s in %.1f s", exp.vit.family, exp.vit.ckpt, dev, time.monotonic() - t0)
         sink = ShardSink(path, md, on_done=lambda s: log.info("wrote %s", shard_name(s))).start()
         with Progress(n_imgs, desc="dump", unit="img", enabled=progress) as bar, _full_fp32(dev):
-            skipped = _run(md, path, batches, batch_iter, vit, list(exp.vit.layers), dev, sink, bar)
+            skipped = _run(md, path, batches, batch_iter, transform, vit, list(exp.vit.layers), dev, sink, bar)
     finally:
         # Stop the workers now (a traceback may keep the iterator alive for a while).
         shutdown = getattr(batch_iter, "_shutdown_workers", None)
@@ -336,7 +349,7 @@ def _dump(exp, md, path, todo, dev, batch_size, n_workers, progress, ds, load_tr
     )  # fmt: skip
 
 
-def _run(md, path, batches, batch_iter, vit, layers, dev, sink: ShardSink, bar) -> set[int]:
+def _run(md, path, batches, batch_iter, transform, vit, layers, dev, sink: ShardSink, bar) -> set[int]:
     """The main loop: next batch of pixels -> forward -> writer thread. Returns shards skipped."""
     pinned = PinnedRing(QUEUE_DEPTH + 2) if dev.type == "cuda" else None
     skipped: set[int] = set()
@@ -357,7 +370,10 @@ def _run(md, path, batches, batch_iter, vit, layers, dev, sink: ShardSink, bar) 
             if shard in skipped:
                 bar.update(hi - lo)
                 continue
-            acts = vit.forward(pixels.to(dev, non_blocking=True), layers)
+            pixels = pixels.to(dev, non_blocking=True)
+            if pixels.dtype == torch.uint8:  # resized and cropped only (CUDA): normalise here
+                pixels = transform.normalize(pixels)
+            acts = vit.forward(pixels, layers)
             if pinned is None:
                 sink.put(shard, acts.numpy())
             else:

@@ -501,13 +501,7 @@ class ImageTransform:
         return (new_long, new_short) if width <= height else (new_short, new_long)
 
     def __call__(self, img: PIL.Image.Image) -> np.ndarray:
-        img = to_rgb(img)
-        if self.resize is not None:
-            h, w = self._resize_hw(img.height, img.width)
-            img = img.resize((w, h), resample=self.resample)
-        x_HWC = np.asarray(img)
-        if self.crop is not None:
-            x_HWC = _center_crop(x_HWC, *self.crop)
+        x_HWC = self.geometry(img)
         if self.rescale_factor is not None:
             x_HWC = (x_HWC.astype(np.float64) * self.rescale_factor).astype(np.float32)
         else:
@@ -515,6 +509,36 @@ class ImageTransform:
         if self.mean is not None:
             x_HWC = (x_HWC - np.asarray(self.mean, np.float32)) / np.asarray(self.std, np.float32)
         return np.ascontiguousarray(x_HWC.transpose(2, 0, 1), dtype=np.float32)
+
+    def geometry(self, img: PIL.Image.Image) -> np.ndarray:
+        """The PIL part: RGB, resize, center crop → uint8 (H, W, 3). ``normalize`` does the rest."""
+        img = to_rgb(img)
+        if self.resize is not None:
+            h, w = self._resize_hw(img.height, img.width)
+            img = img.resize((w, h), resample=self.resample)
+        x_HWC = np.asarray(img)
+        if self.crop is not None:
+            x_HWC = _center_crop(x_HWC, *self.crop)
+        return x_HWC
+
+    def normalize(self, x_BHWC):
+        """uint8 (B, H, W, 3) torch tensor, on any device → float32 (B, 3, H, W) on that device.
+
+        The numbers equal ``__call__``'s bit for bit: the same IEEE operations in the same order
+        (rescale in float64, round to float32, subtract the mean, divide by the std in float32).
+        A CUDA dump's image workers only decode, resize and crop, and the GPU does this.
+        """
+        import torch
+
+        if self.rescale_factor is not None:
+            x = (x_BHWC.to(torch.float64) * self.rescale_factor).to(torch.float32)
+        else:
+            x = x_BHWC.to(torch.float32)
+        if self.mean is not None:
+            mean = torch.tensor(self.mean, dtype=torch.float32, device=x.device)
+            std = torch.tensor(self.std, dtype=torch.float32, device=x.device)
+            x = (x - mean) / std
+        return x.permute(0, 3, 1, 2).contiguous()
 
 
 def _size_with_aspect_ratio(height: int, width: int, size: int, max_size: int) -> tuple[int, int]:
