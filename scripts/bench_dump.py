@@ -7,7 +7,8 @@
 Two scenarios, each with random-weight CLIP vision checkpoints written with save_pretrained
 (no downloads) and synthetic images (``data.kind: synthetic``), on ``--device`` (default cpu;
 ``cuda`` records section ``dump-cuda`` of BENCHMARKS.md instead of ``dump``, runs only the
-I/O-bound scenario unless ``--only both``, and defaults to 100,000 images and cores - 2 workers):
+I/O-bound scenario unless ``--only both``, and defaults to 100,000 images, batch 1024 and cores - 2
+workers):
 
 I/O-bound: a tiny model (d=32, MLP 32, 4 blocks, all 4 recorded, 32x32 images in 4x4 patches:
 65 tokens, 33 KB of activations per image). References: ``seq write`` = the same bytes in the same number
@@ -173,10 +174,9 @@ def dump(exp, directory: str) -> tuple[float, float]:
 # ---- scenarios -----------------------------------------------------------------------------------
 
 
-def io_bound(root: str, n_imgs: int, rounds: int, workers: int) -> tuple[list[dict], str]:
+def io_bound(root: str, n_imgs: int, rounds: int, workers: int, batch: int) -> tuple[list[dict], str]:
     ckpt = make_ckpt(root, "tiny", hidden_size=32, intermediate_size=32, num_hidden_layers=4, num_attention_heads=1,
                      image_size=32, patch_size=4)  # fmt: skip
-    batch = 256
     exp = make_exp(ckpt, n_imgs, 32, [0, 1, 2, 3], max_patches=4096 * 65 * 4, batch=batch, workers=workers)
     md = experiment_metadata(exp)
     total = md.n_imgs * md.bytes_per_img
@@ -284,6 +284,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--vit-rounds", type=int, default=5)
     ap.add_argument("--io-imgs", type=int, default=None, help="default 20,000 (cpu), 100,000 (cuda)")
+    ap.add_argument("--io-batch", type=int, default=None, help="I/O-bound batch size (default 256 cpu, 1024 cuda)")
     ap.add_argument("--vit-imgs", type=int, default=48)
     ap.add_argument("--vit-batch", type=int, default=16)
     ap.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
@@ -299,6 +300,8 @@ def main() -> None:
         sys.exit(f"--device {DEVICE}: torch {torch.__version__} sees no CUDA GPU here")
     if args.workers is None:
         args.workers = max(1, (os.cpu_count() or 2) - 2) if cuda else 1
+    if args.io_batch is None:
+        args.io_batch = 1024 if cuda else 256
     if args.io_imgs is None:
         args.io_imgs = 100_000 if cuda else 20_000
     only = args.only or ("io" if cuda else "both")
@@ -312,7 +315,7 @@ def main() -> None:
     try:
         if only in ("io", "both"):
             print("I/O-bound", flush=True)
-            io_rows, io_text = io_bound(root, args.io_imgs, args.rounds, args.workers)
+            io_rows, io_text = io_bound(root, args.io_imgs, args.rounds, args.workers, args.io_batch)
             print(io_text, flush=True)
             parts.append(f"{io_text}\n\n{benchlib.table(io_rows)}")
         if only in ("compute", "both"):
