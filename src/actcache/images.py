@@ -535,10 +535,25 @@ class ImageTransform:
         else:
             x = x_BHWC.to(torch.float32)
         if self.mean is not None:
-            mean = torch.tensor(self.mean, dtype=torch.float32, device=x.device)
-            std = torch.tensor(self.std, dtype=torch.float32, device=x.device)
+            mean, std = _mean_std(self.mean, self.std, x.device)
             x = (x - mean) / std
         return x.permute(0, 3, 1, 2).contiguous()
+
+
+_MEAN_STD: dict = {}
+
+
+def _mean_std(mean: tuple, std: tuple, device) -> tuple:
+    """The (3,) float32 mean and std tensors on ``device``, made once: creating them from Python
+    lists for every batch would copy from pageable memory and make the host wait for the GPU."""
+    import torch
+
+    key = (tuple(mean), tuple(std), str(device))
+    got = _MEAN_STD.get(key)
+    if got is None:
+        got = _MEAN_STD[key] = (torch.tensor(mean, dtype=torch.float32, device=device),
+                                torch.tensor(std, dtype=torch.float32, device=device))  # fmt: skip
+    return got
 
 
 def _size_with_aspect_ratio(height: int, width: int, size: int, max_size: int) -> tuple[int, int]:
