@@ -6,7 +6,9 @@
 # env      nvidia-smi, torch / transformers versions, the GPU torch sees
 # check    ACTCACHE_TEST_DEVICE=cuda pytest tests/test_device.py: CUDA dump (3 families) equals
 #          transformers' hidden states and any job split byte for byte; SAE training on the GPU
-#          follows the CPU's curve; the visuals pass on the GPU equals the CPU's
+#          follows the CPU's curve; the visuals pass on the GPU equals the CPU's. Also
+#          test_dump.py, test_dump_kill.py (SIGKILL at 10+ moments, concurrent dumps, bad input)
+#          and test_models.py: their experiments use device "auto", which picks the GPU there
 # dump     scripts/bench_dump.py --device cuda (I/O-bound: tiny model, cores - 2 image workers)
 # train    scripts/bench_train.py --device cuda (d=768, width 12,288, batch 16,384)
 # visuals  scripts/bench_visuals.py --device cuda (4 GiB cache; target visuals <= 1.5x one pass)
@@ -44,7 +46,8 @@ print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.
 print(\"transformers\", transformers.__version__, \"numpy\", numpy.__version__);
 print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"no GPU\")'" ;;
         check)
-            run_step check env ACTCACHE_TEST_DEVICE=cuda "$PY" -m pytest tests/test_device.py -q -p no:cacheprovider ;;
+            run_step check env ACTCACHE_TEST_DEVICE=cuda "$PY" -m pytest tests/test_device.py tests/test_dump.py \
+                tests/test_dump_kill.py tests/test_models.py -q -p no:cacheprovider ;;
         dump)
             run_step dump "$PY" scripts/bench_dump.py --device cuda --dir "${BENCH_DIR:-bench-out}/dump" ;;
         train)

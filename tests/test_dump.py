@@ -253,10 +253,11 @@ def test_write_failure_file_size_limit(tmp_path, ckpt, images):
 
 
 def test_worker_cannot_share_a_batch_fails_without_hanging(tmp_path, ckpt, images):
-    # The limit also caps the worker's shared-memory batch (3 images, 36,864 bytes), as a full
-    # /dev/shm would: a clear error, not a main process waiting for a batch that never comes.
+    # The limit also caps the worker's shared-memory batch, as a full /dev/shm would: a clear
+    # error, not a main process waiting for a batch that never comes. 3 images are 36,864 bytes as
+    # float32, 9,216 as the uint8 a CUDA dump's workers send (device "auto" picks a GPU if any).
     exp = write_experiment(tmp_path / "exp.yaml", ckpt, images, batch_size=3, n_workers=1)
-    out = _dump_with_file_size_limit(exp, str(tmp_path / "d"), 10_000)
+    out = _dump_with_file_size_limit(exp, str(tmp_path / "d"), 8_000)
     assert out.returncode == 2 and "shm" in out.stderr and shard_name(0) in out.stderr, out.stderr
     (path,) = hash_dirs(tmp_path / "d")
     assert shard_files(path) == {} and not temp_files(path)
