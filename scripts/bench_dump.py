@@ -69,18 +69,13 @@ def make_ckpt(root: str, name: str, **vision) -> str:
     return path
 
 
-DEVICE = "cpu"  # --device
-
-
-def sync() -> None:
-    if torch.device(DEVICE).type == "cuda":
-        torch.cuda.synchronize()
+DEV = benchlib.Device("cpu")  # --device (set in main)
 
 
 def where() -> str:
     """The device in words, for the tables' text."""
-    if torch.device(DEVICE).type == "cuda":
-        return f"{DEVICE} ({torch.cuda.get_device_name(torch.device(DEVICE))}; CPU: {torch.get_num_threads()} torch threads)"
+    if DEV.cuda:
+        return f"{DEV.words}; CPU: {torch.get_num_threads()} torch threads"
     return f"CPU ({torch.get_num_threads()} threads)"
 
 
@@ -89,7 +84,7 @@ def make_exp(ckpt: str, n_imgs: int, size: int, layers: list[int], max_patches: 
         "name": "bench",
         "vit": {"family": "clip", "ckpt": ckpt, "layers": layers},
         "data": {"kind": "synthetic", "n_imgs": n_imgs, "size": size, "seed": 0},
-        "cache": {"max_patches_per_shard": max_patches, "batch_size": batch, "n_workers": workers, "device": DEVICE},
+        "cache": {"max_patches_per_shard": max_patches, "batch_size": batch, "n_workers": workers, "device": DEV.name},
     }
     return experiment_from_dict(doc, source="<bench>")
 
@@ -146,18 +141,18 @@ def forward_only(exp, md, pixels: torch.Tensor) -> tuple[float, float, float]:
     from actcache.models import load_vit
 
     t0 = time.perf_counter()
-    vit = load_vit(exp.vit.family, exp.vit.ckpt, DEVICE)
-    sync()
+    vit = load_vit(exp.vit.family, exp.vit.ckpt, DEV.name)
+    DEV.sync()
     t_load = time.perf_counter() - t0
     layers = list(exp.vit.layers)
     n = len(pixels)
-    if torch.device(DEVICE).type == "cuda":
+    if DEV.cuda:
         pixels = pixels.pin_memory()  # as the dump's DataLoader delivers them
     c0, t0 = cpu_seconds(), time.perf_counter()
     for _, lo, hi in plan_batches(md, range(md.n_shards), exp.cache.batch_size):
         k = lo % n
-        vit.forward(pixels[k : k + hi - lo].to(DEVICE, non_blocking=True), layers)
-    sync()
+        vit.forward(pixels[k : k + hi - lo].to(DEV.name, non_blocking=True), layers)
+    DEV.sync()
     return time.perf_counter() - t0, cpu_seconds() - c0, t_load
 
 
@@ -221,7 +216,7 @@ def io_bound(root: str, n_imgs: int, rounds: int, workers: int, batch: int) -> t
         })  # fmt: skip
     verdict = "met" if ratio >= 0.70 else "MISSED"
     why = (
-        f" The forward pass alone produces activations slower than the disk takes them, so on this {'GPU' if torch.device(DEVICE).type == 'cuda' else 'CPU'} the dump "
+        f" The forward pass alone produces activations slower than the disk takes them, so on this {'GPU' if DEV.cuda else 'CPU'} the dump "
         "is compute-bound, not I/O-bound; compare dump with forward only, and write path with seq write."
         if med["fwd"] > med["seq"]
         else ""
@@ -278,7 +273,7 @@ def compute_bound(root: str, n_imgs: int, rounds: int, workers: int, batch: int)
 
 
 def main() -> None:
-    global DEVICE
+    global DEV
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", default=os.path.join(benchlib.ROOT, "bench-out", "dump"))
     ap.add_argument("--rounds", type=int, default=3)
@@ -294,10 +289,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small sizes, 1 round, no record (a smoke test)")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
-    DEVICE = args.device
-    cuda = torch.device(DEVICE).type == "cuda"
-    if cuda and not torch.cuda.is_available():
-        sys.exit(f"--device {DEVICE}: torch {torch.__version__} sees no CUDA GPU here")
+    DEV = benchlib.Device(args.device)
+    cuda = DEV.cuda
     if args.workers is None:
         args.workers = max(1, (os.cpu_count() or 2) - 2) if cuda else 1
     if args.io_batch is None:
@@ -332,9 +325,7 @@ def main() -> None:
     )
     print(body)
     if not args.no_record:
-        name = "dump" if not cuda else "dump-cuda"
-        title = "dump: activations written vs. disk speed and forward-pass time"
-        benchlib.record(name, title + ("" if not cuda else " (CUDA)"), body)
+        benchlib.record(*DEV.section("dump", "dump: activations written vs. disk speed and forward-pass time"), body)
 
 
 if __name__ == "__main__":

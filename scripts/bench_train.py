@@ -88,7 +88,7 @@ def memory_run(cache: str, args, n_saes: int) -> float:
         for s, o, opt in zip(saes, objs, opts, strict=True):
             train_step(s, o, opt, x, max_grad_norm=1.0)
 
-    sync = torch.cuda.synchronize if torch.device(args.device).type == "cuda" else (lambda: None)
+    sync = benchlib.Device(args.device).sync
     for _ in range(3):
         step()
     n = max(5, args.steps - args.log_every)
@@ -117,10 +117,8 @@ def main() -> int:
     p.add_argument("--out", default=os.path.join(benchlib.ROOT, "bench-out", "train"))
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args()
-    cuda = torch.device(args.device).type == "cuda"
-    if cuda and not torch.cuda.is_available():
-        sys.exit(f"--device {args.device}: torch {torch.__version__} sees no CUDA GPU here")
-    defaults = dict(d=768, exp_factor=16, batch=16384, steps=100, n_imgs=4096) if cuda else \
+    dev = benchlib.Device(args.device)
+    defaults = dict(d=768, exp_factor=16, batch=16384, steps=100, n_imgs=4096) if dev.cuda else \
         dict(d=128, exp_factor=8, batch=2048, steps=60, n_imgs=2048)  # fmt: skip
     for key, value in defaults.items():
         if getattr(args, key) is None:
@@ -147,9 +145,8 @@ def main() -> int:
         })  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     width = int(args.d * args.exp_factor)
-    where = f"{args.device} ({torch.cuda.get_device_name(torch.device(args.device))})" if cuda else "the CPU"
     body = (
-        f"TopK SAEs (d={args.d}, width {width}, k={args.k}) on {where} (torch threads: {torch.get_num_threads()}), "
+        f"TopK SAEs (d={args.d}, width {width}, k={args.k}) on {dev.words} (torch threads: {torch.get_num_threads()}), "
         f"batch {args.batch}, {args.steps} steps (best of {args.repeats}), fed by the ShuffledLoader from a {args.n_imgs}-image "
         "synthetic cache (warm page cache). All SAEs of a pass step on the same batch. The loader's "
         "wait share is the time the trainer waited for a batch over the wall time; 'vs in-memory' "
@@ -159,8 +156,7 @@ def main() -> int:
     )
     print(body)
     if not args.no_record:
-        name, title = ("train-cuda", " (CUDA)") if cuda else ("train", "")
-        benchlib.record(name, "SAE training (scripts/bench_train.py)" + title, body)
+        benchlib.record(*dev.section("train", "SAE training (scripts/bench_train.py)"), body)
     return 0
 
 

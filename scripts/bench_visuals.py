@@ -132,13 +132,11 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="where the SAEs run: cpu (default), cuda or cuda:N")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
-    cuda = torch.device(args.device).type == "cuda"
-    if cuda and not torch.cuda.is_available():
-        sys.exit(f"--device {args.device}: torch {torch.__version__} sees no CUDA GPU here")
+    dev = benchlib.Device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     cache = build_cache(args.out, args.size_gib)
-    if cuda:  # the CUDA context and cuBLAS start once per process (~1 s), like Python and torch's import: not timed
+    if dev.cuda:  # the CUDA context and cuBLAS start once per process (~1 s), like Python and torch's import: not timed
         x = torch.ones((64, 64), device=args.device)
         (x @ x).sum().item()
     md = Metadata.load(cache)
@@ -161,20 +159,18 @@ def main() -> None:
             print(json.dumps(r), flush=True)
             rows.append(r)
     gib = md.n_imgs * md.bytes_per_img / 2**30
-    where = f"{args.device} ({torch.cuda.get_device_name(torch.device(args.device))})" if cuda else "the CPU"
     body = (
         f"Cache: {gib:.2f} GiB ({md.n_imgs:,} images x {T} tokens x d={D}, 1 layer); SAEs: random-init TopK "
-        f"(k=min(32, width/8)), patches=image ({md.n_imgs * (T - 1):,} tokens per pass), SAEs on {where}, torch "
+        f"(k=min(32, width/8)), patches=image ({md.n_imgs * (T - 1):,} tokens per pass), SAEs on {dev.words}, torch "
         f"threads: {torch.get_num_threads()}. `pass` = one OrderedLoader pass (same batch size); `visuals` = "
         f"`actcache visuals RUN_DIR` end to end, in-process; its parts, measured in the same run: waiting for "
         f"batches, `sae.encode`, the streaming top-k/frequency/histogram updates, and the page (npz, 128 cards x 16 "
         f"images + heatmaps, plots). Target: visuals <= 1.5x pass; `(visuals - encode) / pass` is that ratio "
         f"without the SAE's own forward pass, which no visualisation can skip. In-process: Python's start, "
-        f"imports{' and CUDA start-up' if cuda else ''} are not timed.\n\n" + benchlib.table(rows)
+        f"imports{' and CUDA start-up' if dev.cuda else ''} are not timed.\n\n" + benchlib.table(rows)
     )
     if not args.no_record:
-        name, title = ("visuals-cuda", " (CUDA)") if cuda else ("visuals", "")
-        benchlib.record(name, "actcache visuals vs one ordered pass" + title, body)
+        benchlib.record(*dev.section("visuals", "actcache visuals vs one ordered pass"), body)
     print(body)
 
 

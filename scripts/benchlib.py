@@ -58,6 +58,31 @@ def command_line(argv: list[str] | None = None) -> str:
     return " ".join(shlex.quote(a) for a in ["python", script, *argv[1:]])
 
 
+class Device:
+    """A benchmark's ``--device``: exits with a clear message when it names a GPU torch cannot see.
+
+    ``cuda``: whether it is a GPU; ``words``: how the tables' text names it; ``sync()``: wait
+    for the GPU before reading a clock; ``section(name, title)``: the BENCHMARKS.md section,
+    ``NAME-cuda`` / ``TITLE (CUDA)`` for a GPU so the CPU figures stay beside them.
+    """
+
+    def __init__(self, name: str):
+        import torch
+
+        self.name, self.torch = name, torch
+        self.cuda = torch.device(name).type == "cuda"
+        if self.cuda and not torch.cuda.is_available():
+            sys.exit(f"--device {name}: torch {torch.__version__} sees no CUDA GPU here")
+        self.words = f"{name} ({torch.cuda.get_device_name(torch.device(name))})" if self.cuda else "the CPU"
+
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def section(self, name: str, title: str) -> tuple[str, str]:
+        return (f"{name}-cuda", f"{title} (CUDA)") if self.cuda else (name, title)
+
+
 def table(rows: list[dict], columns: list[str] | None = None) -> str:
     """Markdown table from a list of dicts (floats shown with 3 significant digits)."""
     if not rows:
