@@ -418,6 +418,7 @@ def cli_visuals(args) -> int:
                 f"{missing[0]}: no final SAE weights ({' + '.join(SAE_FILES)}); training has not finished (wait "
                 f"for its {DONE_FILE}), or use --plots-only for the training curves."
             )
+        threading.Thread(target=_preload_plotting, name="actcache-import-matplotlib", daemon=True).start()
         streams: dict[tuple, list[Run]] = {}
         caches = {}
         for r in runs:
@@ -436,7 +437,6 @@ def cli_visuals(args) -> int:
                 else:
                     todo.append(r)
             t0, timings = time.perf_counter(), {}
-            threading.Thread(target=_preload_plotting, name="actcache-import-matplotlib", daemon=True).start()
             if todo:
                 log.info("visuals: one pass over %s (layer %s, patches %s) for %d SAE(s)", cache.path, key[1], key[2],
                          len(todo))  # fmt: skip
