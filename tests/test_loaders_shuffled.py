@@ -140,6 +140,12 @@ def test_deterministic_regardless_of_threads(cache):
     # non-deterministic mode: the same batches (perhaps reordered)
     d = collect(ShuffledLoader(path, batch_size=17, layer="all", seed=5, deterministic=False, **SMALL))
     assert sorted(keys(d)) == sorted(keys(a))
+    # io="read" (one arena slot per run) too: the same batches run after run
+    r1, r2 = (
+        collect(ShuffledLoader(path, batch_size=17, layer="all", seed=5, io="read", n_threads=n, **SMALL))
+        for n in (1, 3)
+    )
+    assert all(np.array_equal(x["image_i"], y["image_i"]) for x, y in zip(r1, r2, strict=True))
 
 
 def test_epochs_resume_and_end_at(cache):

@@ -403,9 +403,10 @@ class ShuffledLoader(BaseLoader):
 
     def _fill(self, it: Iteration, spec, buf) -> None:
         g, per = self.geom, self.geom.per_img
-        groups: dict[int, list] = {}
+        groups: dict = {}
         for r, x in spec.takes:
-            groups.setdefault(r.shard if self.io == "mmap" else id(r), []).append((r, x))
+            # a group per shard (mmap) or per run (io="read": each run has its own arena slot)
+            groups.setdefault(r.shard if self.io == "mmap" else r.key, []).append((r, x))
         rng = np.random.default_rng([self.seed, spec.epoch, self.world.part, spec.index, 7])
         pos = 0
         for k in sorted(groups):
