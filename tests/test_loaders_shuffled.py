@@ -148,6 +148,35 @@ def test_deterministic_regardless_of_threads(cache):
     assert all(np.array_equal(x["image_i"], y["image_i"]) for x, y in zip(r1, r2, strict=True))
 
 
+@pytest.mark.parametrize("io", ["mmap", "read"])
+def test_batches_copied_in_parts_by_several_threads_are_the_same(cache, monkeypatch, io):
+    """Big batches are copied by all gather threads at once (each takes a share of the rows):
+    the batches must be exactly those one thread copies whole, values and scale_norm included."""
+    import actcache.loaders.shuffled as shuffled
+
+    path, md, acts = cache
+    opts = dict(batch_size=17, layer="all", seed=5, io=io, **SMALL)
+    whole = collect(ShuffledLoader(path, n_threads=1, **opts))
+    monkeypatch.setattr(shuffled, "MIN_PART_ROWS", 4)  # 17 rows in 4 parts (of 4, 4, 4 and 5 rows) for 3 threads
+    parts = []
+    ld = ShuffledLoader(path, n_threads=3, **opts)
+    ld.debug_hook = lambda stage, info: parts.append(info["batch"]) if stage == "gather" else None
+    split = collect(ld)
+    assert len(split) == len(whole)
+    for x, y in zip(whole, split, strict=True):
+        for k in x:
+            np.testing.assert_array_equal(x[k], y[k])
+    check_values(split, md, acts)
+    n_full = sum(len(b["act"]) == 17 for b in split)
+    assert sum(parts.count(k) == 4 for k in set(parts)) >= n_full  # every full batch went in 4 parts
+    scaled = [
+        collect(ShuffledLoader(path, n_threads=n, scale_norm=True, **opts)) for n in (1, 3)
+    ]  # MIN_PART_ROWS is still 4: the second run copies and scales in parts
+    for x, y in zip(*scaled, strict=True):
+        np.testing.assert_array_equal(x["act"], y["act"])
+    assert not np.array_equal(scaled[0][0]["act"], whole[0]["act"])
+
+
 def test_epochs_resume_and_end_at(cache):
     path = cache[0]
     kw = dict(batch_size=19, layer=3, seed=9, **SMALL)

@@ -111,12 +111,16 @@ class Runtime:
         )
 
     # ---- waiting (inside loader threads) ------------------------------------------------------
-    def wait(self, ready: Callable[[], bool]) -> None:
-        """Block (``cond`` held by the caller) until ``ready()``; raise Stopped when stopping."""
+    def wait(self, ready: Callable[[], bool], poll: Callable[[], float | None] | None = None) -> None:
+        """Block (``cond`` held by the caller) until ``ready()``; raise Stopped when stopping.
+
+        ``poll()``, if given, may return a shorter time to look again after (for conditions that
+        change without a notify, e.g. the consumer dropping a batch)."""
         while not ready():
             if self.stopping:
                 raise Stopped
-            self.cond.wait(SLICE_S * 4)
+            p = poll() if poll is not None else None
+            self.cond.wait(p if p is not None else SLICE_S * 4)
         if self.stopping:
             raise Stopped
 
