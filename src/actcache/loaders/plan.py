@@ -64,6 +64,7 @@ import dataclasses
 from collections.abc import Iterator
 
 import numpy as np
+import numpy.random  # noqa: F401 - numpy imports it on first use (~10 ms), which would fall on the first batch
 
 
 @dataclasses.dataclass(frozen=True)
