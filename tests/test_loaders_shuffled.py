@@ -257,6 +257,21 @@ def test_kept_batches_are_never_overwritten(cache):
     assert ld.stats.buffer_sets > 3
 
 
+def test_a_slow_consumer_gets_a_deeper_queue(cache):
+    """Two batch buffers while the consumer waits on the loader; a third (read_ahead + 1) once
+    the loader waits on the consumer, so that batches are prepared ahead of it."""
+    path, md, acts = cache
+    ld = ShuffledLoader(path, batch_size=7, layer=3, **SMALL)
+    batches = []
+    for b in ld:
+        batches.append({k: v.numpy().copy() for k, v in b.items()})
+        time.sleep(0.03)  # a training step
+    assert ld.stats.buffer_sets == 3
+    check_values(batches, md, acts)
+    assert len(keys(batches)) == len(set(keys(batches))) == ld.n_examples
+    assert ld.stats.wait_s < 0.5 * len(batches) * 0.03  # the loader kept ahead of the consumer
+
+
 def test_pool_spares_the_batch_a_loop_still_holds_while_next_runs():
     """While next() hands out batch k+1, a plain loop still holds batch k: with every set
     owned and those two lent, the pool must wait, not take k for a kept batch and allocate."""

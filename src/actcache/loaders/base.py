@@ -54,6 +54,7 @@ class Iteration:
             mode=loader.map_mode,
         )
         self.closed = False
+        self.consumer_waiting = False  # the consumer is inside next(), waiting for a batch
 
     @property
     def finished(self) -> bool:
@@ -69,7 +70,13 @@ class Iteration:
     def next_buffer(self) -> BatchBuffers:
         t0 = time.perf_counter()
         what = f"batch {self.loader._describe_key(self.next_key)}"
-        buf = self.rt.consumer_wait(self._take_ready, self.loader.batch_timeout_s, what)
+        with self.cond:  # a plain loop has just dropped its batch before the last: a buffer may be free
+            self.cond.notify_all()
+        self.consumer_waiting = True
+        try:
+            buf = self.rt.consumer_wait(self._take_ready, self.loader.batch_timeout_s, what)
+        finally:
+            self.consumer_waiting = False
         with self.cond:
             self.pool.lend(buf)
             self.n_consumed += 1

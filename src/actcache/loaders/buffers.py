@@ -345,20 +345,18 @@ class BatchPool:
         self.n_owned = 0
         self.n_allocated = 0
 
-    def try_acquire(self) -> BatchBuffers | None:
-        """A free buffer set, or None when all are busy (call with ``cond`` held)."""
+    def try_acquire(self, grow: bool = True) -> BatchBuffers | None:
+        """A free buffer set, or None when all are busy (call with ``cond`` held). ``grow``: may
+        allocate one more set (up to ``max_sets``) when none is free."""
         if not self.free and self.lent:
-            still = []
-            for b in self.lent:
-                (still if b.in_use() else self.free).append(b)
-            self.lent = still
+            self.all_lent()  # moves the sets the consumer let go of to the free list
         if self.free:
             return self.free.pop()
-        if self.n_owned < self.max_sets:
+        if self.n_owned < self.max_sets and grow:
             self.n_owned += 1
             self.n_allocated += 1
             return self._new()
-        if len(self.lent) > 2:
+        if self.n_owned >= self.max_sets and len(self.lent) > 2:
             # The consumer keeps old batches: they are its memory now; the loader allocates anew.
             # (The last two lent are spared: while next() hands out batch k+1, a plain loop
             # still holds batch k in its loop variable.)
@@ -369,6 +367,15 @@ class BatchPool:
 
     def _new(self) -> BatchBuffers:
         return self.make()
+
+    def all_lent(self) -> bool:
+        """Whether every set owned is lent to the consumer and still used by it (call with
+        ``cond`` held)."""
+        still = []
+        for b in self.lent:
+            (still if b.in_use() else self.free).append(b)
+        self.lent = still
+        return len(still) == self.n_owned
 
     def prefill(self) -> None:
         """Allocate one more set ahead of use and fault its memory in (call WITHOUT ``cond``

@@ -14,9 +14,13 @@ BENCHMARKS.md)
     the GIL); gather threads copy each batch with ``np.take(..., mode="clip")`` (indices valid by
     construction) straight out of the mappings into reused batch buffers (transparent huge pages).
     All gather threads copy the same batch, each a share of its rows (``_copy``), rather than one
-    batch each: a batch is ready sooner and one batch buffer fewer is in flight (fresh memory is
-    slow to touch on this kind of VM); 4-layer bench cache, first epoch in a fresh process: ~0.37
-    against ~0.42 s (median of 8 fresh processes, alternating with the old code).
+    batch each: a batch is ready sooner and fewer batch buffers are in flight (fresh memory is
+    slow to touch on this kind of VM). Two buffer sets suffice while the consumer waits on the
+    loader (the next batch's rows are worked out while its buffer is still in use); a third (up to
+    ``max(3, read_ahead + 1)``) is added only when the loader waits on the consumer, so that a
+    deeper queue helps (GROW_AFTER_S). 4-layer bench cache, first epoch in a fresh process, median
+    of 8 alternating runs: one batch per thread, 4 sets 0.42 s; shared batches, 3 sets 0.37 s;
+    2 sets 0.40 against 0.44 s for 3 in a slower hour.
 
     How pages come in matters as much as the copy (buffers.py): loaded through the fault path of
     a MADV_HUGEPAGE mapping, a run lands in large page-cache folios that map 2 MiB at a time, so
@@ -28,8 +32,8 @@ BENCHMARKS.md)
     mapping spans; runs are cut on 2 MiB boundaries of the files, through images where needed, so
     those blocks hold only the run's own vectors, plus CLS ones it does not use); readers may load ``read_ahead_bytes`` (~2 batches) more ahead of the plan; a
     run is unmapped as soon as its last example is copied (MADV_DONTNEED; with ``evict=True``
-    also dropped from the page cache, for shared nodes); batch buffers add ``read_ahead + 1``
-    batches (at least 3). Nothing else grows with the dataset.
+    also dropped from the page cache, for shared nodes); batch buffers add 2 batches, or up to
+    ``max(3, read_ahead + 1)`` for a consumer slower than the loader. Nothing else grows with the dataset.
 
     Mixing: each batch takes a planned share from every held run and, within a run, the same
     count (+-1) from each of its images (plan.py), so it mixes about buffer_bytes /
@@ -58,6 +62,7 @@ Options: see :class:`ShuffledLoader`. Partitioning over ranks/workers: :mod:`.pa
 from __future__ import annotations
 
 import collections
+import time
 
 import numpy as np
 
@@ -76,6 +81,14 @@ SCALE_CHUNK = 1024  # rows gathered then scaled while still in the CPU cache
 MIN_PART_ROWS = 2048
 PARTS_PER_THREAD = 2
 BUFFER_POLL_S = 0.002  # how often a gather thread waiting for a buffer the consumer holds looks again
+# Batch buffers: two sets to start with; one more (up to max(3, read_ahead + 1)) only once the
+# gather threads have waited this long for a free one while the consumer was not waiting for a
+# batch, i.e. when the consumer, not the loader, is the slow side and a deeper queue helps (or at
+# once when the consumer waits while holding every set: it keeps its batches). A consumer that
+# waits on the loader gets its batches as soon with two sets (the next batch's rows are worked
+# out while its buffer is still in use), and each set is 50 MB of fresh memory at batch 16384 x
+# 768, slow to touch on this kind of VM.
+GROW_AFTER_S = 0.005
 
 
 class ShuffledLoader(BaseLoader):
@@ -84,7 +97,7 @@ class ShuffledLoader(BaseLoader):
     Args (besides those of every loader: batch_size, patches, layer, drop_last, batch_timeout_s,
     scale_norm, rank/world_size/worker_id/n_workers):
         buffer_bytes: bytes of shard data the batches are mixed from (the shuffle window). Memory
-            used: buffer_bytes + about 2 batches read ahead + max(3, read_ahead + 1) batch buffers.
+            used: buffer_bytes + about 2 batches read ahead + 2 to max(3, read_ahead + 1) batch buffers.
         seed: the epoch order is a function of (seed, epoch) only.
         n_epochs: stop before this epoch (None: run forever). end_at overrides it.
         start_at: (epoch, batch) to resume from; batch may exceed len(loader) (more epochs skipped).
@@ -254,6 +267,7 @@ class ShuffledLoader(BaseLoader):
         start, stop = self._bounds()
         it = Iteration(self, "ShuffledLoader", start, stop, max(3, self.read_ahead + 1))
         it.specs, it.loads, it.parts = {}, collections.deque(), collections.deque()
+        it.indexed, it.indexing, it.buf_wait = {}, set(), None  # see _gatherer
         it.planned = it.next_gather = it.frontier = start
         it.outstanding = 0
         it.done = set()
@@ -366,22 +380,49 @@ class ShuffledLoader(BaseLoader):
                     if not all(r.loaded for r, _ in spec.takes):
                         it.rt.status(name, f"waiting for reads for batch {self._describe_key(k)}")
                         return False
-                    buf = it.pool.try_acquire()
+                    if k in it.indexing:  # another thread is indexing it (and notifies when done)
+                        return False
+                    now = time.monotonic()
+                    if it.consumer_waiting:  # the loader is the slow side: more buffers would not help
+                        it.buf_wait = None
+                    slow_consumer = it.buf_wait is not None and now - it.buf_wait >= GROW_AFTER_S
+                    kept = it.consumer_waiting and it.pool.all_lent()  # it holds >= 2 while waiting
+                    buf = it.pool.try_acquire(grow=it.pool.n_owned < 2 or slow_consumer or kept)
                     if buf is None:
                         it.rt.status(name, f"waiting for a free batch buffer for batch {self._describe_key(k)}")
+                        if it.buf_wait is None and not it.consumer_waiting:
+                            it.buf_wait = now
                         got["poll"] = True  # a buffer frees when the consumer drops it: nothing notifies
+                        if k not in it.indexed:  # meanwhile, work out the batch's rows
+                            it.indexing.add(k)
+                            got["index"] = (spec, k)
+                            return True
                         return False
+                    it.buf_wait = None
                     got["buf"], got["spec"], got["key"] = buf, spec, k
+                    got["ahead"] = it.indexed.pop(k, None)
                     return True
 
                 it.rt.wait(ready, lambda got=got: BUFFER_POLL_S if got["poll"] else None)
-                if "job" not in got:
+                if "buf" in got:
                     it.next_gather += 1
+            if "index" in got:
+                spec, k = got["index"]
+                it.rt.status(name, f"indexing batch {self._describe_key(k)} (ahead)")
+                job = self._index(it, spec, k)
+                with it.cond:
+                    it.indexed[k] = job
+                    it.indexing.discard(k)
+                    it.cond.notify_all()
+                continue
             if "job" in got:
                 job, part = got["job"], got["part"]
             else:
-                it.rt.status(name, f"indexing batch {self._describe_key(got['key'])}")
-                job = self._index(it, got["spec"], got["buf"], got["key"])
+                job = got["ahead"]
+                if job is None:
+                    it.rt.status(name, f"indexing batch {self._describe_key(got['key'])}")
+                    job = self._index(it, got["spec"], got["key"])
+                job.attach(got["buf"])
                 if job.n_parts > 1:
                     with it.cond:
                         it.parts.extend((job, p) for p in range(1, job.n_parts))
@@ -431,9 +472,9 @@ class ShuffledLoader(BaseLoader):
                 it.maps.release(r.shard, *self.geom.token_extents(imgs, z, z + self.geom.n_tokens), whole=True)
         return freed
 
-    def _index(self, it: Iteration, spec, buf, key: int) -> _Job:
-        """Which rows of which shard go where in the batch; writes image_i / patch_i / layer and
-        returns the job whose parts copy the vectors (see :meth:`_copy`)."""
+    def _index(self, it: Iteration, spec, key: int) -> _Job:
+        """Which rows of which shard go where in the batch (and their image_i / patch_i / layer):
+        the job whose parts copy the vectors once a buffer is attached (see :meth:`_copy`)."""
         g, per = self.geom, self.geom.per_img
         groups: dict = {}
         for r, x in spec.takes:
@@ -463,22 +504,18 @@ class ShuffledLoader(BaseLoader):
             else:  # arena slot: the run's examples in order
                 src = r0.slot[: (r0.hi - r0.lo) * g.D].reshape(-1, g.D)
                 row = x - r0.lo
-            copies.append((pos, src, row, lpos))
-            buf.image_i[pos : pos + m] = shard_img + self.shard_start[r0.shard]
-            buf.patch_i[pos : pos + m] = patch
-            buf.layer[pos : pos + m] = layer
+            shard_img += self.shard_start[r0.shard]  # now the image index in the cache
+            copies.append((pos, src, row, lpos, shard_img, patch, layer))
             pos += m
-        buf.n = pos
-        buf.key = (spec.epoch, spec.index)
         n_parts = max(1, min(PARTS_PER_THREAD * self.n_threads, pos // MIN_PART_ROWS))
-        return _Job(key, buf, copies, n_parts)
+        return _Job(key, (spec.epoch, spec.index), pos, copies, n_parts)
 
     def _copy(self, job: _Job, part: int) -> None:
         """Copy part ``part`` of the batch's rows (an equal share of them) into its buffer."""
-        n = job.buf.n
+        n = job.n
         a, b = part * n // job.n_parts, (part + 1) * n // job.n_parts
         act = job.buf.act
-        for pos, src, row, lpos in job.copies:
+        for pos, src, row, lpos, *_ in job.copies:
             lo, hi = max(a, pos), min(b, pos + len(row))
             if lo >= hi:
                 continue
@@ -495,9 +532,22 @@ class ShuffledLoader(BaseLoader):
 
 class _Job:
     """A batch being copied by one or more gather threads: where each group of rows comes from,
-    and how many of its ``n_parts`` are still being copied."""
+    and how many of its ``n_parts`` are still being copied. Worked out before a buffer is free
+    (``_index``), then attached to one."""
 
-    __slots__ = ("key", "buf", "copies", "n_parts", "left")
+    __slots__ = ("key", "bkey", "n", "copies", "n_parts", "left", "buf")
 
-    def __init__(self, key: int, buf, copies: list, n_parts: int):
-        self.key, self.buf, self.copies, self.n_parts, self.left = key, buf, copies, n_parts, n_parts
+    def __init__(self, key: int, bkey: tuple[int, int], n: int, copies: list, n_parts: int):
+        self.key, self.bkey, self.n, self.copies = key, bkey, n, copies
+        self.n_parts = self.left = n_parts
+        self.buf = None
+
+    def attach(self, buf) -> None:
+        """Write the batch's indices into ``buf``; its parts then copy the vectors into it."""
+        for pos, _src, row, _lpos, image_i, patch, layer in self.copies:
+            m = len(row)
+            buf.image_i[pos : pos + m] = image_i
+            buf.patch_i[pos : pos + m] = patch
+            buf.layer[pos : pos + m] = layer
+        buf.n, buf.key = self.n, self.bkey
+        self.buf = buf
