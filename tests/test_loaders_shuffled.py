@@ -361,6 +361,36 @@ def test_ctrl_c_stops_promptly_and_cleanly(cache):
         assert set(os.listdir("/dev/shm")) <= shm_before
 
 
+def test_close_unmaps_the_shards_with_work_pending(cache, monkeypatch):
+    """Stopped while the next batch is indexed ahead (every buffer held by the consumer) or
+    while parts of batches are queued, close() leaves no shard mapped in the process."""
+    import actcache.loaders.shuffled as shuffled
+
+    def mapped():
+        with open("/proc/self/maps") as f:
+            return [line for line in f if os.path.basename(cache[0]) in line]
+
+    monkeypatch.setattr(shuffled, "GROW_AFTER_S", 1e9)  # the pool stays at two sets
+    monkeypatch.setattr(shuffled, "MIN_PART_ROWS", 2)  # batches go in parts
+    ld = ShuffledLoader(cache[0], batch_size=7, layer=3, **SMALL)
+    it = iter(ld)
+    kept = [next(it), next(it)]  # both sets: the gather threads can only index the next batch
+    deadline = time.monotonic() + 10
+    while not ld._it.indexed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ld._it.indexed  # the state this test is about
+    ld.close()
+    assert not mapped()
+    for stop in range(1, 8):
+        ld = ShuffledLoader(cache[0], batch_size=7, layer=3, n_threads=3, **SMALL)
+        it = iter(ld)
+        for _ in range(stop):
+            next(it)
+        ld.close()
+        assert not mapped(), stop
+    assert len(kept) == 2
+
+
 def test_close_and_context_manager(cache):
     with ShuffledLoader(cache[0], batch_size=4, layer=3, n_epochs=None, **SMALL) as ld:
         for i, _ in enumerate(ld):

@@ -55,6 +55,7 @@ class Iteration:
         )
         self.closed = False
         self.consumer_waiting = False  # the consumer is inside next(), waiting for a batch
+        self.on_close: list = []  # loader-specific state to drop before unmapping (may hold views)
 
     @property
     def finished(self) -> bool:
@@ -106,6 +107,8 @@ class Iteration:
             self.loader.stats.buffer_sets += self.pool.n_allocated
             self.ready.clear()
             self.pool.clear()
+            for drop in self.on_close:
+                drop()
         if not alive:  # never unmap while a thread might still copy out of a mapping
             self.maps.close()
         else:

@@ -268,6 +268,7 @@ class ShuffledLoader(BaseLoader):
         it = Iteration(self, "ShuffledLoader", start, stop, max(3, self.read_ahead + 1))
         it.specs, it.loads, it.parts = {}, collections.deque(), collections.deque()
         it.indexed, it.indexing, it.buf_wait = {}, set(), None  # see _gatherer
+        it.on_close += [it.indexed.clear, it.parts.clear, it.specs.clear]  # jobs hold views of the maps
         it.planned = it.next_gather = it.frontier = start
         it.outstanding = 0
         it.done = set()
