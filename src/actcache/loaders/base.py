@@ -71,13 +71,7 @@ class Iteration:
     def next_buffer(self) -> BatchBuffers:
         t0 = time.perf_counter()
         what = f"batch {self.loader._describe_key(self.next_key)}"
-        with self.cond:  # a plain loop has just dropped its batch before the last: a buffer may be free
-            self.cond.notify_all()
-        self.consumer_waiting = True
-        try:
-            buf = self.rt.consumer_wait(self._take_ready, self.loader.batch_timeout_s, what)
-        finally:
-            self.consumer_waiting = False
+        buf = self.rt.consumer_wait(self._take_ready, self.loader.batch_timeout_s, what, self._set_waiting)
         with self.cond:
             self.pool.lend(buf)
             self.n_consumed += 1
@@ -94,6 +88,9 @@ class Iteration:
             st.first_batch_s = now - st.started
         self.loader.position = buf.key
         return buf
+
+    def _set_waiting(self, waiting: bool) -> None:
+        self.consumer_waiting = waiting
 
     def shutdown(self) -> None:
         if self.closed:

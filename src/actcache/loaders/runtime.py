@@ -134,29 +134,48 @@ class Runtime:
             who, text = self.error
             raise LoaderError(f"{self.name}: thread '{who}' failed:\n{text}")
 
-    def consumer_wait(self, ready: Callable[[], object], timeout_s: float | None, what: str):
+    def consumer_wait(
+        self,
+        ready: Callable[[], object],
+        timeout_s: float | None,
+        what: str,
+        waiting: Callable[[bool], None] | None = None,
+    ):
         """Wait (``cond`` NOT held) until ``ready()`` returns something not None, and return it.
 
         Raises LoaderError if a thread failed, BatchTimeoutError after ``timeout_s`` (None or
         <= 0: no limit). Waits in short slices so that KeyboardInterrupt is seen promptly.
+        On entry it wakes the loader threads: a plain loop has just dropped the batch before its
+        last, so a thread waiting for a free buffer may go on. ``waiting(True/False)`` is called
+        (``cond`` held) when the wait starts and ends.
         """
         start = time.monotonic()
         with self.cond:
-            while True:
-                self.raise_error()
-                got = ready()
-                if got is not None:
-                    return got
-                if self.stopping:
-                    raise LoaderError(f"{self.name}: the loader was stopped")
-                waited = time.monotonic() - start
-                if timeout_s and timeout_s > 0 and waited > timeout_s:
-                    raise BatchTimeoutError(
-                        f"{self.name}: no batch within batch_timeout_s={timeout_s:g} s while waiting for "
-                        f"{what}. What each thread is doing:\n{self.describe()}\nA reader stuck on one shard "
-                        "points at the filesystem (slow or hung); raise batch_timeout_s if it is only slow."
-                    )
-                self.cond.wait(SLICE_S)
+            self.cond.notify_all()
+            if waiting is not None:
+                waiting(True)
+            try:
+                return self._consumer_wait(ready, timeout_s, what, start)
+            finally:
+                if waiting is not None:
+                    waiting(False)
+
+    def _consumer_wait(self, ready, timeout_s, what: str, start: float):  # cond held
+        while True:
+            self.raise_error()
+            got = ready()
+            if got is not None:
+                return got
+            if self.stopping:
+                raise LoaderError(f"{self.name}: the loader was stopped")
+            waited = time.monotonic() - start
+            if timeout_s and timeout_s > 0 and waited > timeout_s:
+                raise BatchTimeoutError(
+                    f"{self.name}: no batch within batch_timeout_s={timeout_s:g} s while waiting for "
+                    f"{what}. What each thread is doing:\n{self.describe()}\nA reader stuck on one shard "
+                    "points at the filesystem (slow or hung); raise batch_timeout_s if it is only slow."
+                )
+            self.cond.wait(SLICE_S)
 
     # ---- shutdown -----------------------------------------------------------------------------
     def shutdown(self, join_s: float = 3.0) -> list[str]:
