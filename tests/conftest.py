@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import numpy as np
 import pytest
@@ -46,3 +47,13 @@ def make_cache(root, seed=0, labels=None, class_names=None, **kw):
 @pytest.fixture
 def small_cache(tmp_path):
     return make_cache(tmp_path)
+
+
+@pytest.fixture
+def sigint_raises():
+    """Ctrl-C tests send SIGINT with ``_thread.interrupt_main()``, which does nothing when SIGINT
+    is ignored, as it is for a command started in the background of a non-interactive shell
+    (``cmd &``): Python then keeps that disposition. Such tests install Python's own handler."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)

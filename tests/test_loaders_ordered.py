@@ -108,7 +108,7 @@ def test_kept_batches_stay_valid(cache):
     np.testing.assert_array_equal(np.concatenate([b["act"].numpy() for b in kept]), act)
 
 
-def test_crash_timeout_and_ctrl_c(cache, tmp_path):
+def test_crash_timeout_and_ctrl_c(cache, tmp_path, sigint_raises):
     path, _, _ = make_cache(tmp_path, n_imgs=12, layers=(3,), n_patches=4, d=8, imgs_per_shard=4)
     ld = OrderedLoader(path, batch_size=5, layer=3)
     os.unlink(os.path.join(path, "acts000001.bin"))

@@ -338,7 +338,7 @@ def test_stalled_reader_raises_batch_timeout_naming_it(cache):
     assert not loader_threads()
 
 
-def test_ctrl_c_stops_promptly_and_cleanly(cache):
+def test_ctrl_c_stops_promptly_and_cleanly(cache, sigint_raises):
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     for slow_consumer in (True, False):
         ld = ShuffledLoader(cache[0], batch_size=3, layer="all", n_epochs=None, **SMALL)
