@@ -54,7 +54,6 @@ class Iteration:
             mode=loader.map_mode,
         )
         self.closed = False
-        self.consumer_waiting = False  # the consumer is inside next(), waiting for a batch
         self.on_close: list = []  # loader-specific state to drop before unmapping (may hold views)
 
     @property
@@ -71,7 +70,7 @@ class Iteration:
     def next_buffer(self) -> BatchBuffers:
         t0 = time.perf_counter()
         what = f"batch {self.loader._describe_key(self.next_key)}"
-        buf = self.rt.consumer_wait(self._take_ready, self.loader.batch_timeout_s, what, self._set_waiting)
+        buf = self.rt.consumer_wait(self._take_ready, self.loader.batch_timeout_s, what)
         with self.cond:
             self.pool.lend(buf)
             self.n_consumed += 1
@@ -88,9 +87,6 @@ class Iteration:
             st.first_batch_s = now - st.started
         self.loader.position = buf.key
         return buf
-
-    def _set_waiting(self, waiting: bool) -> None:
-        self.consumer_waiting = waiting
 
     def shutdown(self) -> None:
         if self.closed:

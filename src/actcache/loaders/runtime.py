@@ -76,6 +76,7 @@ class Runtime:
         self.error: tuple[str, str] | None = None  # (thread name, traceback text)
         self.threads: list[threading.Thread] = []
         self._status: dict[str, tuple[str, float]] = {}
+        self.consumer_waiting = False  # the consumer is inside consumer_wait()
         self.cpu_s: dict[str, float] = {}  # CPU seconds each finished thread used (diagnostics)
 
     # ---- threads ------------------------------------------------------------------------------
@@ -139,26 +140,23 @@ class Runtime:
         ready: Callable[[], object],
         timeout_s: float | None,
         what: str,
-        waiting: Callable[[bool], None] | None = None,
     ):
         """Wait (``cond`` NOT held) until ``ready()`` returns something not None, and return it.
 
         Raises LoaderError if a thread failed, BatchTimeoutError after ``timeout_s`` (None or
         <= 0: no limit). Waits in short slices so that KeyboardInterrupt is seen promptly.
         On entry it wakes the loader threads: a plain loop has just dropped the batch before its
-        last, so a thread waiting for a free buffer may go on. ``waiting(True/False)`` is called
-        (``cond`` held) when the wait starts and ends.
+        last, so a thread waiting for a free buffer may go on. ``consumer_waiting`` is True
+        meanwhile (loader threads read it with ``cond`` held).
         """
         start = time.monotonic()
         with self.cond:
             self.cond.notify_all()
-            if waiting is not None:
-                waiting(True)
+            self.consumer_waiting = True
             try:
                 return self._consumer_wait(ready, timeout_s, what, start)
             finally:
-                if waiting is not None:
-                    waiting(False)
+                self.consumer_waiting = False
 
     def _consumer_wait(self, ready, timeout_s, what: str, start: float):  # cond held
         while True:

@@ -81,13 +81,9 @@ SCALE_CHUNK = 1024  # rows gathered then scaled while still in the CPU cache
 MIN_PART_ROWS = 2048
 PARTS_PER_THREAD = 2
 BUFFER_POLL_S = 0.002  # how often a gather thread waiting for a buffer the consumer holds looks again
-# Batch buffers: two sets to start with; one more (up to max(3, read_ahead + 1)) only once the
-# gather threads have waited this long for a free one while the consumer was not waiting for a
-# batch, i.e. when the consumer, not the loader, is the slow side and a deeper queue helps (or at
-# once when the consumer waits while holding every set: it keeps its batches). A consumer that
-# waits on the loader gets its batches as soon with two sets (the next batch's rows are worked
-# out while its buffer is still in use), and each set is 50 MB of fresh memory at batch 16384 x
-# 768, slow to touch on this kind of VM.
+# Batch buffers (module doc): a third set only once the gather threads have waited this long for
+# a free one while the consumer was not waiting for a batch (or at once when it waits holding
+# every set: it keeps its batches).
 GROW_AFTER_S = 0.005
 
 
@@ -384,14 +380,14 @@ class ShuffledLoader(BaseLoader):
                     if k in it.indexing:  # another thread is indexing it (and notifies when done)
                         return False
                     now = time.monotonic()
-                    if it.consumer_waiting:  # the loader is the slow side: more buffers would not help
+                    if it.rt.consumer_waiting:  # the loader is the slow side: more buffers would not help
                         it.buf_wait = None
                     slow_consumer = it.buf_wait is not None and now - it.buf_wait >= GROW_AFTER_S
-                    kept = it.consumer_waiting and it.pool.all_lent()  # it holds >= 2 while waiting
+                    kept = it.rt.consumer_waiting and it.pool.all_lent()  # it holds >= 2 while waiting
                     buf = it.pool.try_acquire(grow=it.pool.n_owned < 2 or slow_consumer or kept)
                     if buf is None:
                         it.rt.status(name, f"waiting for a free batch buffer for batch {self._describe_key(k)}")
-                        if it.buf_wait is None and not it.consumer_waiting:
+                        if it.buf_wait is None and not it.rt.consumer_waiting:
                             it.buf_wait = now
                         got["poll"] = True  # a buffer frees when the consumer drops it: nothing notifies
                         if k not in it.indexed:  # meanwhile, work out the batch's rows
