@@ -26,6 +26,8 @@ PY=${PYTHON:-python3}
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(env check dump train visuals)
 status=0
+# the loaders' C copy kernel, built next to its source (optional: without it they use numpy)
+"$PY" setup.py -q build_ext --inplace >"$OUT/build_ext.log" 2>&1 || echo "note: the C kernel did not build (see $OUT/build_ext.log); loaders use numpy"
 
 run_step() {  # name command...: log to $OUT/name.log, one line per step in summary.txt
     local name=$1 t0 rc

@@ -94,6 +94,7 @@ class ShardMaps:
         self._arrays: dict[tuple[int, str], np.ndarray] = {}
         self._lock = threading.Lock()
         self._populate_ok = _madvise is not None
+        self._unmapped: dict[int, int] = {}  # release_before: bytes of each shard unmapped so far
         self.closed = False
 
     def fd(self, shard: int) -> int:
@@ -184,15 +185,17 @@ class ShardMaps:
             stage = stage if stage is not None else self._open(shard, "huge")
             self._populate(shard, stage, starts, ends)
             self._unmap(stage, starts, ends, whole=True)
-        self._populate(shard, self.array(shard), starts, ends)
+        # huge mappings map whole 2 MiB blocks anyway: one call per stretch of nearby ranges (a
+        # run's images, split only by the CLS vectors it skips) instead of one per image
+        self._populate(shard, self.array(shard), starts, ends, gap=HUGE if self.mode == "huge" else 0)
 
     def populate(self, shard: int, starts: np.ndarray, ends: np.ndarray) -> None:
         """Map byte ranges of the copy mapping (reading what is not cached yet)."""
         self._populate(shard, self.array(shard), starts, ends)
 
-    def _populate(self, shard: int, arr: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
+    def _populate(self, shard: int, arr: np.ndarray, starts: np.ndarray, ends: np.ndarray, gap: int = 0) -> None:
         addr = arr.ctypes.data
-        for s, e in _merged(starts, ends):
+        for s, e in _merged(starts, ends, gap):
             lo, hi = _page_span(addr, int(s), int(e), inner=False)
             if self._populate_ok:
                 if _madvise(lo, hi - lo, MADV_POPULATE_READ) == 0:
@@ -225,6 +228,33 @@ class ShardMaps:
                 lo, hi = _page_span(addr, int(s), int(e), inner=True)
                 if hi > lo:
                     os.posix_fadvise(self._fds[shard], lo - addr, hi - lo, os.POSIX_FADV_DONTNEED)
+
+    def release_before(self, shard: int, offset: int, starts=None, ends=None) -> None:
+        """Sequential readers (the ordered loader): unmap everything of the shard before byte
+        ``offset``, rounded down to a 2 MiB boundary (the rest goes with a later call, or with the
+        shard's last call, ``offset`` = its size). Unmapping whole 2 MiB blocks never splits a
+        huge-page mapping: unmapping exactly each image's bytes did, which cost the ordered loader
+        ~0.15 s of CPU per 4.3 GB pass (measured). With ``evict``, the byte ranges ``starts`` /
+        ``ends`` are also dropped from the page cache."""
+        arr = self._arrays.get((shard, self._main))
+        if arr is None or _madvise is None:
+            return
+        addr, size = arr.ctypes.data, len(arr)
+        end = size if offset >= size else offset // HUGE * HUGE
+        with self._lock:
+            lo = self._unmapped.get(shard, 0)
+            if end <= lo:
+                lo = end
+            else:
+                self._unmapped[shard] = end
+        if end > lo:
+            a, b = _page_span(addr, lo, end, inner=False)
+            _madvise(a, b - a, MADV_DONTNEED)
+        if self.evict and starts is not None:
+            for s, e in _merged(starts, ends):
+                a, b = _page_span(addr, int(s), int(e), inner=True)
+                if b > a:
+                    os.posix_fadvise(self._fds[shard], a - addr, b - a, os.POSIX_FADV_DONTNEED)
 
     def _unmap(self, arr: np.ndarray, starts: np.ndarray, ends: np.ndarray, whole: bool) -> None:
         addr, size = arr.ctypes.data, len(arr)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from actcache.errors import ConfigError
+from actcache.loaders import kernels
 from actcache.loaders.base import BaseLoader, Iteration, check_number
 from actcache.loaders.partition import Partition
 from actcache.loaders.runtime import Stopped
@@ -200,14 +201,36 @@ class OrderedLoader(BaseLoader):
                 it.cond.notify_all()
             if upto is not None and upto > lo:
                 for shard, simg, n in self._spans(lo * self.geom.per_img, upto * self.geom.per_img):
-                    it.maps.release(shard, *self._extents(shard, simg, n))
+                    ext = self._extents(shard, simg, n) if self.evict else (None, None)
+                    # every byte of the shard before image simg + n (huge-page blocks: buffers.py)
+                    it.maps.release_before(shard, (simg + n) * self.metadata.bytes_per_img, *ext)
                 with it.cond:
                     it.held -= (upto - lo) * self.geom.img_bytes
+
+    def _copy_native(self, it: Iteration, shard: int, simg: int, n: int, dst: np.ndarray, stream: bool) -> bool:
+        """Images [simg, simg + n) of a shard, their selected layers' selected tokens, into dst with
+        the C kernel (one block per image and layer; kernels.copy_blocks); False if not built."""
+        g = self.geom
+        vb = g.vec_bytes
+        imgs = np.arange(simg, simg + n, dtype=np.int64)
+        scale = scales = None
+        if len(g.layer_idx) == 1:  # one block per image
+            rows, stride, offset = imgs, g.L * g.T * vb, (g.layer_idx[0] * g.T + g.token_start) * vb
+            scale = None if self.scale is None else self.scale[0]
+        else:  # every layer (layer="all"): one block per image and layer
+            lidx = np.asarray(g.layer_idx, np.int64)
+            rows, stride, offset = (imgs[:, None] * g.L + lidx[None, :]).ravel(), g.T * vb, g.token_start * vb
+            if self.scale is not None:
+                scales = np.tile(np.asarray(self.scale, np.float32), n)
+        return kernels.copy_blocks(
+            it.maps.array(shard), rows, dst, stride=stride, offset=offset, stream=stream, scale=scale, scales=scales
+        )
 
     def _fill(self, it: Iteration, a: int, b: int, buf) -> None:
         g, per, nT = self.geom, self.geom.per_img, self.geom.n_tokens
         ts, one = g.token_start, len(g.layer_idx) == 1
         li0 = g.layer_idx[0]
+        stream = buf.act.nbytes >= kernels.STREAM_MIN_BYTES
         pos, x = 0, a
         while x < b:
             img, e0 = divmod(x, per)
@@ -216,18 +239,19 @@ class OrderedLoader(BaseLoader):
             src = it.maps.view(shard, (self.shard_imgs[shard], g.L, g.T, g.D))
             if e0 == 0 and b - x >= per:  # a run of whole images within this shard
                 n = min((b - x) // per, self.shard_imgs[shard] - simg)
-                step = SCALE_IMGS if self.scale is not None else n
-                for c in range(0, n, step):
-                    m = min(step, n - c)
-                    blk = src[simg + c : simg + c + m]
-                    dst = buf.act[pos : pos + m * per]
-                    if one:
-                        np.copyto(dst.reshape(m, nT, g.D), blk[:, li0, ts : ts + nT])
-                    else:
-                        np.copyto(dst.reshape(m, g.L, nT, g.D), blk[:, :, ts : ts + nT])
-                    if self.scale is not None:
-                        self._scale_rows(dst, np.tile(np.repeat(np.arange(len(g.layer_idx)), nT), m))
-                    pos += m * per
+                if not self._copy_native(it, shard, simg, n, buf.act[pos : pos + n * per], stream):
+                    step = SCALE_IMGS if self.scale is not None else n
+                    for c in range(0, n, step):
+                        m = min(step, n - c)
+                        blk = src[simg + c : simg + c + m]
+                        dst = buf.act[pos + c * per : pos + (c + m) * per]
+                        if one:
+                            np.copyto(dst.reshape(m, nT, g.D), blk[:, li0, ts : ts + nT])
+                        else:
+                            np.copyto(dst.reshape(m, g.L, nT, g.D), blk[:, :, ts : ts + nT])
+                        if self.scale is not None:
+                            self._scale_rows(dst, np.tile(np.repeat(np.arange(len(g.layer_idx)), nT), m))
+                pos += n * per
                 x += n * per
             else:  # part of one image: contiguous token ranges, one per selected layer
                 e1 = min(per, e0 + b - x)

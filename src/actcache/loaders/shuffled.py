@@ -67,6 +67,7 @@ import time
 import numpy as np
 
 from actcache.errors import ConfigError
+from actcache.loaders import kernels
 from actcache.loaders.base import BaseLoader, Iteration, check_number
 from actcache.loaders.buffers import HUGE, huge_empty
 from actcache.loaders.partition import Partition
@@ -74,7 +75,6 @@ from actcache.loaders.plan import EpochPlan, cut_points, epoch_runs, part_runs
 from actcache.loaders.runtime import Stopped
 
 IO_MODES = ("mmap", "read")
-SCALE_CHUNK = 1024  # rows gathered then scaled while still in the CPU cache
 # A batch is copied in parts of >= MIN_PART_ROWS rows, PARTS_PER_THREAD per gather thread: all
 # threads work on the same batch (fewer batch buffers in flight), and the one that computes the
 # next batch's index (see _index) overlaps it with the others' last parts.
@@ -512,19 +512,21 @@ class ShuffledLoader(BaseLoader):
         n = job.n
         a, b = part * n // job.n_parts, (part + 1) * n // job.n_parts
         act = job.buf.act
+        stream = act.nbytes >= kernels.STREAM_MIN_BYTES
+        scale = self.scale
         for pos, src, row, lpos, *_ in job.copies:
             lo, hi = max(a, pos), min(b, pos + len(row))
             if lo >= hi:
                 continue
             rows, out = row[lo - pos : hi - pos], act[lo:hi]
-            if self.scale is None:
-                np.take(src, rows, axis=0, out=out, mode="clip")
-                continue
-            lp = None if lpos is None else lpos[lo - pos : hi - pos]
-            for c in range(0, hi - lo, SCALE_CHUNK):
-                sl = slice(c, min(hi - lo, c + SCALE_CHUNK))
-                np.take(src, rows[sl], axis=0, out=out[sl], mode="clip")
-                self._scale_rows(out[sl], None if lp is None else lp[sl])
+            if scale is None:
+                kernels.take(src, rows, out, stream=stream)
+            elif lpos is None:  # one layer: one factor
+                kernels.take(src, rows, out, stream=stream, scale=scale[0])
+            else:
+                kernels.take(
+                    src, rows, out, stream=stream, scales=np.asarray(scale, np.float32)[lpos[lo - pos : hi - pos]]
+                )
 
 
 class _Job:

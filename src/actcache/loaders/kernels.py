@@ -1,0 +1,115 @@
+"""The loaders' copy kernel: rows (or blocks) of a memory-mapped shard into a batch buffer.
+
+``take(src, rows, out)`` copies ``src[rows[i]]`` into ``out[i]`` (optionally times a float32
+factor, per row or for all). It uses the C kernel ``actcache._native`` when it was built (the
+normal install compiles it; see setup.py) and numpy's ``take`` otherwise. Both give the same
+bytes; the C kernel prefetches the next random rows and, for batches larger than the CPU cache,
+writes with non-temporal stores (a cached store first reads the line it overwrites). Measured on
+the project VM: see BENCHMARKS.md (loaders).
+
+``ACTCACHE_NATIVE=0`` in the environment forces the numpy path (tests compare the two).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+try:
+    from actcache import _native
+except ImportError:  # not built (no C compiler at install time): numpy fallback
+    _native = None
+if os.environ.get("ACTCACHE_NATIVE", "1") == "0":
+    _native = None
+
+# Batches at least this large are written with non-temporal stores: they do not fit in the CPU
+# cache anyway, and the consumer reads them later. Smaller ones stay cached for the consumer.
+STREAM_MIN_BYTES = 16 * 2**20
+
+
+def native_info() -> dict:
+    """Which copy kernel the loaders use: {"native": bool, "isa": "avx512f" | "avx2" | "sse2" | ...}."""
+    return {"native": _native is not None, "isa": getattr(_native, "isa", None)}
+
+
+def address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def take(
+    src: np.ndarray,
+    rows: np.ndarray,
+    out: np.ndarray,
+    *,
+    stream: bool = False,
+    scale: float | None = None,
+    scales: np.ndarray | None = None,
+    src_addr: int | None = None,
+) -> None:
+    """``out[i] = src[rows[i]]`` (times ``scale``, or ``scales[i]``) for a C-contiguous 2-D ``src``
+    (e.g. a shard's (rows, D) float32 view) and C-contiguous ``out`` of the same dtype and width.
+
+    ``rows`` must be valid (checked here: IndexError otherwise). ``stream``: non-temporal stores
+    (large batches only, see STREAM_MIN_BYTES). ``src_addr``: src's address, if the caller has it.
+    """
+    if _native is not None:
+        rows = np.ascontiguousarray(rows, np.int64)
+        piece = src.strides[0]
+        if scales is not None:
+            scales = np.ascontiguousarray(scales, np.float32)
+        _native.gather(
+            address(src) if src_addr is None else src_addr,
+            rows,
+            piece,
+            piece,
+            address(out),
+            src.shape[0],
+            stream,
+            scales,
+            1.0 if scale is None else float(scale),
+        )
+        return
+    np.take(src, rows, axis=0, out=out, mode="clip")  # rows valid by construction (loaders)
+    if scales is not None:
+        out *= scales.astype(out.dtype, copy=False)[:, None]
+    elif scale is not None and scale != 1.0:
+        out *= out.dtype.type(scale)
+
+
+def copy_blocks(
+    src: np.ndarray,
+    rows: np.ndarray,
+    out: np.ndarray,
+    *,
+    stride: int,
+    offset: int = 0,
+    stream: bool = False,
+    scale: float | None = None,
+    scales: np.ndarray | None = None,
+) -> bool:
+    """Equal-size blocks of ``src`` (a C-contiguous array, e.g. a shard's byte mapping) into
+    ``out``: block i is bytes ``[offset + rows[i] * stride, + piece)`` of src, piece =
+    ``out.nbytes // len(rows)``, and lands at bytes ``[i * piece, (i + 1) * piece)`` of out
+    (optionally its float32 values times ``scale`` or ``scales[i]``). Blocks that would reach
+    past src raise IndexError. Returns False, copying nothing, when the C kernel is not built:
+    the caller then copies with numpy (strided views)."""
+    if _native is None:
+        return False
+    k = len(rows)
+    if k == 0:
+        return True
+    piece = out.nbytes // k
+    n_src = (src.nbytes - offset - piece) // stride + 1 if src.nbytes >= offset + piece else 0
+    _native.gather(
+        address(src) + offset,
+        np.ascontiguousarray(rows, np.int64),
+        stride,
+        piece,
+        address(out),
+        max(0, n_src),
+        stream,
+        None if scales is None else np.ascontiguousarray(scales, np.float32),
+        1.0 if scale is None else float(scale),
+    )
+    return True

@@ -1,0 +1,152 @@
+"""The loaders' C copy kernel (actcache._native, through loaders.kernels) against numpy: the
+same bytes on every path (plain and streaming stores, each instruction set the machine has,
+scaled rows), bad rows refused before anything is copied, and whole loaders giving identical
+batches with and without it."""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+
+from actcache.loaders import OrderedLoader, ShuffledLoader, kernels
+from actcache.loaders.buffers import huge_empty
+from conftest import make_cache
+
+
+@pytest.fixture
+def native(monkeypatch):
+    """The C kernel, also when ACTCACHE_NATIVE=0 turned it off for the loaders. The install builds
+    it (setup.py); the loaders would still work without it, only slower, so an install that
+    silently lost it fails here."""
+    try:
+        mod = importlib.import_module("actcache._native")
+    except ImportError as err:
+        pytest.fail(f"actcache._native was not built ({err}): is a C compiler installed? pip install -e . builds it")
+    monkeypatch.setattr(kernels, "_native", mod)
+    return mod
+
+
+def test_the_kernel_is_built(native):
+    assert kernels.native_info() == {"native": True, "isa": native.isa}
+    assert native.isa in ("avx512f", "avx2", "sse2", "generic")
+
+
+def aligned(shape, dtype=np.float32, offset=0):
+    """An array whose data starts ``offset`` bytes after a 64-byte boundary."""
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.empty(n + 128, np.uint8)
+    skip = (-raw.ctypes.data) % 64 + offset
+    return raw[skip : skip + n].view(dtype).reshape(shape)
+
+
+@pytest.mark.parametrize("d", [768, 100, 16, 3])  # pieces that are / are not multiples of 64 bytes
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("offset", [0, 4])  # destination 64-byte aligned or not
+def test_take_equals_numpy(native, d, stream, offset):
+    rng = np.random.default_rng(d)
+    src = rng.standard_normal((500, d), dtype=np.float32)
+    rows = rng.integers(0, 500, 333)
+    out = aligned((333, d), offset=offset)
+    kernels.take(src, rows, out, stream=stream)
+    np.testing.assert_array_equal(out, src[rows])
+    # scaled: the same float32 products numpy computes
+    kernels.take(src, rows, out, stream=stream, scale=1.7)
+    np.testing.assert_array_equal(out, src[rows] * np.float32(1.7))
+    per = rng.uniform(0.5, 2, 333).astype(np.float32)
+    kernels.take(src, rows, out, stream=stream, scales=per)
+    np.testing.assert_array_equal(out, src[rows] * per[:, None])
+
+
+def test_take_from_a_huge_page_buffer_into_one(native):
+    src = huge_empty((4096, 768))
+    src[:] = np.arange(4096, dtype=np.float32)[:, None]
+    out = huge_empty((2048, 768))
+    rows = np.random.default_rng(0).permutation(4096)[:2048]
+    kernels.take(src, rows, out, stream=True)
+    np.testing.assert_array_equal(out[:, 0], rows.astype(np.float32))
+    np.testing.assert_array_equal(out, src[rows])
+
+
+@pytest.mark.parametrize("bad", [-1, 500, 10**12])
+def test_bad_rows_are_refused_before_copying(native, bad):
+    src = np.ones((500, 8), np.float32)
+    rows = np.array([3, 4, bad, 5])
+    out = np.zeros((4, 8), np.float32)
+    with pytest.raises(IndexError, match=rf"row {bad} at position 2 is outside \[0, 500\)"):
+        kernels.take(src, rows, out)
+    assert not out.any()  # nothing copied
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_copy_blocks_equals_strided_numpy(native, stream):
+    """Blocks as the ordered loader copies them: one layer's patch tokens of consecutive images,
+    or every layer's, out of a shard's bytes."""
+    rng = np.random.default_rng(1)
+    n, L, T, D = 9, 3, 5, 32
+    shard = rng.standard_normal((n, L, T, D), dtype=np.float32)
+    raw = shard.reshape(-1).view(np.uint8)
+    vb = D * 4
+    # layer 1, tokens 1..4 of images 2..7
+    out = aligned((6 * 4, D))
+    assert kernels.copy_blocks(
+        raw, np.arange(2, 8), out, stride=L * T * vb, offset=(1 * T + 1) * vb, stream=stream, scale=0.5
+    )
+    np.testing.assert_array_equal(out.reshape(6, 4, D), shard[2:8, 1, 1:5] * np.float32(0.5))
+    # every layer of images 0..8, one scale per layer
+    rows = (np.arange(n)[:, None] * L + np.arange(L)[None, :]).ravel()
+    scales = np.tile(np.array([1, 2, 3], np.float32), n)
+    out = aligned((n * L * 4, D))
+    assert kernels.copy_blocks(raw, rows, out, stride=T * vb, offset=vb, stream=stream, scales=scales)
+    want = shard[:, :, 1:5] * np.array([1, 2, 3], np.float32)[None, :, None, None]
+    np.testing.assert_array_equal(out.reshape(n, L, 4, D), want)
+    # a block reaching past the end of the source
+    with pytest.raises(IndexError):
+        kernels.copy_blocks(raw, np.array([n]), aligned((4, D)), stride=L * T * vb, offset=vb)
+
+
+def test_without_the_kernel_copy_blocks_declines(monkeypatch):
+    monkeypatch.setattr(kernels, "_native", None)
+    assert kernels.native_info() == {"native": False, "isa": None}
+    out = np.zeros((2, 4), np.float32)
+    assert kernels.copy_blocks(np.ones(64, np.uint8), np.array([0, 1]), out, stride=16) is False
+    assert not out.any()
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    # rows of 64 floats (256 bytes): the streaming path applies; 2 layers, CLS + 6 patches
+    return make_cache(tmp_path_factory.mktemp("kern"), n_imgs=29, layers=(3, 7), n_patches=6, d=64, imgs_per_shard=8)
+
+
+def batches(loader):
+    return [{k: v.numpy().copy() for k, v in b.items()} for b in loader]
+
+
+@pytest.mark.parametrize("layer", [7, "all"])
+@pytest.mark.parametrize("scale_norm", [False, True])
+def test_loaders_give_the_same_batches_with_and_without_the_kernel(native, cache, monkeypatch, layer, scale_norm):
+    path, md, acts = cache
+    monkeypatch.setattr(kernels, "STREAM_MIN_BYTES", 0)  # small test batches take the streaming path
+    opts = dict(batch_size=50, layer=layer, scale_norm=scale_norm)
+
+    def both():
+        return (
+            batches(OrderedLoader(path, **opts)),
+            batches(ShuffledLoader(path, buffer_bytes=20_000, run_bytes=3000, seed=3, **opts)),
+        )
+
+    with_kernel = both()
+    monkeypatch.setattr(kernels, "_native", None)
+    without = both()
+    for a, b in zip(with_kernel, without, strict=True):
+        assert len(a) == len(b) > 1
+        for x, y in zip(a, b, strict=True):
+            assert x.keys() == y.keys()
+            for k in x:
+                np.testing.assert_array_equal(x[k], y[k], err_msg=k)
+    if not scale_norm:  # and they are the cache's values
+        for b in with_kernel[0] + with_kernel[1]:
+            li = np.array([md.layers.index(v) for v in b["layer"]])
+            np.testing.assert_array_equal(b["act"], acts[b["image_i"], li, b["patch_i"] + 1])
