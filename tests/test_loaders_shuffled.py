@@ -391,6 +391,19 @@ def test_close_unmaps_the_shards_with_work_pending(cache, monkeypatch):
     assert len(kept) == 2
 
 
+def test_loader_threads_carry_their_role_in_the_os_thread_name(cache):
+    """top -H, perf and py-spy show each loader thread's role (ac-planner, ac-reader-0, ...)."""
+    ld = ShuffledLoader(cache[0], batch_size=4, layer=3, n_epochs=None, **SMALL)
+    it = iter(ld)
+    next(it)
+    names = set()
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            names.add(f.read().strip())
+    ld.close()
+    assert {"ac-planner", "ac-reader-0", "ac-reader-1", "ac-gather-0", "ac-gather-1"} <= names
+
+
 def test_close_and_context_manager(cache):
     with ShuffledLoader(cache[0], batch_size=4, layer=3, n_epochs=None, **SMALL) as ld:
         for i, _ in enumerate(ld):

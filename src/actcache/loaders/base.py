@@ -76,7 +76,7 @@ class Iteration:
             self.n_consumed += 1
             if self.loader.deterministic:
                 self.next_key += 1
-            self.cond.notify_all()
+            self.rt.consumed()
         st = self.loader.stats
         now = time.perf_counter()
         st.wait_s += now - t0

@@ -269,6 +269,14 @@ class ShuffledLoader(BaseLoader):
         it.outstanding = 0
         it.done = set()
         it.slots = []  # io="read": free arena slots
+        # who waits on what (runtime.py): the planner for the consumer to advance, readers for
+        # runs to load (and memory), gather threads for plans, reads, parts and buffers
+        rt = it.rt
+        it.c_plan, it.c_read, it.c_gather = rt.condition(), rt.condition(), rt.condition()
+        rt.consumer_cond = rt.condition()
+        rt.on_consumer_wait = [it.c_gather]
+        rt.on_consumed = [it.c_plan, it.c_gather]
+        it.pool.cond = it.c_gather  # a set prefilled wakes gather threads
         return it
 
     def _start(self, it: Iteration) -> None:
@@ -291,12 +299,14 @@ class ShuffledLoader(BaseLoader):
                 if it.stop is not None and key >= it.stop:
                     return
                 with it.cond:
-                    it.rt.wait(lambda key=key: key < it.start + it.n_consumed + ahead)
+                    it.rt.wait(lambda key=key: key < it.start + it.n_consumed + ahead, cond=it.c_plan)
                     it.specs[key] = spec
                     for r in spec.admit:
                         it.loads.append((r, key, spec.plan_bytes))
                     it.planned = key + 1
-                    it.cond.notify_all()
+                    if spec.admit:
+                        it.c_read.notify_all()
+                    it.c_gather.notify_all()
             g = (epoch + 1) * nb
 
     def _reader(self, it: Iteration, name: str) -> None:
@@ -313,7 +323,7 @@ class ShuffledLoader(BaseLoader):
                     limit = max(self.buffer_bytes, plan_bytes) + self.read_ahead_bytes
                     return it.outstanding == 0 or it.outstanding + need <= limit
 
-                it.rt.wait(ready)
+                it.rt.wait(ready, cond=it.c_read)
                 r, key, _ = it.loads.popleft()
                 need = int(r.strip_bytes[r.first_strip :].sum())
                 it.outstanding += need
@@ -329,7 +339,10 @@ class ShuffledLoader(BaseLoader):
             with it.cond:
                 r.loaded = True
                 self.stats.read_bytes += int((ends - starts).sum())
-                it.cond.notify_all()
+                # wake the gather threads only when the next batch has all it needs
+                spec = it.specs.get(it.next_gather)
+                if spec is not None and all(q.loaded for q, _ in spec.takes):
+                    it.c_gather.notify_all()
 
     def _read_into_slot(self, it: Iteration, r, starts, ends) -> None:
         """io="read": the run's selected bytes, image-major, into a private arena slot."""
@@ -400,7 +413,7 @@ class ShuffledLoader(BaseLoader):
                     got["ahead"] = it.indexed.pop(k, None)
                     return True
 
-                it.rt.wait(ready, lambda got=got: BUFFER_POLL_S if got["poll"] else None)
+                it.rt.wait(ready, lambda got=got: BUFFER_POLL_S if got["poll"] else None, cond=it.c_gather)
                 if "buf" in got:
                     it.next_gather += 1
             if "index" in got:
@@ -410,7 +423,7 @@ class ShuffledLoader(BaseLoader):
                 with it.cond:
                     it.indexed[k] = job
                     it.indexing.discard(k)
-                    it.cond.notify_all()
+                    it.c_gather.notify_all()
                 continue
             if "job" in got:
                 job, part = got["job"], got["part"]
@@ -423,7 +436,7 @@ class ShuffledLoader(BaseLoader):
                 if job.n_parts > 1:
                     with it.cond:
                         it.parts.extend((job, p) for p in range(1, job.n_parts))
-                        it.cond.notify_all()
+                        it.c_gather.notify_all()
                 part = 0
             key = job.key
             it.rt.status(name, f"copying batch {self._describe_key(key)} (part {part + 1} of {job.n_parts})")
@@ -440,12 +453,12 @@ class ShuffledLoader(BaseLoader):
                     it.done.discard(it.frontier)
                     rel.extend(it.specs.pop(it.frontier).releases)
                     it.frontier += 1
-                it.cond.notify_all()
+                it.rt.consumer_cond.notify_all()
             if rel:
                 freed = self._release(it, rel)
                 with it.cond:
                     it.outstanding -= freed
-                    it.cond.notify_all()
+                    it.c_read.notify_all()
 
     def _release(self, it: Iteration, releases) -> int:
         freed = 0
