@@ -445,3 +445,61 @@ def test_balanced_order_spreads_a_batch_over_the_runs_images(cache):
                 assert c.max() - c.min() <= 1, c
                 checked += 1
     assert checked > 0
+
+
+def test_blocks_stay_mapped_while_any_run_uses_them(cache):
+    """ShardMaps' 2 MiB block counts: a block is mapped once, by its first user, and unmapped
+    with its last one."""
+    from actcache.loaders.buffers import HUGE, ShardMaps
+
+    path = cache[0]
+    names = sorted(f for f in os.listdir(path) if f.startswith("acts"))
+    sizes = [3 * HUGE + 1000] * len(names)  # a short last block
+    m = ShardMaps(path, names, sizes, mode="huge")
+    assert m.block_new_bytes(0, 10, HUGE + 5) == 2 * HUGE
+    new, s, e = m.block_acquire(0, 10, HUGE + 5)  # blocks 0, 1
+    assert new == 2 * HUGE and s.tolist() == [0, HUGE] and e.tolist() == [HUGE, 2 * HUGE]
+    assert m.block_new_bytes(0, HUGE, 3 * HUGE + 1000) == HUGE + 1000  # block 2 and the short one
+    new, s, e = m.block_acquire(0, HUGE, 3 * HUGE + 1000)  # blocks 1 (shared), 2, 3
+    assert new == HUGE + 1000 and s.tolist() == [2 * HUGE, 3 * HUGE] and e.tolist() == [3 * HUGE, 3 * HUGE + 1000]
+    assert m.block_release(0, 10, HUGE + 5) == HUGE  # block 0 goes, block 1 stays (shared)
+    assert m.block_new_bytes(0, 0, 2 * HUGE) == HUGE
+    assert m.block_release(0, HUGE, 3 * HUGE + 1000) == 3 * HUGE + 1000 - HUGE
+    assert m.block_new_bytes(0, 0, 3 * HUGE + 1000) == 3 * HUGE + 1000
+    m.close()
+
+
+def test_the_next_epoch_maps_only_the_blocks_that_change(tmp_path, monkeypatch):
+    """Whole runs on huge-page mappings (the default for whole images): at an epoch boundary the
+    next epoch's first runs reuse the blocks the last epoch's runs still map, so far fewer bytes
+    are mapped anew than the first fill holds; every example still comes once per epoch."""
+    from actcache.loaders.buffers import HUGE, ShardMaps
+
+    # 1024 images of 4 patches x 2048 floats (32 KiB each, 64 per 2 MiB block: 32 MiB in all),
+    # shards of 256 images
+    path, md, acts = make_cache(tmp_path, n_imgs=1024, layers=(3,), n_patches=4, cls=False, d=2048, imgs_per_shard=256)
+    mapped = [0, 0]  # bytes mapped anew for epoch 0's runs, epoch 1's runs
+    orig = ShardMaps.make_resident
+    local = threading.local()  # the batch a reader thread is loading a run for (debug hook)
+
+    def spy(self, shard, starts, ends):
+        mapped[local.batch // nb] += int((ends - starts).sum())
+        return orig(self, shard, starts, ends)
+
+    monkeypatch.setattr(ShardMaps, "make_resident", spy)
+    import actcache.loaders.shuffled as shuffled
+
+    monkeypatch.setattr(shuffled, "HUGE_MIN_RUN", 0)  # huge mappings for this small cache
+    buffer_bytes = 12 * HUGE  # 3/4 of the data
+    ld = ShuffledLoader(path, batch_size=512, layer=3, buffer_bytes=buffer_bytes, run_bytes=HUGE, n_epochs=2, seed=5)
+    ld.debug_hook = lambda stage, info: setattr(local, "batch", info["batch"]) if stage == "read" else None
+    assert ld.map_mode == "huge"
+    nb = len(ld)
+    batches = collect(ld)
+    for e in range(2):
+        keys = np.concatenate([b["image_i"] * 4 + b["patch_i"] for b in batches[e * nb : (e + 1) * nb]])
+        assert np.array_equal(np.sort(keys), np.arange(1024 * 4))
+    assert mapped[0] >= 16 * HUGE  # every block at least once in epoch 0
+    # epoch 1 finds blocks epoch 0's last runs still map (measured: 10 of 16 blocks mapped anew);
+    # without that it would map all 16 again, 12 of them for its first fill alone
+    assert mapped[1] <= 14 * HUGE

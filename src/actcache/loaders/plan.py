@@ -273,6 +273,7 @@ class Run:
         "nT",
         "slot",
         "weight",
+        "span",
     )
 
     def __init__(self, key, row, n_strips: int, nT: int):
@@ -285,6 +286,7 @@ class Run:
         self.loaded = False
         self.slot = None  # io="read": the arena slot holding the run
         self.weight = 1.0  # share weight while runs are still admitted (EpochPlan.batches)
+        self.span = None  # one strip: [first, last) byte in the shard of the run's selected vectors
 
     def strip_tokens(self, g: int) -> tuple[int, int]:
         """[a, b): the rotated token positions of strip g (strip = position * n_strips // nT)."""
@@ -398,10 +400,19 @@ class EpochPlan:
             r.strip_bytes = np.full(self.G, self.fixed // self.G, np.int64)
         elif self.G == 1:
             r.strip_bytes = np.array([self.run_bytes(i)], np.int64)
+            r.span = self.run_span(i)
         else:
             tok = np.array([r.strip_tokens(k) for k in range(self.G)])
             r.strip_bytes = (tok[:, 1] - tok[:, 0]) * (r.j1 - r.j0) * len(g.layer_idx) * g.vec_bytes
         return r
+
+    def run_span(self, i: int) -> tuple[int, int]:
+        """[first, last) byte in its shard of run ``i``'s selected vectors."""
+        g, per = self.geom, self.geom.per_img
+        img0, lo, hi = (int(v) for v in self.runs[i, [1, 3, 4]])
+        ends = np.array([lo, hi - 1], np.int64)
+        rows = g.decode(img0 + ends // per, ends % per)[0]
+        return int(rows[0]) * g.vec_bytes, (int(rows[1]) + 1) * g.vec_bytes
 
     def run_bytes(self, i: int) -> int:
         """Bytes run ``i`` holds while resident: its examples' bytes (whole images' strips with
@@ -417,10 +428,8 @@ class EpochPlan:
         if not self.map_unit:
             return (hi - lo) * g.vec_bytes
         u = self.map_unit
-        ends = np.array([lo, hi - 1], np.int64)
-        rows = g.decode(img0 + ends // per, ends % per)[0]
-        span = -(-(int(rows[1]) + 1) * g.vec_bytes // u) * u - int(rows[0]) * g.vec_bytes // u * u
-        return int(span)
+        a, b = self.run_span(i)
+        return -(-b // u) * u - a // u * u
 
     def batches(self, start: int = 0) -> Iterator[BatchSpec]:
         """Batch specs from batch ``start`` on (earlier batches are planned, not yielded)."""

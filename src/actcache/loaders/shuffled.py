@@ -85,6 +85,9 @@ BUFFER_POLL_S = 0.002  # how often a gather thread waiting for a buffer the cons
 # a free one while the consumer was not waiting for a batch (or at once when it waits holding
 # every set: it keeps its batches).
 GROW_AFTER_S = 0.005
+# Runs smaller than this are read through 4 KiB mappings: a run also holds the 2 MiB blocks at
+# its edges, which only pays for big runs.
+HUGE_MIN_RUN = 8 * HUGE
 
 
 class ShuffledLoader(BaseLoader):
@@ -193,7 +196,7 @@ class ShuffledLoader(BaseLoader):
             self.plan_budget = self.n_slots * run_max
         if self.random_access or io == "read":
             self.map_mode = "random"
-        elif self.n_strips > 1 or run_max < 8 * HUGE:
+        elif self.n_strips > 1 or run_max < HUGE_MIN_RUN:
             self.map_mode = "pte"  # strips need 4 KiB mappings; huge ones only pay for big runs
         else:
             self.map_mode = "huge"  # whole runs held: 2 MiB mappings, their edges charged to the run
@@ -311,6 +314,7 @@ class ShuffledLoader(BaseLoader):
 
     def _reader(self, it: Iteration, name: str) -> None:
         shards = self.cache.shards
+        blocks = self.map_mode == "huge"  # whole runs on 2 MiB blocks: blocks shared across epochs
         while True:
             with it.cond:
                 it.rt.status(name, "waiting for a run to read (or for memory)")
@@ -319,26 +323,35 @@ class ShuffledLoader(BaseLoader):
                     if not it.loads:
                         return False
                     r, _, plan_bytes = it.loads[0]
-                    need = int(r.strip_bytes[r.first_strip :].sum())
+                    need = it.maps.block_new_bytes(r.shard, *r.span) if blocks else r.strip_bytes[r.first_strip :].sum()
                     limit = max(self.buffer_bytes, plan_bytes) + self.read_ahead_bytes
-                    return it.outstanding == 0 or it.outstanding + need <= limit
+                    return it.outstanding == 0 or it.outstanding + int(need) <= limit
 
                 it.rt.wait(ready, cond=it.c_read)
                 r, key, _ = it.loads.popleft()
-                need = int(r.strip_bytes[r.first_strip :].sum())
+                if blocks:  # only the blocks no run maps yet are new (buffers.ShardMaps.block_*)
+                    need, starts, ends = it.maps.block_acquire(r.shard, *r.span)
+                else:
+                    need = int(r.strip_bytes[r.first_strip :].sum())
                 it.outstanding += need
                 self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, it.outstanding)
             a, b = r.img0 + r.j0, r.img0 + r.j1
             it.rt.status(name, f"reading {shards[r.shard].name} images {a}-{b} (for batch {self._describe_key(key)})")
             self._hook("read", shard=r.shard, images=(a, b), batch=key)
-            starts, ends = r.extents(self.geom, range(r.first_strip, r.n_strips))
-            if self.io == "read":
-                self._read_into_slot(it, r, starts, ends)
+            if blocks:
+                nbytes = (r.hi - r.lo) * self.geom.vec_bytes
+                if len(starts):
+                    it.maps.make_resident(r.shard, starts, ends)
             else:
-                it.maps.make_resident(r.shard, starts, ends)
+                starts, ends = r.extents(self.geom, range(r.first_strip, r.n_strips))
+                nbytes = int((ends - starts).sum())
+                if self.io == "read":
+                    self._read_into_slot(it, r, starts, ends)
+                else:
+                    it.maps.make_resident(r.shard, starts, ends)
             with it.cond:
                 r.loaded = True
-                self.stats.read_bytes += int((ends - starts).sum())
+                self.stats.read_bytes += nbytes
                 # wake the gather threads only when the next batch has all it needs
                 spec = it.specs.get(it.next_gather)
                 if spec is not None and all(q.loaded for q, _ in spec.takes):
@@ -465,6 +478,12 @@ class ShuffledLoader(BaseLoader):
         for r, g in releases:
             last = g < 0
             g = r.n_strips - 1 if last else g
+            if self.map_mode == "huge":  # blocks other runs still use stay mapped
+                with it.cond:
+                    freed += it.maps.block_release(r.shard, *r.span)
+                if self.evict:
+                    it.maps.evict_ranges(r.shard, *r.extents(self.geom, [0]))
+                continue
             freed += int(r.strip_bytes[g])
             if self.io == "read":
                 if last:
