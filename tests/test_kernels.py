@@ -150,3 +150,36 @@ def test_loaders_give_the_same_batches_with_and_without_the_kernel(native, cache
         for b in with_kernel[0] + with_kernel[1]:
             li = np.array([md.layers.index(v) for v in b["layer"]])
             np.testing.assert_array_equal(b["act"], acts[b["image_i"], li, b["patch_i"] + 1])
+
+
+@pytest.mark.parametrize(
+    "n, per, j0, lo, hi", [(7, 5, 0, 0, 35), (9, 12, 3, 40, 140), (1, 4, 2, 9, 11), (30, 1, 0, 0, 30)]
+)
+def test_balanced_order_is_the_same_with_numpy_and_balanced(native, monkeypatch, n, per, j0, lo, hi):
+    got = kernels.balanced_order(n, per, j0, lo, hi, np.random.default_rng(8))
+    monkeypatch.setattr(kernels, "_native", None)
+    want = kernels.balanced_order(n, per, j0, lo, hi, np.random.default_rng(8))
+    np.testing.assert_array_equal(got, want)
+    # every owned id once
+    lo_, hi_ = max(lo, j0 * per), min(hi, (j0 + n) * per)
+    assert sorted(got.tolist()) == list(range(lo_, hi_))
+    # balanced: round by round, every whole image gives its k-th example before any gives its
+    # (k+1)-th (images cut by [lo, hi) just miss some rounds)
+    img = got // per
+    whole = [m for m in set(img.tolist()) if (img == m).sum() == per]
+    keep = np.isin(img, whole)
+    rank = np.zeros(len(got), np.int64)
+    seen: dict = {}
+    for i, m in enumerate(img.tolist()):
+        rank[i] = seen.get(m, 0)
+        seen[m] = rank[i] + 1
+    assert (np.diff(rank[keep]) >= 0).all()
+    assert np.bincount(rank[keep]).tolist() == [len(whole)] * per if whole else True
+
+
+def test_balanced_order_refuses_bad_parameters(native):
+    z = np.zeros(3, np.int64)
+    with pytest.raises(ValueError, match="wrong size"):
+        native.balanced_order(3, 3, 0, 0, 9, z, z, z, z[:2], np.empty(9, np.int64))
+    with pytest.raises(ValueError, match="out of range"):
+        native.balanced_order(3, 3, 0, 0, 9, z, z + 5, z, z, np.empty(9, np.int64))

@@ -205,10 +205,85 @@ done:
     return result;
 }
 
+/* balanced_order(n, per, j0, lo, hi, pi, rot, tau, shift, out) -> count (see loaders/kernels.py):
+ * for round k, position p: img = tau[(p + shift[k]) % n], example pi[(k + rot[img]) % per] of image
+ * j0 + img, as a run-local id (j0 + img) * per + example; ids outside [lo, hi) are left out. */
+static PyObject *balanced_order(PyObject *self, PyObject *args) {
+    Py_ssize_t n, per;
+    long long j0, lo, hi;
+    Py_buffer pi = {0}, rot = {0}, tau = {0}, shift = {0}, out = {0};
+    (void)self;
+    if (!PyArg_ParseTuple(args, "nnLLLy*y*y*y*w*", &n, &per, &j0, &lo, &hi, &pi, &rot, &tau, &shift, &out)) return NULL;
+    PyObject *result = NULL;
+    if (n < 0 || per < 0 || pi.len != per * 8 || rot.len != n * 8 || tau.len != n * 8 || shift.len != per * 8 ||
+        out.len < n * per * 8) {
+        PyErr_SetString(PyExc_ValueError, "balanced_order: arrays of the wrong size (int64: pi, shift per; rot, tau n)");
+        goto done;
+    }
+    const int64_t *P = pi.buf, *R = rot.buf, *U = tau.buf, *S = shift.buf;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (R[i] < 0 || R[i] >= per || U[i] < 0 || U[i] >= n) {
+            PyErr_SetString(PyExc_ValueError, "balanced_order: rot or tau out of range");
+            goto done;
+        }
+    for (Py_ssize_t k = 0; k < per; k++)
+        if (P[k] < 0 || P[k] >= per || S[k] < 0 || S[k] >= n) {
+            PyErr_SetString(PyExc_ValueError, "balanced_order: pi or shift out of range");
+            goto done;
+        }
+    int64_t *O = out.buf;
+    Py_ssize_t m = 0;
+    Py_BEGIN_ALLOW_THREADS;
+    for (Py_ssize_t k = 0; k < per; k++) {
+        Py_ssize_t q = S[k];
+        for (Py_ssize_t p = 0; p < n; p++, q++) {
+            if (q >= n) q -= n;
+            int64_t img = U[q];
+            int64_t e = k + R[img];
+            if (e >= per) e -= per;
+            int64_t v = (j0 + img) * per + P[e];
+            if (v >= lo && v < hi) O[m++] = v;
+        }
+    }
+    Py_END_ALLOW_THREADS;
+    result = PyLong_FromSsize_t(m);
+done:
+    PyBuffer_Release(&pi);
+    PyBuffer_Release(&rot);
+    PyBuffer_Release(&tau);
+    PyBuffer_Release(&shift);
+    if (out.obj) PyBuffer_Release(&out);
+    return result;
+}
+
+/* touch(addr, nbytes, step): write a zero byte every `step` bytes of fresh memory, faulting its pages
+ * in. Page faults take only their memory area's lock (Linux >= 6.4), where madvise(MADV_POPULATE_WRITE)
+ * holds the whole process's mmap lock, so a thread that maps memory meanwhile (numpy allocating an
+ * array) does not wait for it. */
+static PyObject *touch(PyObject *self, PyObject *args) {
+    unsigned long long addr;
+    Py_ssize_t nbytes, step;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "Knn", &addr, &nbytes, &step)) return NULL;
+    if (step <= 0 || nbytes < 0) {
+        PyErr_SetString(PyExc_ValueError, "touch: step must be > 0 and nbytes >= 0");
+        return NULL;
+    }
+    volatile char *p = (volatile char *)(uintptr_t)addr;
+    Py_BEGIN_ALLOW_THREADS;
+    for (Py_ssize_t o = 0; o < nbytes; o += step) p[o] = 0;
+    Py_END_ALLOW_THREADS;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"gather", (PyCFunction)(void (*)(void))gather, METH_VARARGS | METH_KEYWORDS,
      "gather(src, rows, stride, piece, dst, n_src, stream=False, scales=None, scale=1.0): copy piece bytes "
      "from src + rows[i]*stride to dst + i*piece for every i (see the module source)."},
+    {"touch", touch, METH_VARARGS, "touch(addr, nbytes, step): write a zero every step bytes (fault fresh memory in)."},
+    {"balanced_order", balanced_order, METH_VARARGS,
+     "balanced_order(n, per, j0, lo, hi, pi, rot, tau, shift, out) -> count: a run's balanced example order "
+     "(see actcache/loaders/kernels.py)."},
     {NULL, NULL, 0, NULL},
 };
 

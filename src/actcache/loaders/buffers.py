@@ -366,10 +366,16 @@ MADV_POPULATE_WRITE = 23
 def prefault(a: np.ndarray, chunk: int = HUGE) -> None:
     """Fault in (zero-filled) the pages of a fresh writable array, without the GIL.
 
-    One ``chunk`` per madvise call: the call holds the process's mmap lock, and any thread that
-    maps or unmaps memory meanwhile (numpy allocating a large temporary) waits for it; zeroing
-    fresh memory is slow on this kind of VM (~0.7 GB/s), so one call for a whole 50 MB batch
-    buffer stalled the planner ~10x (measured: 0.26 s instead of 0.01 s for a plan)."""
+    With the C kernel: by writing to them (kernels.touch). Page faults lock only their memory
+    area, while madvise(MADV_POPULATE_WRITE) holds the process's mmap lock, and any thread that
+    maps or unmaps memory meanwhile (numpy allocating an array: the planner, the index) waits
+    for it; zeroing fresh memory is slow on this kind of VM (0.3-1.5 GB/s when the host has
+    to back it), so populating two 50 MB batch buffers slowed the first plan ~10x (measured: the
+    first batch's plan 80-160 ms against ~10 ms). Without the kernel: one madvise per ``chunk``."""
+    from actcache.loaders import kernels
+
+    if kernels.touch(a):
+        return
     if _madvise is not None and a.nbytes >= 4 * PAGE:
         lo, hi = _page_span(a.ctypes.data, 0, a.nbytes, inner=True)
         steps = range(lo, hi, chunk)

@@ -68,6 +68,8 @@ from collections.abc import Iterator
 import numpy as np
 import numpy.random  # noqa: F401 - numpy imports it on first use (~10 ms), which would fall on the first batch
 
+from actcache.loaders import kernels
+
 
 @dataclasses.dataclass(frozen=True)
 class Geometry:
@@ -389,11 +391,8 @@ class EpochPlan:
             rank = _rank_within(img * self.G + strip, (r.j1 - r.j0) * self.G)
             x = x[np.lexsort((rank, strip))]
             r.strip_end = np.cumsum(np.bincount(strip, minlength=self.G))
-        else:
-            # (images, examples): shuffle each image's examples, then each round's image order
-            ids = np.arange(r.j0 * per, r.j1 * per, dtype=np.int64).reshape(r.j1 - r.j0, per)
-            rounds = rng.permuted(rng.permuted(ids, axis=1).T, axis=1).ravel()
-            x = rounds[(rounds >= r.lo) & (rounds < r.hi)]  # a part's end may cut an image
+        else:  # round by round over the run's images (kernels.balanced_order); a part's end may cut an image
+            x = kernels.balanced_order(r.j1 - r.j0, per, r.j0, r.lo, r.hi, rng)
             r.strip_end = np.array([len(x)])
         r.order = x
         if self.fixed is not None:
