@@ -106,6 +106,41 @@ def test_copy_blocks_equals_strided_numpy(native, stream):
         kernels.copy_blocks(raw, np.array([n]), aligned((4, D)), stride=L * T * vb, offset=vb)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_take_multi_equals_numpy_and_refuses_bad_rows(native, monkeypatch, stream):
+    rng = np.random.default_rng(4)
+    sources = [rng.standard_normal((m, 64), dtype=np.float32) for m in (50, 7, 300)]
+    srcs = rng.integers(0, 3, 400)
+    rows = np.array([rng.integers(0, len(sources[s])) for s in srcs])
+    want = np.stack([sources[s][r] for s, r in zip(srcs, rows, strict=True)])
+    out = aligned((400, 64))
+    kernels.take_multi(sources, srcs, rows, out, stream=stream, scale=2.0)
+    np.testing.assert_array_equal(out, want * np.float32(2))
+    monkeypatch.setattr(kernels, "_native", None)
+    out2 = aligned((400, 64))
+    kernels.take_multi(sources, srcs, rows, out2, scale=2.0)
+    np.testing.assert_array_equal(out2, out)
+    monkeypatch.setattr(kernels, "_native", native)
+    bad = rows.copy()
+    bad[9] = len(sources[srcs[9]])  # one past the end of its source
+    with pytest.raises(IndexError, match=r"row \d+ of source \d at position 9"):
+        kernels.take_multi(sources, srcs, bad, out)
+    with pytest.raises(IndexError, match="source 3 at position 0"):
+        kernels.take_multi(sources, np.full(400, 3), rows, out)
+
+
+def test_index_rows_refuses_what_does_not_fit(native):
+    z = np.zeros(4, np.int64)
+    g = type("G", (), dict(per_img=2, n_tokens=2, L=1, T=3, token_start=1, cls=True, layer_idx=(0,), layers=(5,)))
+    out = kernels.index_rows(np.array([0, 1, 2, 3]), np.array([0, 4]), [0], [0], [0], None, np.arange(4), g)
+    assert out["rows"].tolist() == [1, 2, 4, 5] and out["patch_i"].tolist() == [0, 1, 0, 1]
+    assert out["image_i"].tolist() == [0, 0, 1, 1] and out["layer"].tolist() == [5] * 4
+    with pytest.raises(ValueError, match="perm outside"):
+        kernels.index_rows(z, np.array([0, 4]), [0], [0], [0], None, np.array([0, 1, 2, 9]), g)
+    with pytest.raises(ValueError, match="run_start"):
+        kernels.index_rows(z, np.array([0, 3]), [0], [0], [0], None, np.arange(4), g)
+
+
 def test_without_the_kernel_copy_blocks_declines(monkeypatch):
     monkeypatch.setattr(kernels, "_native", None)
     assert kernels.native_info() == {"native": False, "isa": None}
@@ -124,9 +159,9 @@ def batches(loader):
     return [{k: v.numpy().copy() for k, v in b.items()} for b in loader]
 
 
-@pytest.mark.parametrize("layer", [7, "all"])
+@pytest.mark.parametrize("layer, io", [(7, "mmap"), ("all", "mmap"), (7, "read")])
 @pytest.mark.parametrize("scale_norm", [False, True])
-def test_loaders_give_the_same_batches_with_and_without_the_kernel(native, cache, monkeypatch, layer, scale_norm):
+def test_loaders_give_the_same_batches_with_and_without_the_kernel(native, cache, monkeypatch, layer, io, scale_norm):
     path, md, acts = cache
     monkeypatch.setattr(kernels, "STREAM_MIN_BYTES", 0)  # small test batches take the streaming path
     opts = dict(batch_size=50, layer=layer, scale_norm=scale_norm)
@@ -134,7 +169,7 @@ def test_loaders_give_the_same_batches_with_and_without_the_kernel(native, cache
     def both():
         return (
             batches(OrderedLoader(path, **opts)),
-            batches(ShuffledLoader(path, buffer_bytes=20_000, run_bytes=3000, seed=3, **opts)),
+            batches(ShuffledLoader(path, buffer_bytes=20_000, run_bytes=3000, seed=3, io=io, **opts)),
         )
 
     with_kernel = both()

@@ -39,17 +39,33 @@ static inline void prefetch_row(const char *p, Py_ssize_t piece) {
 #endif
 }
 
+/* One copy job: row i comes from bases[srcs[i]] (or bases[0] when srcs is NULL) + rows[i] * stride. */
+typedef struct {
+    const char *const *bases;
+    const int64_t *srcs;
+    const int64_t *rows;
+    Py_ssize_t n, stride, piece;
+    char *dst;
+    const float *scales; /* per row, or NULL */
+    float scale;
+    int scaled;
+} job_t;
+
+static inline const char *row_src(const job_t *j, Py_ssize_t i) {
+    return j->bases[j->srcs ? j->srcs[i] : 0] + j->rows[i] * j->stride;
+}
+
 /* ---- plain copies (any alignment, any size) ---------------------------------------------- */
-static void gather_plain(const char *src, const int64_t *rows, Py_ssize_t n, Py_ssize_t stride, Py_ssize_t piece,
-                         char *dst, const float *scales, float scale, int scaled) {
+static void gather_plain(const job_t *j) {
+    const Py_ssize_t n = j->n, piece = j->piece;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + AHEAD < n) prefetch_row(src + rows[i + AHEAD] * stride, piece);
-        const char *s = src + rows[i] * stride;
-        char *d = dst + i * piece;
-        if (!scaled) {
+        if (i + AHEAD < n) prefetch_row(row_src(j, i + AHEAD), piece);
+        const char *s = row_src(j, i);
+        char *d = j->dst + i * piece;
+        if (!j->scaled) {
             memcpy(d, s, (size_t)piece);
         } else {
-            float f = scales ? scales[i] : scale;
+            float f = j->scales ? j->scales[i] : j->scale;
             const float *sf = (const float *)s;
             float *df = (float *)d;
             for (Py_ssize_t k = 0; k < piece / 4; k++) df[k] = sf[k] * f;
@@ -59,14 +75,13 @@ static void gather_plain(const char *src, const int64_t *rows, Py_ssize_t n, Py_
 
 #ifdef ACT_X86
 /* ---- streaming copies: piece % 64 == 0, dst 64-byte aligned ------------------------------- */
-__attribute__((target("avx512f"))) static void gather_stream512(const char *src, const int64_t *rows, Py_ssize_t n,
-                                                               Py_ssize_t stride, Py_ssize_t piece, char *dst,
-                                                               const float *scales, float scale, int scaled) {
+__attribute__((target("avx512f"))) static void gather_stream512(const job_t *j) {
+    const Py_ssize_t n = j->n, piece = j->piece;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + AHEAD < n) prefetch_row(src + rows[i + AHEAD] * stride, piece);
-        const char *s = src + rows[i] * stride;
-        char *d = dst + i * piece;
-        if (!scaled) {
+        if (i + AHEAD < n) prefetch_row(row_src(j, i + AHEAD), piece);
+        const char *s = row_src(j, i);
+        char *d = j->dst + i * piece;
+        if (!j->scaled) {
             Py_ssize_t o = 0;
             for (; o + 256 <= piece; o += 256) {
                 __m512i a = _mm512_loadu_si512((const void *)(s + o));
@@ -80,7 +95,7 @@ __attribute__((target("avx512f"))) static void gather_stream512(const char *src,
             }
             for (; o < piece; o += 64) _mm512_stream_si512((void *)(d + o), _mm512_loadu_si512((const void *)(s + o)));
         } else {
-            __m512 f = _mm512_set1_ps(scales ? scales[i] : scale);
+            __m512 f = _mm512_set1_ps(j->scales ? j->scales[i] : j->scale);
             for (Py_ssize_t o = 0; o < piece; o += 64)
                 _mm512_stream_ps((float *)(d + o), _mm512_mul_ps(_mm512_loadu_ps((const float *)(s + o)), f));
         }
@@ -88,14 +103,13 @@ __attribute__((target("avx512f"))) static void gather_stream512(const char *src,
     _mm_sfence();
 }
 
-__attribute__((target("avx2"))) static void gather_stream256(const char *src, const int64_t *rows, Py_ssize_t n,
-                                                            Py_ssize_t stride, Py_ssize_t piece, char *dst,
-                                                            const float *scales, float scale, int scaled) {
+__attribute__((target("avx2"))) static void gather_stream256(const job_t *j) {
+    const Py_ssize_t n = j->n, piece = j->piece;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + AHEAD < n) prefetch_row(src + rows[i + AHEAD] * stride, piece);
-        const char *s = src + rows[i] * stride;
-        char *d = dst + i * piece;
-        if (!scaled) {
+        if (i + AHEAD < n) prefetch_row(row_src(j, i + AHEAD), piece);
+        const char *s = row_src(j, i);
+        char *d = j->dst + i * piece;
+        if (!j->scaled) {
             for (Py_ssize_t o = 0; o < piece; o += 64) {
                 __m256i a = _mm256_loadu_si256((const __m256i *)(s + o));
                 __m256i b = _mm256_loadu_si256((const __m256i *)(s + o + 32));
@@ -103,7 +117,7 @@ __attribute__((target("avx2"))) static void gather_stream256(const char *src, co
                 _mm256_stream_si256((__m256i *)(d + o + 32), b);
             }
         } else {
-            __m256 f = _mm256_set1_ps(scales ? scales[i] : scale);
+            __m256 f = _mm256_set1_ps(j->scales ? j->scales[i] : j->scale);
             for (Py_ssize_t o = 0; o < piece; o += 32)
                 _mm256_stream_ps((float *)(d + o), _mm256_mul_ps(_mm256_loadu_ps((const float *)(s + o)), f));
         }
@@ -111,17 +125,17 @@ __attribute__((target("avx2"))) static void gather_stream256(const char *src, co
     _mm_sfence();
 }
 
-static void gather_stream128(const char *src, const int64_t *rows, Py_ssize_t n, Py_ssize_t stride, Py_ssize_t piece,
-                             char *dst, const float *scales, float scale, int scaled) {
+static void gather_stream128(const job_t *j) {
+    const Py_ssize_t n = j->n, piece = j->piece;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + AHEAD < n) prefetch_row(src + rows[i + AHEAD] * stride, piece);
-        const char *s = src + rows[i] * stride;
-        char *d = dst + i * piece;
-        if (!scaled) {
+        if (i + AHEAD < n) prefetch_row(row_src(j, i + AHEAD), piece);
+        const char *s = row_src(j, i);
+        char *d = j->dst + i * piece;
+        if (!j->scaled) {
             for (Py_ssize_t o = 0; o < piece; o += 16)
                 _mm_stream_si128((__m128i *)(d + o), _mm_loadu_si128((const __m128i *)(s + o)));
         } else {
-            __m128 f = _mm_set1_ps(scales ? scales[i] : scale);
+            __m128 f = _mm_set1_ps(j->scales ? j->scales[i] : j->scale);
             for (Py_ssize_t o = 0; o < piece; o += 16)
                 _mm_stream_ps((float *)(d + o), _mm_mul_ps(_mm_loadu_ps((const float *)(s + o)), f));
         }
@@ -137,70 +151,140 @@ static const char *isa_name(void) {
 static const char *isa_name(void) { return "generic"; }
 #endif
 
+static void run_job(const job_t *j, int stream) {
+#ifdef ACT_X86
+    if (stream && j->piece % 64 == 0 && ((uintptr_t)j->dst % 64) == 0) {
+        if (isa == 2)
+            gather_stream512(j);
+        else if (isa == 1)
+            gather_stream256(j);
+        else
+            gather_stream128(j);
+        return;
+    }
+#else
+    (void)stream;
+#endif
+    gather_plain(j);
+}
+
+/* Shared argument checks of gather and gather_multi; fills j->scales / scaled. 0 on error. */
+static int check_job(job_t *j, const char *who, Py_buffer *rows, PyObject *scales_obj, Py_buffer *scales,
+                     double scale) {
+    j->n = rows->len / (Py_ssize_t)sizeof(int64_t);
+    if (rows->len % (Py_ssize_t)sizeof(int64_t) != 0 || !PyBuffer_IsContiguous(rows, 'C')) {
+        PyErr_Format(PyExc_ValueError, "%s: rows must be a C-contiguous int64 array", who);
+        return 0;
+    }
+    if (j->piece < 0 || j->stride < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: piece and stride must be >= 0", who);
+        return 0;
+    }
+    j->rows = (const int64_t *)rows->buf;
+    j->scales = NULL;
+    if (scales_obj != Py_None) {
+        if (PyObject_GetBuffer(scales_obj, scales, PyBUF_C_CONTIGUOUS) < 0) return 0;
+        if (scales->len != j->n * (Py_ssize_t)sizeof(float)) {
+            PyErr_Format(PyExc_ValueError, "%s: scales must be float32 with one value per row", who);
+            return 0;
+        }
+        j->scales = (const float *)scales->buf;
+    }
+    j->scale = (float)scale;
+    j->scaled = j->scales != NULL || scale != 1.0;
+    if (j->scaled && j->piece % 4 != 0) {
+        PyErr_Format(PyExc_ValueError, "%s: scaling needs float32 pieces (piece %% 4 == 0)", who);
+        return 0;
+    }
+    return 1;
+}
+
 static PyObject *gather(PyObject *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"src", "rows", "stride", "piece", "dst", "n_src", "stream", "scales", "scale", NULL};
     unsigned long long src_addr, dst_addr;
     Py_buffer rows = {0}, scales = {0};
-    Py_ssize_t stride, piece, n_src;
+    Py_ssize_t n_src;
     int stream = 0;
     PyObject *scales_obj = Py_None;
     double scale = 1.0;
+    job_t j;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "Ky*nnKn|pOd", names, &src_addr, &rows, &stride, &piece, &dst_addr,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "Ky*nnKn|pOd", names, &src_addr, &rows, &j.stride, &j.piece, &dst_addr,
                                      &n_src, &stream, &scales_obj, &scale))
         return NULL;
     PyObject *result = NULL;
-    Py_ssize_t n = rows.len / (Py_ssize_t)sizeof(int64_t);
-    if (rows.len % (Py_ssize_t)sizeof(int64_t) != 0 || !PyBuffer_IsContiguous(&rows, 'C')) {
-        PyErr_SetString(PyExc_ValueError, "gather: rows must be a C-contiguous int64 array");
-        goto done;
-    }
-    if (piece < 0 || stride < 0 || n_src < 0) {
-        PyErr_SetString(PyExc_ValueError, "gather: piece, stride and n_src must be >= 0");
-        goto done;
-    }
-    const float *sc = NULL;
-    if (scales_obj != Py_None) {
-        if (PyObject_GetBuffer(scales_obj, &scales, PyBUF_C_CONTIGUOUS) < 0) goto done;
-        if (scales.len != n * (Py_ssize_t)sizeof(float)) {
-            PyErr_SetString(PyExc_ValueError, "gather: scales must be float32 with one value per row");
-            goto done;
-        }
-        sc = (const float *)scales.buf;
-    }
-    int scaled = sc != NULL || scale != 1.0;
-    if (scaled && piece % 4 != 0) {
-        PyErr_SetString(PyExc_ValueError, "gather: scaling needs float32 pieces (piece % 4 == 0)");
-        goto done;
-    }
-    const int64_t *r = (const int64_t *)rows.buf;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (r[i] < 0 || r[i] >= n_src) {
-            PyErr_Format(PyExc_IndexError, "gather: row %lld at position %zd is outside [0, %zd)", (long long)r[i], i,
-                         n_src);
+    if (!check_job(&j, "gather", &rows, scales_obj, &scales, scale)) goto done;
+    for (Py_ssize_t i = 0; i < j.n; i++) {
+        if (j.rows[i] < 0 || j.rows[i] >= n_src) {
+            PyErr_Format(PyExc_IndexError, "gather: row %lld at position %zd is outside [0, %zd)", (long long)j.rows[i],
+                         i, n_src);
             goto done;
         }
     }
-    const char *src = (const char *)(uintptr_t)src_addr;
-    char *dst = (char *)(uintptr_t)dst_addr;
-    float f = (float)scale;
+    const char *base = (const char *)(uintptr_t)src_addr;
+    j.bases = &base;
+    j.srcs = NULL;
+    j.dst = (char *)(uintptr_t)dst_addr;
     Py_BEGIN_ALLOW_THREADS;
-#ifdef ACT_X86
-    if (stream && piece % 64 == 0 && ((uintptr_t)dst % 64) == 0) {
-        if (isa == 2)
-            gather_stream512(src, r, n, stride, piece, dst, sc, f, scaled);
-        else if (isa == 1)
-            gather_stream256(src, r, n, stride, piece, dst, sc, f, scaled);
-        else
-            gather_stream128(src, r, n, stride, piece, dst, sc, f, scaled);
-    } else
-#endif
-        gather_plain(src, r, n, stride, piece, dst, sc, f, scaled);
+    run_job(&j, stream);
     Py_END_ALLOW_THREADS;
     result = Py_None;
     Py_INCREF(result);
 done:
     if (rows.obj) PyBuffer_Release(&rows);
+    if (scales.obj) PyBuffer_Release(&scales);
+    return result;
+}
+
+/* gather_multi(bases, n_src, srcs, rows, stride, piece, dst, stream=False, scales=None, scale=1.0):
+ * as gather, but row i comes from source srcs[i]: bases (int64 addresses) and n_src (int64 row counts)
+ * have one entry per source. */
+static PyObject *gather_multi(PyObject *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"bases", "n_src", "srcs", "rows",   "stride", "piece",
+                            "dst",   "stream", "scales", "scale", NULL};
+    unsigned long long dst_addr;
+    Py_buffer bases = {0}, nsrc = {0}, srcs = {0}, rows = {0}, scales = {0};
+    int stream = 0;
+    PyObject *scales_obj = Py_None;
+    double scale = 1.0;
+    job_t j;
+    (void)self;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*y*y*y*nnK|pOd", names, &bases, &nsrc, &srcs, &rows, &j.stride,
+                                     &j.piece, &dst_addr, &stream, &scales_obj, &scale))
+        return NULL;
+    PyObject *result = NULL;
+    if (!check_job(&j, "gather_multi", &rows, scales_obj, &scales, scale)) goto done;
+    Py_ssize_t k = bases.len / 8;
+    if (bases.len % 8 != 0 || nsrc.len != bases.len || srcs.len != rows.len) {
+        PyErr_SetString(PyExc_ValueError, "gather_multi: bases and n_src need one int64 per source, srcs one per row");
+        goto done;
+    }
+    const int64_t *S = srcs.buf, *N = nsrc.buf;
+    for (Py_ssize_t i = 0; i < j.n; i++) {
+        if (S[i] < 0 || S[i] >= k) {
+            PyErr_Format(PyExc_IndexError, "gather_multi: source %lld at position %zd is outside [0, %zd)",
+                         (long long)S[i], i, k);
+            goto done;
+        }
+        if (j.rows[i] < 0 || j.rows[i] >= N[S[i]]) {
+            PyErr_Format(PyExc_IndexError, "gather_multi: row %lld of source %lld at position %zd is outside [0, %lld)",
+                         (long long)j.rows[i], (long long)S[i], i, (long long)N[S[i]]);
+            goto done;
+        }
+    }
+    j.bases = (const char *const *)bases.buf;
+    j.srcs = S;
+    j.dst = (char *)(uintptr_t)dst_addr;
+    Py_BEGIN_ALLOW_THREADS;
+    run_job(&j, stream);
+    Py_END_ALLOW_THREADS;
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&bases);
+    PyBuffer_Release(&nsrc);
+    PyBuffer_Release(&srcs);
+    PyBuffer_Release(&rows);
     if (scales.obj) PyBuffer_Release(&scales);
     return result;
 }
@@ -256,6 +340,88 @@ done:
     return result;
 }
 
+/* index_rows(x, run_start, run_img0, run_cimg0, run_src, run_sub, perm, per, nT, L, T, ts, cls, layer_idx,
+ *            layers, out_src, out_rows, out_img, out_patch, out_layer, out_lpos)
+ * A batch's rows in the order perm gives (see loaders/kernels.py: index_rows): element i of x is a
+ * run-local example id of run r (run_start[r] <= i < run_start[r + 1]); run_sub is None (rows in the
+ * shard: from the geometry) or one int64 per run (rows = x - run_sub[r], io="read"); out_lpos may be
+ * None. All int64. */
+static PyObject *index_rows(PyObject *self, PyObject *args) {
+    Py_buffer x = {0}, rs = {0}, img0 = {0}, cimg0 = {0}, src = {0}, sub = {0}, perm = {0}, lidx = {0}, lay = {0};
+    Py_buffer o_src = {0}, o_rows = {0}, o_img = {0}, o_patch = {0}, o_layer = {0}, o_lpos = {0};
+    Py_buffer *all[] = {&x, &rs, &img0, &cimg0, &src, &sub, &perm, &lidx, &lay, &o_src, &o_rows, &o_img, &o_patch, &o_layer, &o_lpos};
+    PyObject *sub_obj, *lpos_obj;
+    Py_ssize_t per, nT, L, T, ts, cls;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*Oy*nnnnnny*y*w*w*w*w*w*O", &x, &rs, &img0, &cimg0, &src, &sub_obj, &perm,
+                          &per, &nT, &L, &T, &ts, &cls, &lidx, &lay, &o_src, &o_rows, &o_img, &o_patch, &o_layer,
+                          &lpos_obj))
+        return NULL;
+    PyObject *result = NULL;
+    int32_t *run_of = NULL;
+    Py_ssize_t n = x.len / 8, R = rs.len / 8 - 1, nl = lidx.len / 8;
+    if (sub_obj != Py_None && PyObject_GetBuffer(sub_obj, &sub, PyBUF_C_CONTIGUOUS) < 0) goto done;
+    if (lpos_obj != Py_None && PyObject_GetBuffer(lpos_obj, &o_lpos, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
+    if (R < 0 || img0.len != R * 8 || cimg0.len != R * 8 || src.len != R * 8 || (sub.obj && sub.len != R * 8) ||
+        perm.len != x.len || o_src.len != x.len || o_rows.len != x.len || o_img.len != x.len ||
+        o_patch.len != x.len || o_layer.len != x.len || (o_lpos.obj && o_lpos.len != x.len) || nl < 1 ||
+        lay.len < 8 * L || per <= 0 || nT <= 0 || per != nl * nT) {
+        PyErr_SetString(PyExc_ValueError, "index_rows: arrays or sizes do not fit together");
+        goto done;
+    }
+    const int64_t *X = x.buf, *RS = rs.buf, *P = perm.buf, *LI = lidx.buf;
+    if (RS[0] != 0 || RS[R] != n) {
+        PyErr_SetString(PyExc_ValueError, "index_rows: run_start must go from 0 to len(x)");
+        goto done;
+    }
+    run_of = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int32_t));
+    if (!run_of) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t r = 0; r < R; r++) {
+        if (RS[r + 1] < RS[r]) {
+            PyErr_SetString(PyExc_ValueError, "index_rows: run_start must not decrease");
+            goto done;
+        }
+        for (int64_t i = RS[r]; i < RS[r + 1]; i++) run_of[i] = (int32_t)r;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (P[i] < 0 || P[i] >= n || X[i] < 0) {
+            PyErr_SetString(PyExc_ValueError, "index_rows: perm outside [0, len(x)) or a negative id");
+            goto done;
+        }
+    for (Py_ssize_t i = 0; i < nl; i++)
+        if (LI[i] < 0 || LI[i] >= L) {
+            PyErr_SetString(PyExc_ValueError, "index_rows: layer_idx outside [0, L)");
+            goto done;
+        }
+    const int64_t *I0 = img0.buf, *C0 = cimg0.buf, *SR = src.buf, *SB = sub.obj ? sub.buf : NULL, *LV = lay.buf;
+    int64_t *OS = o_src.buf, *OR = o_rows.buf, *OI = o_img.buf, *OP = o_patch.buf, *OL = o_layer.buf;
+    int64_t *OLP = o_lpos.obj ? o_lpos.buf : NULL;
+    Py_BEGIN_ALLOW_THREADS;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        int64_t i = P[k], r = run_of[i], xi = X[i];
+        int64_t jimg = xi / per, e = xi - jimg * per;
+        int64_t lp = e / nT, tok = e - lp * nT, li = LI[lp];
+        OS[k] = SR[r];
+        OR[k] = SB ? xi - SB[r] : ((I0[r] + jimg) * L + li) * T + ts + tok;
+        OI[k] = C0[r] + jimg;
+        OP[k] = tok + ts - cls;
+        OL[k] = LV[li];
+        if (OLP) OLP[k] = lp;
+    }
+    Py_END_ALLOW_THREADS;
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyMem_Free(run_of);
+    for (size_t b = 0; b < sizeof(all) / sizeof(all[0]); b++)
+        if (all[b]->obj) PyBuffer_Release(all[b]);
+    return result;
+}
+
 /* touch(addr, nbytes, step): write a zero byte every `step` bytes of fresh memory, faulting its pages
  * in. Page faults take only their memory area's lock (Linux >= 6.4), where madvise(MADV_POPULATE_WRITE)
  * holds the whole process's mmap lock, so a thread that maps memory meanwhile (numpy allocating an
@@ -277,9 +443,13 @@ static PyObject *touch(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
+    {"gather_multi", (PyCFunction)(void (*)(void))gather_multi, METH_VARARGS | METH_KEYWORDS,
+     "gather_multi(bases, n_src, srcs, rows, stride, piece, dst, stream=False, scales=None, scale=1.0): gather "
+     "from several sources (row i from source srcs[i])."},
     {"gather", (PyCFunction)(void (*)(void))gather, METH_VARARGS | METH_KEYWORDS,
      "gather(src, rows, stride, piece, dst, n_src, stream=False, scales=None, scale=1.0): copy piece bytes "
      "from src + rows[i]*stride to dst + i*piece for every i (see the module source)."},
+    {"index_rows", index_rows, METH_VARARGS, "index_rows(...): a batch's rows, sources and indices (kernels.py)."},
     {"touch", touch, METH_VARARGS, "touch(addr, nbytes, step): write a zero every step bytes (fault fresh memory in)."},
     {"balanced_order", balanced_order, METH_VARARGS,
      "balanced_order(n, per, j0, lo, hi, pi, rot, tau, shift, out) -> count: a run's balanced example order "
@@ -288,7 +458,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "actcache._native",
-                                    "The loaders' copy kernel (see _native.c).", -1, methods};
+                                    "The loaders' copy kernel (see _native.c).", -1, methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__native(void) {
 #ifdef ACT_X86

@@ -148,3 +148,106 @@ def touch(a: np.ndarray) -> bool:
         return False
     _native.touch(address(a), a.nbytes, 4096)
     return True
+
+
+def index_rows(
+    x: np.ndarray,
+    run_start: np.ndarray,
+    run_img0: np.ndarray,
+    run_cimg0: np.ndarray,
+    run_src: np.ndarray,
+    run_sub: np.ndarray | None,
+    perm: np.ndarray,
+    geom,
+    want_lpos: bool = False,
+) -> dict:
+    """A batch's rows in the order ``perm`` gives (the shuffled loader's index).
+
+    ``x`` holds the batch's examples run by run: run r's run-local ids (image * per + example,
+    counted from its first image ``run_img0[r]`` in the shard; ``run_cimg0[r]`` is that image's
+    index in the cache) are ``x[run_start[r]:run_start[r + 1]]``. Output k describes
+    ``x[perm[k]]``: ``src`` (``run_src`` of its run: the shard, or the run's arena slot), ``rows``
+    (the vector's row in the shard's (n_imgs * L * T, D) view; with ``run_sub``, ``x - run_sub``:
+    its row in the run's slot), ``image_i``, ``patch_i`` (-1 for CLS), ``layer`` (the layer value)
+    and, if asked, ``lpos`` (position among the selected layers). Same integers with or without
+    the C kernel.
+    """
+    i64 = lambda a: np.ascontiguousarray(a, np.int64)  # noqa: E731
+    x, run_start, perm = i64(x), i64(run_start), i64(perm)
+    run_img0, run_cimg0, run_src = i64(run_img0), i64(run_cimg0), i64(run_src)
+    run_sub = None if run_sub is None else i64(run_sub)
+    g = geom
+    layer_idx, layers = i64(g.layer_idx), i64(g.layers)
+    n = len(x)
+    out = {k: np.empty(n, np.int64) for k in ("src", "rows", "image_i", "patch_i", "layer")}
+    out["lpos"] = np.empty(n, np.int64) if want_lpos else None
+    ts, cls = g.token_start, int(g.cls)
+    if _native is not None:
+        _native.index_rows(
+            x, run_start, run_img0, run_cimg0, run_src, run_sub, perm,
+            g.per_img, g.n_tokens, g.L, g.T, ts, cls, layer_idx, layers,
+            out["src"], out["rows"], out["image_i"], out["patch_i"], out["layer"], out["lpos"],
+        )  # fmt: skip
+        return out
+    run_of = np.repeat(np.arange(len(run_start) - 1, dtype=np.int64), np.diff(run_start))[perm]
+    xi = x[perm]
+    jimg, e = np.divmod(xi, g.per_img)
+    lp, tok = np.divmod(e, g.n_tokens)
+    li = layer_idx[lp]
+    out["src"][:] = run_src[run_of]
+    if run_sub is None:
+        out["rows"][:] = ((run_img0[run_of] + jimg) * g.L + li) * g.T + ts + tok
+    else:
+        out["rows"][:] = xi - run_sub[run_of]
+    out["image_i"][:] = run_cimg0[run_of] + jimg
+    out["patch_i"][:] = tok + ts - cls
+    out["layer"][:] = layers[li]
+    if want_lpos:
+        out["lpos"][:] = lp
+    return out
+
+
+def take_multi(
+    sources: list[np.ndarray],
+    srcs: np.ndarray,
+    rows: np.ndarray,
+    out: np.ndarray,
+    *,
+    stream: bool = False,
+    scale: float | None = None,
+    scales: np.ndarray | None = None,
+    addresses: np.ndarray | None = None,
+    counts: np.ndarray | None = None,
+) -> None:
+    """``out[i] = sources[srcs[i]][rows[i]]`` (times ``scale`` or ``scales[i]``) for C-contiguous
+    2-D sources of one width and dtype (the shards' (rows, D) views, or arena slots). Bad sources
+    or rows raise IndexError. ``addresses`` / ``counts``: the sources' addresses and row counts
+    (int64), if the caller keeps them."""
+    if _native is not None:
+        if addresses is None:
+            addresses = np.array([address(s) for s in sources], np.int64)
+            counts = np.array([s.shape[0] for s in sources], np.int64)
+        piece = sources[0].strides[0]
+        _native.gather_multi(
+            addresses,
+            counts,
+            np.ascontiguousarray(srcs, np.int64),
+            np.ascontiguousarray(rows, np.int64),
+            piece,
+            piece,
+            address(out),
+            stream,
+            None if scales is None else np.ascontiguousarray(scales, np.float32),
+            1.0 if scale is None else float(scale),
+        )
+        return
+    if len(sources) == 1:
+        np.take(sources[0], rows, axis=0, out=out, mode="clip")  # rows valid by construction
+    else:
+        for s in np.unique(srcs).tolist():
+            sel = np.flatnonzero(srcs == s)
+            out[sel] = np.take(sources[s], rows[sel], axis=0, mode="clip")
+    if scales is not None:
+        out *= scales.astype(out.dtype, copy=False)[:, None]
+    elif scale is not None and scale != 1.0:
+        out *= out.dtype.type(scale)

@@ -54,7 +54,9 @@ BENCHMARKS.md)
     Which examples go into which batch is planned by :mod:`actcache.loaders.plan` from
     ``(seed, epoch, part)`` alone: deterministic whatever the thread timing, resumable at
     ``(epoch, batch)`` without reading skipped data, every example exactly once per epoch.
-    Rows of a batch are grouped by shard (random order within each group).
+    The rows of a batch come in one random order, across shards (a prefix of a batch, e.g. a
+    micro-batch, is a random sample of it); kernels.index_rows works out which row of which shard
+    goes where, and the C kernel copies from all the batch's shards in one pass.
 
 Options: see :class:`ShuffledLoader`. Partitioning over ranks/workers: :mod:`.partition`.
 """
@@ -267,7 +269,8 @@ class ShuffledLoader(BaseLoader):
         it = Iteration(self, "ShuffledLoader", start, stop, max(3, self.read_ahead + 1))
         it.specs, it.loads, it.parts = {}, collections.deque(), collections.deque()
         it.indexed, it.indexing, it.buf_wait = {}, set(), None  # see _gatherer
-        it.on_close += [it.indexed.clear, it.parts.clear, it.specs.clear]  # jobs hold views of the maps
+        it.sources = {}  # shard -> its (rows, D) view (_shard_source)
+        it.on_close += [it.indexed.clear, it.parts.clear, it.specs.clear, it.sources.clear]  # views of the maps
         it.planned = it.next_gather = it.frontier = start
         it.outstanding = 0
         it.done = set()
@@ -502,83 +505,79 @@ class ShuffledLoader(BaseLoader):
         return freed
 
     def _index(self, it: Iteration, spec, key: int) -> _Job:
-        """Which rows of which shard go where in the batch (and their image_i / patch_i / layer):
-        the job whose parts copy the vectors once a buffer is attached (see :meth:`_copy`)."""
-        g, per = self.geom, self.geom.per_img
-        groups: dict = {}
-        for r, x in spec.takes:
-            # a group per shard (mmap) or per run (io="read": each run has its own arena slot)
-            groups.setdefault(r.shard if self.io == "mmap" else r.key, []).append((r, x))
+        """Which row of which source (shard, or arena slot) goes where in the batch, and its
+        image_i / patch_i / layer: the job whose parts copy the vectors once a buffer is attached
+        (see :meth:`_copy`). The batch's rows come in one random order (kernels.index_rows)."""
+        g = self.geom
+        takes = spec.takes
+        xs = [x for _, x in takes]
+        x = np.concatenate(xs) if len(xs) > 1 else xs[0]
+        run_start = np.zeros(len(takes) + 1, np.int64)
+        np.cumsum([len(v) for v in xs], out=run_start[1:])
+        runs = [r for r, _ in takes]
+        img0 = np.array([r.img0 for r in runs], np.int64)
+        cimg0 = img0 + self.shard_start[[r.shard for r in runs]]
+        if self.io == "mmap":  # a source per shard of the batch
+            shards = sorted({r.shard for r in runs})
+            sid = {s: i for i, s in enumerate(shards)}
+            sources = [self._shard_source(it, s) for s in shards]
+            run_src = np.array([sid[r.shard] for r in runs], np.int64)
+            run_sub = None
+        else:  # a source per run: its arena slot, the run's examples in order
+            sources = [r.slot[: (r.hi - r.lo) * g.D].reshape(-1, g.D) for r in runs]
+            run_src = np.arange(len(runs), dtype=np.int64)
+            run_sub = np.array([r.lo for r in runs], np.int64)
         rng = np.random.default_rng([self.seed, spec.epoch, self.world.part, spec.index, 7])
-        pos = 0
-        copies = []
-        for k in sorted(groups):
-            parts = groups[k]
-            x = np.concatenate([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
-            img0 = np.repeat(np.array([p[0].img0 for p in parts], np.int64), [len(p[1]) for p in parts])
-            perm = rng.permutation(len(x))
-            x, img0 = x[perm], img0[perm]
-            r0 = parts[0][0]
-            j, e = np.divmod(x, per)
-            shard_img = img0 + j
-            m = len(x)
-            if len(g.layer_idx) == 1:  # one layer: e is the selected token (fast path)
-                row = shard_img * (g.L * g.T) + (g.layer_idx[0] * g.T + g.token_start)
-                row += e
-                layer, patch, lpos = g.layers[g.layer_idx[0]], e + (g.token_start - int(g.cls)), None
-            else:
-                row, layer, patch, lpos = g.decode(shard_img, e)
-            if self.io == "mmap":
-                src = it.maps.view(r0.shard, (self.shard_imgs[r0.shard] * g.L * g.T, g.D))
-            else:  # arena slot: the run's examples in order
-                src = r0.slot[: (r0.hi - r0.lo) * g.D].reshape(-1, g.D)
-                row = x - r0.lo
-            shard_img += self.shard_start[r0.shard]  # now the image index in the cache
-            copies.append((pos, src, row, lpos, shard_img, patch, layer))
-            pos += m
-        n_parts = max(1, min(PARTS_PER_THREAD * self.n_threads, pos // MIN_PART_ROWS))
-        return _Job(key, (spec.epoch, spec.index), pos, copies, n_parts)
+        perm = rng.permutation(len(x))
+        want_lpos = self.scale is not None and len(g.layer_idx) > 1
+        out = kernels.index_rows(x, run_start, img0, cimg0, run_src, run_sub, perm, g, want_lpos)
+        n = len(x)
+        n_parts = max(1, min(PARTS_PER_THREAD * self.n_threads, n // MIN_PART_ROWS))
+        return _Job(key, (spec.epoch, spec.index), n, sources, out, n_parts)
+
+    def _shard_source(self, it: Iteration, shard: int) -> np.ndarray:
+        """The shard's (n_imgs * L * T, D) float32 view (made once per iteration)."""
+        src = it.sources.get(shard)
+        if src is None:
+            g = self.geom
+            src = it.sources[shard] = it.maps.view(shard, (self.shard_imgs[shard] * g.L * g.T, g.D))
+        return src
 
     def _copy(self, job: _Job, part: int) -> None:
         """Copy part ``part`` of the batch's rows (an equal share of them) into its buffer."""
-        n = job.n
-        a, b = part * n // job.n_parts, (part + 1) * n // job.n_parts
+        a, b = part * job.n // job.n_parts, (part + 1) * job.n // job.n_parts
+        if b <= a:
+            return
         act = job.buf.act
-        stream = act.nbytes >= kernels.STREAM_MIN_BYTES
-        scale = self.scale
-        for pos, src, row, lpos, *_ in job.copies:
-            lo, hi = max(a, pos), min(b, pos + len(row))
-            if lo >= hi:
-                continue
-            rows, out = row[lo - pos : hi - pos], act[lo:hi]
-            if scale is None:
-                kernels.take(src, rows, out, stream=stream)
-            elif lpos is None:  # one layer: one factor
-                kernels.take(src, rows, out, stream=stream, scale=scale[0])
+        o = job.out
+        kw = {"stream": act.nbytes >= kernels.STREAM_MIN_BYTES, "addresses": job.addresses, "counts": job.counts}
+        if self.scale is not None:
+            if o["lpos"] is None:  # one layer: one factor
+                kw["scale"] = self.scale[0]
             else:
-                kernels.take(
-                    src, rows, out, stream=stream, scales=np.asarray(scale, np.float32)[lpos[lo - pos : hi - pos]]
-                )
+                kw["scales"] = np.asarray(self.scale, np.float32)[o["lpos"][a:b]]
+        kernels.take_multi(job.sources, o["src"][a:b], o["rows"][a:b], act[a:b], **kw)
 
 
 class _Job:
-    """A batch being copied by one or more gather threads: where each group of rows comes from,
-    and how many of its ``n_parts`` are still being copied. Worked out before a buffer is free
-    (``_index``), then attached to one."""
+    """A batch being copied by one or more gather threads: which row of which source goes where
+    (``out``: kernels.index_rows), and how many of its ``n_parts`` are still being copied.
+    Worked out before a buffer is free (``_index``), then attached to one."""
 
-    __slots__ = ("key", "bkey", "n", "copies", "n_parts", "left", "buf")
+    __slots__ = ("key", "bkey", "n", "sources", "addresses", "counts", "out", "n_parts", "left", "buf")
 
-    def __init__(self, key: int, bkey: tuple[int, int], n: int, copies: list, n_parts: int):
-        self.key, self.bkey, self.n, self.copies = key, bkey, n, copies
+    def __init__(self, key: int, bkey: tuple[int, int], n: int, sources: list, out: dict, n_parts: int):
+        self.key, self.bkey, self.n, self.sources, self.out = key, bkey, n, sources, out
+        self.addresses = np.array([kernels.address(s) for s in sources], np.int64)
+        self.counts = np.array([s.shape[0] for s in sources], np.int64)
         self.n_parts = self.left = n_parts
         self.buf = None
 
     def attach(self, buf) -> None:
         """Write the batch's indices into ``buf``; its parts then copy the vectors into it."""
-        for pos, _src, row, _lpos, image_i, patch, layer in self.copies:
-            m = len(row)
-            buf.image_i[pos : pos + m] = image_i
-            buf.patch_i[pos : pos + m] = patch
-            buf.layer[pos : pos + m] = layer
-        buf.n, buf.key = self.n, self.bkey
+        n, o = self.n, self.out
+        buf.image_i[:n] = o["image_i"]
+        buf.patch_i[:n] = o["patch_i"]
+        buf.layer[:n] = o["layer"]
+        buf.n, buf.key = n, self.bkey
         self.buf = buf
