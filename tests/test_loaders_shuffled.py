@@ -370,11 +370,12 @@ def test_close_unmaps_the_shards_with_work_pending(cache, monkeypatch):
         with open("/proc/self/maps") as f:
             return [line for line in f if os.path.basename(cache[0]) in line]
 
-    monkeypatch.setattr(shuffled, "GROW_AFTER_S", 1e9)  # the pool stays at two sets
+    monkeypatch.setattr(shuffled, "GROW_AFTER_S", 1e9)  # the pool stays at MIN_SETS sets
     monkeypatch.setattr(shuffled, "MIN_PART_ROWS", 2)  # batches go in parts
     ld = ShuffledLoader(cache[0], batch_size=7, layer=3, **SMALL)
     it = iter(ld)
-    kept = [next(it), next(it)]  # both sets: the gather threads can only index the next batch
+    # the consumer keeps 2 batches; the last set fills and the gather threads can only index the next
+    kept = [next(it), next(it)]
     deadline = time.monotonic() + 10
     while not ld._it.indexed and time.monotonic() < deadline:
         time.sleep(0.01)
