@@ -42,10 +42,11 @@ def loader_threads():
 
 @pytest.mark.parametrize("patches,layer", [("image", 3), ("image", "all"), ("all", 7), ("cls", 3), ("cls", "all")])
 @pytest.mark.parametrize("batch_size", [1, 11, 64, 5000])
-def test_equals_indexed_dataset_order(cache, patches, layer, batch_size):
+@pytest.mark.parametrize("io", ["read", "mmap"])
+def test_equals_indexed_dataset_order(cache, patches, layer, batch_size, io):
     path = cache[0]
     want = expected(IndexedDataset(path, patches, layer))
-    ld = OrderedLoader(path, batch_size=batch_size, patches=patches, layer=layer)
+    ld = OrderedLoader(path, batch_size=batch_size, patches=patches, layer=layer, io=io)
     batches, got = concat(ld)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(g, w)
@@ -70,6 +71,41 @@ def test_drop_last_range_and_threads(cache):
         OrderedLoader(path, layer=7, batch_size=-1)
     with pytest.raises(ConfigError, match="layer"):
         OrderedLoader(path, layer=-2)
+    with pytest.raises(ConfigError, match="io='pread' is not allowed; use one of read, mmap"):
+        OrderedLoader(path, layer=7, io="pread")
+
+
+def test_read_mode_reads_few_large_pieces_and_reports_truncation(tmp_path, monkeypatch):
+    """io="read": neighbouring images' patch tokens come in one preadv call (the CLS vector
+    between them into a scratch buffer); ranges far apart (another layer) in calls of their own;
+    a shard cut short after opening is an error naming it, not garbage."""
+    import actcache.loaders.ordered as ordered
+
+    path, md, acts = make_cache(tmp_path, n_imgs=12, layers=(3, 5), n_patches=4, d=8, imgs_per_shard=6)
+    calls = []
+    real = os.preadv
+
+    def spy(fd, iov, off):
+        calls.append(len(iov))
+        return real(fd, iov, off)
+
+    monkeypatch.setattr(ordered.os, "preadv", spy)
+    monkeypatch.setattr(ordered, "MERGE_GAP", 200)  # the CLS vector: 32 bytes; the other layer: 160
+    ld = OrderedLoader(path, batch_size=48, layer=5, patches="image", io="read")
+    got = np.concatenate([b["act"].numpy() for b in ld])
+    np.testing.assert_array_equal(got, acts[:, 1, 1:].reshape(-1, 8))
+    assert len(calls) == 2 and calls[0] == 6 * 2 - 1  # one call per shard: 6 images, 5 gaps
+    calls.clear()
+    monkeypatch.setattr(ordered, "MERGE_GAP", 64)  # the other layer's 160 bytes are now too far
+    list(OrderedLoader(path, batch_size=48, layer=5, patches="image", io="read"))
+    assert len(calls) == 12 and set(calls) == {1}
+    ld = OrderedLoader(path, batch_size=8, layer=5, io="read", read_ahead=1)  # 3 batches a shard
+    it = iter(ld)
+    next(it)  # batch 0; at most 1 and 2 are copied ahead, none of the second shard
+    with open(os.path.join(path, "acts000001.bin"), "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(LoaderError, match=r"(?s)short read of acts000001.bin.*truncated"):
+        list(it)
 
 
 @pytest.mark.parametrize("world_size,n_workers", [(1, 1), (2, 1), (3, 1), (2, 2), (8, 1)])

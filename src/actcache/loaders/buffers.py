@@ -156,10 +156,11 @@ class ShardMaps:
         return self.array(shard)[:n].view(np.float32).reshape(shape)
 
     # ---- residency ----------------------------------------------------------------------------
-    def prefetch(self, shard: int, starts: np.ndarray, ends: np.ndarray) -> None:
-        """Start reading byte ranges into the page cache (asynchronous, exact, 4 KiB folios)."""
+    def prefetch(self, shard: int, starts: np.ndarray, ends: np.ndarray, gap: int = 0) -> None:
+        """Start reading byte ranges into the page cache (asynchronous, exact, 4 KiB folios);
+        ranges ``gap`` bytes apart or closer are requested as one."""
         fd = self.fd(shard)
-        for s, e in _merged(starts, ends):
+        for s, e in _merged(starts, ends, gap):
             os.posix_fadvise(fd, int(s), int(e - s), os.POSIX_FADV_WILLNEED)
 
     def cached(self, shard: int, starts: np.ndarray, ends: np.ndarray) -> bool:
@@ -320,14 +321,11 @@ class ShardMaps:
 
     def evict_ranges(self, shard: int, starts: np.ndarray, ends: np.ndarray) -> None:
         """Drop the pages inside the byte ranges from the page cache (those no mapping holds)."""
-        arr = self._arrays.get((shard, self._main))
-        if arr is None or shard not in self._fds:
-            return
-        addr = arr.ctypes.data
+        fd = self.fd(shard)
         for s, e in _merged(starts, ends):
-            lo, hi = _page_span(addr, int(s), int(e), inner=True)
+            lo, hi = -(-int(s) // PAGE) * PAGE, int(e) // PAGE * PAGE
             if hi > lo:
-                os.posix_fadvise(self._fds[shard], lo - addr, hi - lo, os.POSIX_FADV_DONTNEED)
+                os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
         """Unmap everything. Call only when no thread copies out of the mappings any more."""

@@ -45,7 +45,10 @@ Batches (per part)
     image's k-th example comes before any image's (k+1)-th, so a batch takes about the same
     number of examples from each image of the run (a uniform draw would take a multinomial
     number: fewer distinct images per batch; image-index entropy 0.929 -> 0.946 in the bench's
-    setting, image-aligned runs).
+    setting, image-aligned runs). The order comes from a few random draws per run
+    (kernels.balanced_order: one random order of the examples, started at a random place in each
+    image, and a random image order turned by a random amount each round), not a shuffle of
+    every image and every round: 35 us instead of 270 us for a 16k-example run, same entropy.
 
 Progressive release (strips)
     A batch can only mix images that are resident, so with whole-run residency the images

@@ -6,34 +6,47 @@
         ...
 
 Design (measured on the project machine, 2 cores, with ``scripts/bench_loaders.py``; figures in
-BENCHMARKS.md)
+BENCHMARKS.md. Since 2026-11-24 that machine is a Zen-5 VM whose page cache -> buffer copies run
+~5x faster than on the VM this design was first tuned on, so the CPU work around the copy weighs
+5x more; the figures below say which machine.)
     Warm, the CPU is the limit: every vector must be copied once into its batch, and copying is
     all the two cores can do. So the page cache IS the shuffle buffer and each vector is copied
     exactly once, page cache -> batch: the shards are memory-mapped; reader threads make runs of
     ~48 MiB of images resident ahead of use (madvise MADV_POPULATE_READ through ctypes, so without
-    the GIL); gather threads copy each batch with ``np.take(..., mode="clip")`` (indices valid by
-    construction) straight out of the mappings into reused batch buffers (transparent huge pages).
-    All gather threads copy the same batch, each a share of its rows (``_copy``), rather than one
-    batch each: a batch is ready sooner and fewer batch buffers are in flight (fresh memory is
-    slow to touch on this kind of VM). Two buffer sets suffice while the consumer waits on the
-    loader (the next batch's rows are worked out while its buffer is still in use); a third (up to
-    ``max(3, read_ahead + 1)``) is added only when the loader waits on the consumer, so that a
-    deeper queue helps (GROW_AFTER_S). 4-layer bench cache, first epoch in a fresh process, median
-    of 8 alternating runs: one batch per thread, 4 sets 0.42 s; shared batches, 3 sets 0.37 s;
-    2 sets 0.40 against 0.44 s for 3 in a slower hour.
+    the GIL); gather threads copy each batch straight out of the mappings into reused batch
+    buffers (transparent huge pages) with the C kernel (kernels.take_multi: the next random rows
+    prefetched, non-temporal stores for batches larger than the CPU cache, one pass over all the
+    batch's shards; numpy's take when the kernel is not built). All gather threads copy the same
+    batch, each a share of its rows (``_copy``), rather than one batch each: a batch is ready
+    sooner and fewer batch buffers are in flight. Three buffer sets (MIN_SETS): the next batch
+    starts while the consumer still holds the last one; more (up to ``max(3, read_ahead + 1)``)
+    only when the loader waits on the consumer (GROW_AFTER_S). The planner works out each run's
+    balanced order with few random draws (kernels.balanced_order) and the gather threads each
+    batch's rows (kernels.index_rows), both in C when built. Threads of each role wait on a
+    condition of their own (runtime.py). Zen-5 VM, 1-layer bench cache, one 4.3 GB epoch, warm:
+    np.take 0.45 s -> C kernel 0.36 s -> own conditions ~0.30 s -> all of this ~0.26-0.30 s
+    (steady epochs; the machine's speed drifts by +-20% over an hour, see BENCHMARKS.md for
+    ratios measured in one run).
 
     How pages come in matters as much as the copy (buffers.py): loaded through the fault path of
     a MADV_HUGEPAGE mapping, a run lands in large page-cache folios that map 2 MiB at a time, so
     mapping cached data costs ~nothing and random gathers run ~1.5x faster than through 4 KiB
     page tables; posix_fadvise WILLNEED would read into 4 KiB pages and cost ~12 GB/s of mapping
-    work on every pass. Cold, the same populate reads ~2-2.5 GB/s with two readers.
+    work on every pass (first VM). A 2 MiB block stays mapped while any run, of this epoch or the
+    next, uses it (ShardMaps.block_*): at an epoch boundary only the blocks that change are
+    unmapped and mapped (pause between epochs ~58 -> ~15 ms, Zen-5 VM). Fresh batch buffers are
+    faulted in by writing to them (kernels.touch), not with MADV_POPULATE_WRITE, which holds the
+    process's mmap lock while the host backs the memory and stalled every numpy allocation of the
+    planner (first batch's plan 80-160 -> ~20 ms).
 
     Memory: the plan holds at most ``buffer_bytes`` of runs (a run is charged the 2 MiB blocks its
     mapping spans; runs are cut on 2 MiB boundaries of the files, through images where needed, so
-    those blocks hold only the run's own vectors, plus CLS ones it does not use); readers may load ``read_ahead_bytes`` (~2 batches) more ahead of the plan; a
-    run is unmapped as soon as its last example is copied (MADV_DONTNEED; with ``evict=True``
-    also dropped from the page cache, for shared nodes); batch buffers add 2 batches, or up to
-    ``max(3, read_ahead + 1)`` for a consumer slower than the loader. Nothing else grows with the dataset.
+    those blocks hold only the run's own vectors, plus CLS ones it does not use); readers may load
+    ``read_ahead_bytes`` (~2 batches) more ahead of the plan, counting the blocks really mapped;
+    a run's blocks are unmapped as soon as no run uses them (MADV_DONTNEED; with ``evict=True``
+    its bytes are also dropped from the page cache, for shared nodes); batch buffers add 3
+    batches, or up to ``max(3, read_ahead + 1)`` for a consumer slower than the loader. Nothing
+    else grows with the dataset.
 
     Mixing: each batch takes a planned share from every held run and, within a run, the same
     count (+-1) from each of its images (plan.py), so it mixes about buffer_bytes /
