@@ -328,6 +328,7 @@ def summarize(run: dict) -> list[dict]:
                 ref2_eff = statistics.median(m["GB_per_cpu_s"] for m in kinds["ref2"])
                 row["GB/cpu-s"] = med("GB_per_cpu_s")
                 row["cpu x ref2"] = row["GB/cpu-s"] / ref2_eff
+            row["MB/s by round"] = ", ".join(f"{m['MBps']:,.0f}" for m in ms)  # cold figures swing (host cache)
             if kind not in ("ref", "ref2"):
                 row.update(
                     {
@@ -462,6 +463,14 @@ def main() -> None:
         "CPU-second of the whole process (user + system); 'cpu x ref2' compares that efficiency with "
         "ref2's: warm, both are CPU-bound, so it predicts the wall-clock ratio on an idle machine and "
         "does not depend on what else runs (other jobs shared these 2 cores: see the load average).",
+        "",
+        "Machine: from 2026-11-24 the project VM is a Zen-5 EPYC (2 vCPUs). Its page cache -> buffer copies run "
+        "~5-8x faster than the VM the loaders were first tuned on (ref2 17-29 GB/s warm against ~3.3), so a "
+        "first epoch of 4.3 GB (one layer of four: 1.07 GB) now lasts 0.2-0.35 s and every fixed cost (threads, "
+        "the first plan, mapping the first 3.2 GB, faulting in fresh batch buffers, whose speed depends on the "
+        "host: 0.3-20 GB/s) weighs 5-8x more against the references; the speed of the host's memory also "
+        "drifts by +-20% over an hour, hence ratios measured within one round. Cold figures swing between two "
+        "modes, by position in the round (see MB/s by round): the virtual disk is cached by the host.",
         "",
     ]
     for run in stored:
