@@ -125,8 +125,8 @@ class ShuffledLoader(BaseLoader):
             (epoch * len(loader) + batch). Absolute, not relative to start_at.
         deterministic: yield batches in plan order (True) or as soon as any is ready (False; same
             batches, possibly reordered).
-        n_threads: gather threads; n_readers: reader threads (default 2, or 4 when reading a small
-            part of each image); read_ahead: batches prepared ahead.
+        n_threads: gather threads; n_readers: reader threads (default 4); read_ahead: batches
+            prepared ahead.
         run_bytes: bytes per run (the unit read sequentially and held), ~48 MiB (0.5-1.5x at random).
         n_strips: 1 holds whole runs; 3 releases each image a third at a time (more mixing for
             the same buffer, slower: see the module docstring and plan.py).
@@ -221,8 +221,11 @@ class ShuffledLoader(BaseLoader):
             self.map_mode = "pte"  # strips need 4 KiB mappings; huge ones only pay for big runs
         else:
             self.map_mode = "huge"  # whole runs held: 2 MiB mappings, their edges charged to the run
-        # strided exact reads (one layer of several) need more of them in flight (measured)
-        self.n_readers = n_readers or (4 if self.map_mode == "random" else 2)
+        # cold, each reader waits on one run's reads at a time: 4 keep more of them in flight.
+        # 1-layer bench cache, cold, 5 alternating rounds: first epoch 0.46 -> 0.59 x ref2 with 4
+        # (and no more bimodal: 2.6-3.1 s each round, where 2 gave 2.6 or 5.1 s); 8 no better;
+        # warm, no difference (0.63 / 0.61 first epoch, 7 rounds)
+        self.n_readers = n_readers or 4
 
     # ---- sizes --------------------------------------------------------------------------------
     def __len__(self) -> int:
