@@ -85,9 +85,10 @@ def test_read_mode_reads_few_large_pieces_and_reports_truncation(tmp_path, monke
     calls = []
     real = os.preadv
 
-    def spy(fd, iov, off):
-        calls.append(len(iov))
-        return real(fd, iov, off)
+    def spy(fd, iov, off, *flags):
+        if not flags:  # the readers' cache probes pass RWF_NOWAIT
+            calls.append(len(iov))
+        return real(fd, iov, off, *flags)
 
     monkeypatch.setattr(ordered.os, "preadv", spy)
     monkeypatch.setattr(ordered, "MERGE_GAP", 200)  # the CLS vector: 32 bytes; the other layer: 160
@@ -179,3 +180,34 @@ def test_scale_norm(tmp_path):
         ld = OrderedLoader(path, batch_size=50, layer=layer, scale_norm=True)
         act = np.concatenate([b["act"].numpy() for b in ld])
         assert abs(np.linalg.norm(act, axis=1).mean() - 4.0) < 0.05
+
+
+def test_prefetch_asks_only_for_ranges_not_cached(tmp_path, monkeypatch):
+    """Readers skip posix_fadvise for ranges already in the page cache (a probe of their first
+    and last byte that must not block); evicted ones are asked for."""
+    from actcache.loaders.buffers import ShardMaps
+
+    path, md, acts = make_cache(tmp_path, n_imgs=8, layers=(3,), n_patches=4, d=1024, imgs_per_shard=8)
+    name = "acts000000.bin"
+    size = os.path.getsize(os.path.join(path, name))
+    asked = []
+    real = os.posix_fadvise
+
+    def spy(fd, off, n, advice):
+        if advice == os.POSIX_FADV_WILLNEED:
+            asked.append((off, n))
+        return real(fd, off, n, advice)
+
+    maps = ShardMaps(path, [name], [size])
+    fd = maps.fd(0)
+    with open(os.path.join(path, name), "rb") as f:
+        f.read()  # cached
+    monkeypatch.setattr(os, "posix_fadvise", spy)
+    assert size == 8 * 5 * 1024 * 4
+    starts, ends = np.array([0, 2**16]), np.array([2**14, 2**16 + 2**14])
+    maps.prefetch(0, starts, ends)
+    assert asked == []
+    real(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # evicted (nothing maps it)
+    maps.prefetch(0, starts, ends)
+    assert asked == [(0, 2**14), (2**16, 2**14)]
+    maps.close()

@@ -94,6 +94,8 @@ class ShardMaps:
         self._arrays: dict[tuple[int, str], np.ndarray] = {}
         self._lock = threading.Lock()
         self._populate_ok = _madvise is not None
+        self._nowait_ok = hasattr(os, "RWF_NOWAIT")
+        self._probe_buf = bytearray(1)
         self._unmapped: dict[int, int] = {}  # release_before: bytes of each shard unmapped so far
         self._refs: dict[int, np.ndarray] = {}  # block_*: users of each 2 MiB block of a shard
         self.closed = False
@@ -157,11 +159,28 @@ class ShardMaps:
 
     # ---- residency ----------------------------------------------------------------------------
     def prefetch(self, shard: int, starts: np.ndarray, ends: np.ndarray, gap: int = 0) -> None:
-        """Start reading byte ranges into the page cache (asynchronous, exact, 4 KiB folios);
-        ranges ``gap`` bytes apart or closer are requested as one."""
+        """Start reading byte ranges into the page cache (asynchronous, exact); ranges ``gap``
+        bytes apart or closer are requested as one. A range whose first and last bytes are
+        cached already is skipped: posix_fadvise walks every page of a range even when all are
+        cached (~50 ms of CPU per 1 GB pass of 600 KB ranges on the project VM), where the probe
+        (two one-byte reads that must not block) costs ~2 us."""
         fd = self.fd(shard)
         for s, e in _merged(starts, ends, gap):
-            os.posix_fadvise(fd, int(s), int(e - s), os.POSIX_FADV_WILLNEED)
+            if not self._probe_cached(fd, int(s), int(e)):
+                os.posix_fadvise(fd, int(s), int(e - s), os.POSIX_FADV_WILLNEED)
+
+    def _probe_cached(self, fd: int, start: int, end: int) -> bool:
+        """Whether the bytes at ``start`` and ``end - 1`` are in the page cache (preadv2 with
+        RWF_NOWAIT fails rather than wait for the disk). False where the kernel cannot tell."""
+        if not self._nowait_ok or end <= start:
+            return False
+        try:
+            return all(os.preadv(fd, [self._probe_buf], off, os.RWF_NOWAIT) == 1 for off in (start, end - 1))
+        except BlockingIOError:
+            return False
+        except (OSError, AttributeError):  # no RWF_NOWAIT here: always ask for the read-ahead
+            self._nowait_ok = False
+            return False
 
     def cached(self, shard: int, starts: np.ndarray, ends: np.ndarray) -> bool:
         """Whether every page of the byte ranges is in the page cache (mincore; no I/O)."""
