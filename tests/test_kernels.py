@@ -48,14 +48,15 @@ def test_take_equals_numpy(native, d, stream, offset):
     rng = np.random.default_rng(d)
     src = rng.standard_normal((500, d), dtype=np.float32)
     rows = rng.integers(0, 500, 333)
+    one = np.zeros(333, np.int64)  # a single source
     out = aligned((333, d), offset=offset)
-    kernels.take(src, rows, out, stream=stream)
+    kernels.take_multi([src], one, rows, out, stream=stream)
     np.testing.assert_array_equal(out, src[rows])
     # scaled: the same float32 products numpy computes
-    kernels.take(src, rows, out, stream=stream, scale=1.7)
+    kernels.take_multi([src], one, rows, out, stream=stream, scale=1.7)
     np.testing.assert_array_equal(out, src[rows] * np.float32(1.7))
     per = rng.uniform(0.5, 2, 333).astype(np.float32)
-    kernels.take(src, rows, out, stream=stream, scales=per)
+    kernels.take_multi([src], one, rows, out, stream=stream, scales=per)
     np.testing.assert_array_equal(out, src[rows] * per[:, None])
 
 
@@ -64,7 +65,7 @@ def test_take_from_a_huge_page_buffer_into_one(native):
     src[:] = np.arange(4096, dtype=np.float32)[:, None]
     out = huge_empty((2048, 768))
     rows = np.random.default_rng(0).permutation(4096)[:2048]
-    kernels.take(src, rows, out, stream=True)
+    kernels.take_multi([src], np.zeros(2048, np.int64), rows, out, stream=True)
     np.testing.assert_array_equal(out[:, 0], rows.astype(np.float32))
     np.testing.assert_array_equal(out, src[rows])
 
@@ -74,8 +75,8 @@ def test_bad_rows_are_refused_before_copying(native, bad):
     src = np.ones((500, 8), np.float32)
     rows = np.array([3, 4, bad, 5])
     out = np.zeros((4, 8), np.float32)
-    with pytest.raises(IndexError, match=rf"row {bad} at position 2 is outside \[0, 500\)"):
-        kernels.take(src, rows, out)
+    with pytest.raises(IndexError, match=rf"row {bad} of source 0 at position 2 is outside \[0, 500\)"):
+        kernels.take_multi([src], np.zeros(4, np.int64), rows, out)
     assert not out.any()  # nothing copied
 
 

@@ -39,6 +39,17 @@ static inline void prefetch_row(const char *p, Py_ssize_t piece) {
 #endif
 }
 
+/* Release the buffers that were filled (obj set); the others stay zeroed. */
+static void release_buffers(Py_buffer *const *bufs, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (bufs[i]->obj) PyBuffer_Release(bufs[i]);
+}
+#define RELEASE(...)                                             \
+    do {                                                         \
+        Py_buffer *b_[] = {__VA_ARGS__};                         \
+        release_buffers(b_, sizeof(b_) / sizeof(b_[0]));         \
+    } while (0)
+
 /* One copy job: row i comes from bases[srcs[i]] (or bases[0] when srcs is NULL) + rows[i] * stride. */
 typedef struct {
     const char *const *bases;
@@ -231,8 +242,7 @@ static PyObject *gather(PyObject *self, PyObject *args, PyObject *kw) {
     result = Py_None;
     Py_INCREF(result);
 done:
-    if (rows.obj) PyBuffer_Release(&rows);
-    if (scales.obj) PyBuffer_Release(&scales);
+    RELEASE(&rows, &scales);
     return result;
 }
 
@@ -281,11 +291,7 @@ static PyObject *gather_multi(PyObject *self, PyObject *args, PyObject *kw) {
     result = Py_None;
     Py_INCREF(result);
 done:
-    PyBuffer_Release(&bases);
-    PyBuffer_Release(&nsrc);
-    PyBuffer_Release(&srcs);
-    PyBuffer_Release(&rows);
-    if (scales.obj) PyBuffer_Release(&scales);
+    RELEASE(&bases, &nsrc, &srcs, &rows, &scales);
     return result;
 }
 
@@ -332,11 +338,7 @@ static PyObject *balanced_order(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS;
     result = PyLong_FromSsize_t(m);
 done:
-    PyBuffer_Release(&pi);
-    PyBuffer_Release(&rot);
-    PyBuffer_Release(&tau);
-    PyBuffer_Release(&shift);
-    if (out.obj) PyBuffer_Release(&out);
+    RELEASE(&pi, &rot, &tau, &shift, &out);
     return result;
 }
 
@@ -349,7 +351,6 @@ done:
 static PyObject *index_rows(PyObject *self, PyObject *args) {
     Py_buffer x = {0}, rs = {0}, img0 = {0}, cimg0 = {0}, src = {0}, sub = {0}, perm = {0}, lidx = {0}, lay = {0};
     Py_buffer o_src = {0}, o_rows = {0}, o_img = {0}, o_patch = {0}, o_layer = {0}, o_lpos = {0};
-    Py_buffer *all[] = {&x, &rs, &img0, &cimg0, &src, &sub, &perm, &lidx, &lay, &o_src, &o_rows, &o_img, &o_patch, &o_layer, &o_lpos};
     PyObject *sub_obj, *lpos_obj;
     Py_ssize_t per, nT, L, T, ts, cls;
     (void)self;
@@ -417,8 +418,8 @@ static PyObject *index_rows(PyObject *self, PyObject *args) {
     Py_INCREF(result);
 done:
     PyMem_Free(run_of);
-    for (size_t b = 0; b < sizeof(all) / sizeof(all[0]); b++)
-        if (all[b]->obj) PyBuffer_Release(all[b]);
+    RELEASE(&x, &rs, &img0, &cimg0, &src, &sub, &perm, &lidx, &lay, &o_src, &o_rows, &o_img, &o_patch, &o_layer,
+            &o_lpos);
     return result;
 }
 

@@ -1,11 +1,15 @@
-"""The loaders' copy kernel: rows (or blocks) of a memory-mapped shard into a batch buffer.
+"""The loaders' kernels: copies of rows (or blocks) of memory-mapped shards into batch buffers,
+and the index work around them.
 
-``take(src, rows, out)`` copies ``src[rows[i]]`` into ``out[i]`` (optionally times a float32
-factor, per row or for all). It uses the C kernel ``actcache._native`` when it was built (the
-normal install compiles it; see setup.py) and numpy's ``take`` otherwise. Both give the same
-bytes; the C kernel prefetches the next random rows and, for batches larger than the CPU cache,
-writes with non-temporal stores (a cached store first reads the line it overwrites). Measured on
-the project VM: see BENCHMARKS.md (loaders).
+``take_multi(sources, srcs, rows, out)`` copies ``sources[srcs[i]][rows[i]]`` into ``out[i]``
+(optionally times a float32 factor, per row or for all; the shuffled loader), ``copy_blocks``
+equal-size strided blocks (the ordered loader's io="mmap"), ``balanced_order`` and
+``index_rows`` lay out a run's example order and a batch's rows (the shuffle plan and the
+shuffled loader's index), ``touch`` faults fresh memory in. Each uses the C kernel
+``actcache._native`` when it was built (the normal install compiles it; see setup.py) and numpy
+otherwise, with the same results; the C copies prefetch the next random rows and, for batches
+larger than the CPU cache, write with non-temporal stores (a cached store first reads the line it
+overwrites). Measured on the project VM: see BENCHMARKS.md (loaders).
 
 ``ACTCACHE_NATIVE=0`` in the environment forces the numpy path (tests compare the two).
 """
@@ -35,46 +39,6 @@ def native_info() -> dict:
 
 def address(a: np.ndarray) -> int:
     return a.__array_interface__["data"][0]
-
-
-def take(
-    src: np.ndarray,
-    rows: np.ndarray,
-    out: np.ndarray,
-    *,
-    stream: bool = False,
-    scale: float | None = None,
-    scales: np.ndarray | None = None,
-    src_addr: int | None = None,
-) -> None:
-    """``out[i] = src[rows[i]]`` (times ``scale``, or ``scales[i]``) for a C-contiguous 2-D ``src``
-    (e.g. a shard's (rows, D) float32 view) and C-contiguous ``out`` of the same dtype and width.
-
-    ``rows`` must be valid (checked here: IndexError otherwise). ``stream``: non-temporal stores
-    (large batches only, see STREAM_MIN_BYTES). ``src_addr``: src's address, if the caller has it.
-    """
-    if _native is not None:
-        rows = np.ascontiguousarray(rows, np.int64)
-        piece = src.strides[0]
-        if scales is not None:
-            scales = np.ascontiguousarray(scales, np.float32)
-        _native.gather(
-            address(src) if src_addr is None else src_addr,
-            rows,
-            piece,
-            piece,
-            address(out),
-            src.shape[0],
-            stream,
-            scales,
-            1.0 if scale is None else float(scale),
-        )
-        return
-    np.take(src, rows, axis=0, out=out, mode="clip")  # rows valid by construction (loaders)
-    if scales is not None:
-        out *= scales.astype(out.dtype, copy=False)[:, None]
-    elif scale is not None and scale != 1.0:
-        out *= out.dtype.type(scale)
 
 
 def copy_blocks(
