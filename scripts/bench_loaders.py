@@ -470,7 +470,9 @@ def main() -> None:
         "the first plan, mapping the first 3.2 GB, faulting in fresh batch buffers, whose speed depends on the "
         "host: 0.3-20 GB/s) weighs 5-8x more against the references; the speed of the host's memory also "
         "drifts by +-20% over an hour, hence ratios measured within one round. Cold figures swing between two "
-        "modes, by position in the round (see MB/s by round): the virtual disk is cached by the host.",
+        "modes (see MB/s by round): the virtual disk is cached by the host, and how fast a cold read runs "
+        "depends on what read the disk just before (measured: a cold shuffled epoch took 3.7-4.8 s right after a "
+        "cold ordered pass with io=read, 2.5-3.0 s after one with io=mmap; ref is slow right after ref2).",
         "",
     ]
     for run in stored:

@@ -54,15 +54,17 @@ BENCHMARKS.md. Since 2026-11-24 that machine is a Zen-5 VM whose page cache -> b
     first epoch, 0.955 second, with plan.py's two-rate plan; 0.949 with equal shares per run; a
     uniform draw from the same runs scored 0.93). ``n_strips=3`` releases each image a third at
     a time (plan.py), which mixes ~1.5x more images for the same buffer (entropy ~0.98) but
-    needs 4 KiB mappings (huge ones are all-or-nothing): slower gathers, more mapping work, ~1.8x the CPU per byte (measured 0.61
-    of ref2 warm against 1.15); throughput is what the loader is for, hence the default 1.
+    needs 4 KiB mappings (huge ones are all-or-nothing): slower gathers, more mapping work, ~1.8x
+    the CPU per byte (first VM: 0.61 of ref2 warm against 1.15; Zen-5 VM: 0.21 against 0.62);
+    throughput is what the loader is for, hence the default 1.
 
     ``io="read"`` reads runs with ``preadv`` into a private arena instead and gathers from there:
     memory is then strictly the arena and does not rely on the page cache (for filesystems whose
     client cache is small or bypassed: Lustre, GPFS), reads are still large and sequential, but
-    every byte is copied twice and a fresh arena must first be touched (~1-1.6 GB/s here): it
-    measured ~0.1 of ref2 for a first epoch in a fresh process and ~1.8x the CPU per byte of
-    the default afterwards.
+    every byte is copied twice and a fresh arena must first be touched (0.3-20 GB/s on these VMs,
+    as the host backs it): it measured ~0.1 of ref2 for a first epoch in a fresh process (Zen-5
+    VM: 0.07, or 0.3 in rounds where the host backed the arena fast) and ~1.8x the CPU per byte
+    of the default afterwards.
 
     Which examples go into which batch is planned by :mod:`actcache.loaders.plan` from
     ``(seed, epoch, part)`` alone: deterministic whatever the thread timing, resumable at
