@@ -2,12 +2,15 @@
 reusable batch buffers.
 
 :class:`ShardMaps` maps each shard file read-only once and offers, per byte range of a shard:
-``prefetch`` (posix_fadvise WILLNEED: the kernel starts large reads now), ``populate``
-(madvise MADV_POPULATE_READ: returns when the pages are in the page cache AND mapped in this
-process, so later copies out of them never fault), and ``release`` (MADV_DONTNEED: unmap them
-from this process, so its resident memory shrinks; optionally POSIX_FADV_DONTNEED as well, which
-also drops them from the page cache). madvise is called through ctypes and fadvise through
-``os``, so the GIL is released while the kernel works (``mmap.madvise`` holds it).
+``prefetch`` (posix_fadvise WILLNEED: the kernel starts large reads now; skipped for ranges
+already cached), ``make_resident`` (madvise MADV_POPULATE_READ: returns when the pages are in
+the page cache AND mapped in this process, so later copies out of them never fault), and
+``release`` (MADV_DONTNEED: unmap them from this process, so its resident memory shrinks;
+optionally POSIX_FADV_DONTNEED as well, which also drops them from the page cache); for whole
+2 MiB blocks with several users (the shuffled loader's runs, across epochs) ``block_acquire`` /
+``block_release``; for a sequential reader ``release_before``. madvise is called through ctypes
+and fadvise through ``os``, so the GIL is released while the kernel works (``mmap.madvise``
+holds it).
 
 Before touching a range, its file is stat'ed: a shard truncated after the cache was opened is
 reported as an error instead of killing the process with SIGBUS. (A file truncated while a
@@ -209,10 +212,6 @@ class ShardMaps:
         # huge mappings map whole 2 MiB blocks anyway: one call per stretch of nearby ranges (a
         # run's images, split only by the CLS vectors it skips) instead of one per image
         self._populate(shard, self.array(shard), starts, ends, gap=HUGE if self.mode == "huge" else 0)
-
-    def populate(self, shard: int, starts: np.ndarray, ends: np.ndarray) -> None:
-        """Map byte ranges of the copy mapping (reading what is not cached yet)."""
-        self._populate(shard, self.array(shard), starts, ends)
 
     def _populate(self, shard: int, arr: np.ndarray, starts: np.ndarray, ends: np.ndarray, gap: int = 0) -> None:
         addr = arr.ctypes.data
