@@ -102,7 +102,10 @@ def test_read_mode_reads_few_large_pieces_and_reports_truncation(tmp_path, monke
     assert len(calls) == 12 and set(calls) == {1}
     ld = OrderedLoader(path, batch_size=8, layer=5, io="read", read_ahead=1)  # 3 batches a shard
     it = iter(ld)
-    next(it)  # batch 0; at most 1 and 2 are copied ahead, none of the second shard
+    next(it)  # batch 0; batches 1 and 2 may be copied ahead, none of the second shard
+    deadline = time.monotonic() + 10
+    while 1 not in ld._it.maps._fds and time.monotonic() < deadline:  # a reader opened shard 1
+        time.sleep(0.005)
     with open(os.path.join(path, "acts000001.bin"), "r+b") as f:
         f.truncate(100)
     with pytest.raises(LoaderError, match=r"(?s)short read of acts000001.bin.*truncated"):
