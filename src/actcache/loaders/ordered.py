@@ -13,9 +13,12 @@ reads of the next batches (``read_ahead + 2`` batches ahead) and copy threads fi
 ranges with preadv straight into the batch buffer: ranges up to MERGE_GAP apart in one call (the
 CLS vector between two images' patches goes to a scratch buffer), ranges far apart (another
 layer of a multi-layer cache) in calls of their own. One copy, done by the kernel, and nothing
-mapped: measured on the project VM (1-layer bench cache, alternating rounds) 1.1-1.2x ref2
-against 0.8-1.0x for io="mmap" warm, and 1.09 against 0.78x ref2 cold (one layer of four: about
-equal, 0.9-0.95x each other). A file cut short after opening is a LoaderError naming it.
+mapped (no SIGBUS if a file is cut: a LoaderError naming it). It is the default for the caches this
+project is for, larger than memory and read cold, often from a network filesystem: cold it was
+the faster on the project VM (bench_loaders.py, 1-layer cache: 0.88 / 1.42 x ref in two runs
+against 0.80 / 1.15 for io="mmap"; one layer of four: 0.63 / 0.66 against 0.62 / 0.60). Warm,
+io="mmap" is faster there (1 layer: 0.70 against 0.62 x ref, 7 rounds; one layer of four: 0.38
+against 0.32): pass io="mmap" for caches that stay in the page cache.
 
 ``io="mmap"``: readers make the ranges resident in memory-mapped shards (MADV_POPULATE_READ);
 copy threads copy runs of whole images out of the mappings with the C kernel (kernels.copy_blocks:
