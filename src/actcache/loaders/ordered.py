@@ -268,17 +268,11 @@ class OrderedLoader(BaseLoader):
     def _batch_extents(self, a: int, b: int):
         """(shard, starts, ends, lpos) of examples [a, b): the selected byte ranges in each shard,
         in storage order (= example order), with the selected-layer position of each range."""
-        g, per, nT = self.geom, self.geom.per_img, self.geom.n_tokens
-        lidx = np.asarray(g.layer_idx, np.int64)
+        per = self.geom.per_img
         for shard, simg, n in self._spans(a, b):
             gimg = np.arange(n, dtype=np.int64) + (simg + int(self.shard_start[shard]))
-            ea = np.clip(a - gimg * per, 0, per)[:, None] - np.arange(len(lidx))[None, :] * nT
-            eb = np.clip(b - gimg * per, 0, per)[:, None] - np.arange(len(lidx))[None, :] * nT
-            t_lo, t_hi = np.clip(ea, 0, nT), np.clip(eb, 0, nT)
-            base = (np.arange(simg, simg + n, dtype=np.int64)[:, None] * g.L + lidx[None, :]) * g.T + g.token_start
-            keep = t_hi > t_lo
-            lpos = np.broadcast_to(np.arange(len(lidx)), keep.shape)[keep]
-            yield shard, ((base + t_lo) * g.vec_bytes)[keep], ((base + t_hi) * g.vec_bytes)[keep], lpos
+            ea, eb = np.clip(a - gimg * per, 0, per), np.clip(b - gimg * per, 0, per)
+            yield shard, *self.geom.example_extents(np.arange(simg, simg + n, dtype=np.int64), ea, eb, with_lpos=True)
 
     def _read_fill(self, it: Iteration, a: int, b: int, buf) -> None:
         """io="read": the batch's byte ranges straight from the shard files into the batch buffer

@@ -132,16 +132,20 @@ class Geometry:
         ends = (base + tok_hi[:, None]) * self.vec_bytes
         return starts.ravel(), ends.ravel()
 
-    def example_extents(self, imgs: np.ndarray, a: np.ndarray, b: np.ndarray):
+    def example_extents(self, imgs: np.ndarray, a: np.ndarray, b: np.ndarray, with_lpos: bool = False):
         """Byte ranges in the shard of examples [a, b) (indices within the image, selected layers
-        then tokens) of shard images ``imgs``; in storage order, empty ranges left out."""
+        then tokens) of shard images ``imgs``; in storage order, empty ranges left out. With
+        ``with_lpos``, also each range's position among the selected layers."""
         lidx = np.asarray(self.layer_idx, np.int64)
         off = np.arange(len(lidx), dtype=np.int64) * self.n_tokens
         t_lo = np.clip(a[:, None] - off[None, :], 0, self.n_tokens)
         t_hi = np.clip(b[:, None] - off[None, :], 0, self.n_tokens)
         base = (imgs[:, None] * self.L + lidx[None, :]) * self.T + self.token_start
         keep = t_hi > t_lo
-        return ((base + t_lo) * self.vec_bytes)[keep], ((base + t_hi) * self.vec_bytes)[keep]
+        starts, ends = ((base + t_lo) * self.vec_bytes)[keep], ((base + t_hi) * self.vec_bytes)[keep]
+        if not with_lpos:
+            return starts, ends
+        return starts, ends, np.broadcast_to(np.arange(len(lidx)), keep.shape)[keep]
 
 
 def cut_points(geom: Geometry, n_imgs: int, unit: int) -> np.ndarray:
