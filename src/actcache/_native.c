@@ -1,13 +1,15 @@
 /* actcache._native: the loaders' copy kernel (optional; the loaders fall back to numpy).
  *
- * gather(src, rows, stride, piece, dst, n_src, stream=False, scales=None, scale=1.0)
+ * gather_multi(bases, n_src, srcs, rows, stride, piece, dst, stream=False, scales=None, scale=1.0)
  *     for i in range(len(rows)):
- *         dst[i*piece : (i+1)*piece] = src[rows[i]*stride : rows[i]*stride + piece]  (bytes)
+ *         dst[i*piece : (i+1)*piece] = (bytes at bases[srcs[i]] + rows[i]*stride, piece of them)
  *     optionally times a float32 factor (``scale`` for all rows, or ``scales[i]`` per row).
  *
- * src, dst: integer addresses (numpy's arr.ctypes.data); rows: a C-contiguous int64 buffer;
- * every row is checked against n_src (the number of rows src holds) before anything is copied,
- * so a bad index raises IndexError instead of reading outside the mapping.
+ * bases: int64 source addresses (numpy's arr.ctypes.data), n_src: rows each source holds; dst:
+ * an integer address; srcs, rows: C-contiguous int64. Every source and row is checked before
+ * anything is copied, so a bad index raises IndexError instead of reading outside a mapping.
+ * Also: balanced_order, index_rows (the shuffle plan's and the batch index's arithmetic) and
+ * touch (fault fresh memory in); see loaders/kernels.py.
  *
  * Why native: warm, a loader is a memory copy, and two cores must do it at memory speed.
  * numpy's take copies row by row with regular stores (the destination is read into the cache
@@ -179,7 +181,7 @@ static void run_job(const job_t *j, int stream) {
     gather_plain(j);
 }
 
-/* Shared argument checks of gather and gather_multi; fills j->scales / scaled. 0 on error. */
+/* Argument checks of gather_multi; fills j->rows / n / scales / scaled. 0 on error. */
 static int check_job(job_t *j, const char *who, Py_buffer *rows, PyObject *scales_obj, Py_buffer *scales,
                      double scale) {
     j->n = rows->len / (Py_ssize_t)sizeof(int64_t);
@@ -208,42 +210,6 @@ static int check_job(job_t *j, const char *who, Py_buffer *rows, PyObject *scale
         return 0;
     }
     return 1;
-}
-
-static PyObject *gather(PyObject *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"src", "rows", "stride", "piece", "dst", "n_src", "stream", "scales", "scale", NULL};
-    unsigned long long src_addr, dst_addr;
-    Py_buffer rows = {0}, scales = {0};
-    Py_ssize_t n_src;
-    int stream = 0;
-    PyObject *scales_obj = Py_None;
-    double scale = 1.0;
-    job_t j;
-    (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "Ky*nnKn|pOd", names, &src_addr, &rows, &j.stride, &j.piece, &dst_addr,
-                                     &n_src, &stream, &scales_obj, &scale))
-        return NULL;
-    PyObject *result = NULL;
-    if (!check_job(&j, "gather", &rows, scales_obj, &scales, scale)) goto done;
-    for (Py_ssize_t i = 0; i < j.n; i++) {
-        if (j.rows[i] < 0 || j.rows[i] >= n_src) {
-            PyErr_Format(PyExc_IndexError, "gather: row %lld at position %zd is outside [0, %zd)", (long long)j.rows[i],
-                         i, n_src);
-            goto done;
-        }
-    }
-    const char *base = (const char *)(uintptr_t)src_addr;
-    j.bases = &base;
-    j.srcs = NULL;
-    j.dst = (char *)(uintptr_t)dst_addr;
-    Py_BEGIN_ALLOW_THREADS;
-    run_job(&j, stream);
-    Py_END_ALLOW_THREADS;
-    result = Py_None;
-    Py_INCREF(result);
-done:
-    RELEASE(&rows, &scales);
-    return result;
 }
 
 /* gather_multi(bases, n_src, srcs, rows, stride, piece, dst, stream=False, scales=None, scale=1.0):
@@ -447,9 +413,6 @@ static PyMethodDef methods[] = {
     {"gather_multi", (PyCFunction)(void (*)(void))gather_multi, METH_VARARGS | METH_KEYWORDS,
      "gather_multi(bases, n_src, srcs, rows, stride, piece, dst, stream=False, scales=None, scale=1.0): gather "
      "from several sources (row i from source srcs[i])."},
-    {"gather", (PyCFunction)(void (*)(void))gather, METH_VARARGS | METH_KEYWORDS,
-     "gather(src, rows, stride, piece, dst, n_src, stream=False, scales=None, scale=1.0): copy piece bytes "
-     "from src + rows[i]*stride to dst + i*piece for every i (see the module source)."},
     {"index_rows", index_rows, METH_VARARGS, "index_rows(...): a batch's rows, sources and indices (kernels.py)."},
     {"touch", touch, METH_VARARGS, "touch(addr, nbytes, step): write a zero every step bytes (fault fresh memory in)."},
     {"balanced_order", balanced_order, METH_VARARGS,

@@ -65,18 +65,25 @@ def copy_blocks(
         return True
     piece = out.nbytes // k
     n_src = (src.nbytes - offset - piece) // stride + 1 if src.nbytes >= offset + piece else 0
-    _native.gather(
-        address(src) + offset,
+    one = np.zeros(k, np.int64)  # every block from the one source
+    _gather([address(src) + offset], [max(0, n_src)], one, rows, stride, piece, out, stream, scale, scales)
+    return True
+
+
+def _gather(addresses, counts, srcs, rows, stride: int, piece: int, out, stream: bool, scale, scales) -> None:
+    """The C kernel's gather_multi, arguments as it wants them."""
+    _native.gather_multi(
+        np.asarray(addresses, np.int64),
+        np.asarray(counts, np.int64),
+        np.ascontiguousarray(srcs, np.int64),
         np.ascontiguousarray(rows, np.int64),
         stride,
         piece,
         address(out),
-        max(0, n_src),
         stream,
         None if scales is None else np.ascontiguousarray(scales, np.float32),
         1.0 if scale is None else float(scale),
     )
-    return True
 
 
 def balanced_order(n: int, per: int, j0: int, lo: int, hi: int, rng: np.random.Generator) -> np.ndarray:
@@ -192,18 +199,7 @@ def take_multi(
             addresses = np.array([address(s) for s in sources], np.int64)
             counts = np.array([s.shape[0] for s in sources], np.int64)
         piece = sources[0].strides[0]
-        _native.gather_multi(
-            addresses,
-            counts,
-            np.ascontiguousarray(srcs, np.int64),
-            np.ascontiguousarray(rows, np.int64),
-            piece,
-            piece,
-            address(out),
-            stream,
-            None if scales is None else np.ascontiguousarray(scales, np.float32),
-            1.0 if scale is None else float(scale),
-        )
+        _gather(addresses, counts, srcs, rows, piece, piece, out, stream, scale, scales)
         return
     if len(sources) == 1:
         np.take(sources[0], rows, axis=0, out=out, mode="clip")  # rows valid by construction
