@@ -296,6 +296,38 @@ def test_pool_spares_the_batch_a_loop_still_holds_while_next_runs():
     del held, kept
 
 
+@pytest.mark.parametrize("kind", ["shuffled", "ordered"])
+def test_a_batch_is_never_free_for_reuse_while_it_is_being_handed_out(cache, monkeypatch, kind):
+    """A gather thread may look for a free set at any moment, in particular just after next()
+    lends the set it is handing out. The set must already count as used then (its tensors exist):
+    before, they were made after lend(), and a gather thread could write the next batch into it
+    while the consumer read it (once in ~30 runs: examples repeated and missing in an epoch)."""
+    from actcache.loaders import OrderedLoader
+    from actcache.loaders.buffers import BatchPool
+
+    path, md, acts = cache
+    orig = BatchPool.lend
+    checked = []
+
+    def lend(self, b):  # called with the loader's lock held, as try_acquire is
+        orig(self, b)
+        got = self.try_acquire(grow=False)
+        checked.append(got is b)
+        if got is not None:
+            self.free.append(got)
+
+    monkeypatch.setattr(BatchPool, "lend", lend)
+    if kind == "shuffled":
+        ld = ShuffledLoader(path, batch_size=16, layer=3, seed=1, **SMALL)
+    else:
+        ld = OrderedLoader(path, batch_size=16, layer=3)
+    batches = collect(ld)
+    assert len(checked) == len(batches) > 2
+    assert not any(checked)
+    check_values(batches, md, acts)
+    assert len(keys(batches)) == len(set(keys(batches)))
+
+
 def test_reader_crash_reaches_the_consumer_with_traceback(cache, tmp_path):
     path, md, _ = make_cache(tmp_path, n_imgs=12, layers=(3,), n_patches=4, d=8, imgs_per_shard=4)
     ld = ShuffledLoader(path, batch_size=5, layer=3, buffer_bytes=1000, run_bytes=200)

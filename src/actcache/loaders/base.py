@@ -67,10 +67,15 @@ class Iteration:
             return self.ready.pop(self.next_key, None)
         return self.ready.pop(min(self.ready))
 
-    def next_buffer(self) -> BatchBuffers:
+    def next_batch(self) -> dict:
+        """The next batch as torch tensors over its buffer set's arrays."""
         t0 = time.perf_counter()
         what = f"batch {self.loader._describe_key(self.next_key)}"
         buf = self.rt.consumer_wait(self._take_ready, self.loader.batch_timeout_s, what)
+        # Everything read from the set, and the tensors that mark it as used, comes before it is
+        # lent: from then on the pool may hand it to a gather thread as soon as no tensor refers
+        # to it (that check could run between lend() and to_torch() and see it unused).
+        batch, n, key = buf.to_torch(), buf.n, buf.key
         with self.cond:
             self.pool.lend(buf)
             self.n_consumed += 1
@@ -81,12 +86,12 @@ class Iteration:
         now = time.perf_counter()
         st.wait_s += now - t0
         st.batches += 1
-        st.examples += buf.n
+        st.examples += n
         st.elapsed_s = now - st.started
         if st.first_batch_s is None:
             st.first_batch_s = now - st.started
-        self.loader.position = buf.key
-        return buf
+        self.loader.position = key
+        return batch
 
     def shutdown(self) -> None:
         if self.closed:
@@ -212,8 +217,7 @@ class BaseLoader(abc.ABC):
         try:
             self._start(it)
             while not it.finished:
-                buf = it.next_buffer()
-                yield buf.to_torch()
+                yield it.next_batch()
         except KeyboardInterrupt:
             self.interrupted = True
             raise
