@@ -528,7 +528,13 @@ def test_the_next_epoch_maps_only_the_blocks_that_change(tmp_path, monkeypatch):
     ld.debug_hook = lambda stage, info: setattr(local, "batch", info["batch"]) if stage == "read" else None
     assert ld.map_mode == "huge"
     nb = len(ld)
-    batches = collect(ld)
+    # a consumer slower than the readers (as a training step is): each release reaches a waiting
+    # reader before the next one, so what is reused does not depend on thread timing (consumed
+    # as fast as possible, a reader could miss several releases: 15 of 16 blocks anew once in CI)
+    batches = []
+    for b in ld:
+        batches.append({k: v.numpy().copy() for k, v in b.items()})
+        time.sleep(0.05)
     for e in range(2):
         keys = np.concatenate([b["image_i"] * 4 + b["patch_i"] for b in batches[e * nb : (e + 1) * nb]])
         assert np.array_equal(np.sort(keys), np.arange(1024 * 4))
