@@ -328,6 +328,37 @@ def test_a_batch_is_never_free_for_reuse_while_it_is_being_handed_out(cache, mon
     assert len(keys(batches)) == len(set(keys(batches)))
 
 
+@pytest.mark.parametrize("kind", ["shuffled", "ordered"])
+def test_a_second_pass_reuses_the_first_passs_buffers_but_never_a_batch_still_held(cache, kind):
+    """Batch buffer sets outlive an iteration (fresh memory is slow on VMs that give freed memory
+    back to the host): the next ``for b in loader`` allocates none, yet the last batch the consumer
+    kept from the first pass stays intact; close() lets the sets go."""
+    from actcache.loaders import OrderedLoader
+
+    path, md, acts = cache
+    if kind == "shuffled":
+        ld = ShuffledLoader(path, batch_size=16, layer=3, seed=1, **SMALL)
+    else:
+        ld = OrderedLoader(path, batch_size=16, layer=3)
+    first = collect(ld)
+    allocated = ld.stats.buffer_sets
+    second = []
+    for b in ld:  # the loop variable keeps the last batch's tensors after the loop
+        second.append({k: v.numpy().copy() for k, v in b.items()})
+    assert ld.stats.buffer_sets == allocated  # the second pass allocated nothing
+    kept, before = b, second[-1]
+    third = collect(ld)  # while `kept` still refers to one of the sets
+    for got in (first, second, third):
+        check_values(got, md, acts)
+        assert len(keys(got)) == len(set(keys(got))) == ld.n_examples
+    for k, v in kept.items():  # the batch still held was never written into
+        np.testing.assert_array_equal(v.numpy(), before[k])
+    ld.close()
+    assert ld._spare_sets == []
+    collect(ld)
+    assert ld.stats.buffer_sets > allocated  # after close(), a pass allocates again
+
+
 def test_reader_crash_reaches_the_consumer_with_traceback(cache, tmp_path):
     path, md, _ = make_cache(tmp_path, n_imgs=12, layers=(3,), n_patches=4, d=8, imgs_per_shard=4)
     ld = ShuffledLoader(path, batch_size=5, layer=3, buffer_bytes=1000, run_bytes=200)

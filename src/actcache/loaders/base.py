@@ -45,7 +45,8 @@ class Iteration:
         self.n_consumed = 0
         g = loader.geom
         rows = max(1, min(loader.batch_size, loader.n_examples))  # no bigger than one epoch
-        self.pool = BatchPool(lambda: BatchBuffers(rows, g.D), max_sets, self.cond)
+        spare, loader._spare_sets = loader._spare_sets, []
+        self.pool = BatchPool(lambda: BatchBuffers(rows, g.D), max_sets, self.cond, spare)
         self.maps = ShardMaps(
             loader.cache.path,
             [s.name for s in loader.cache.shards],
@@ -103,8 +104,12 @@ class Iteration:
             self.loader.stats.thread_cpu_s[role] = self.loader.stats.thread_cpu_s.get(role, 0.0) + cpu
         with self.cond:
             self.loader.stats.buffer_sets += self.pool.n_allocated
+            unseen = list(self.ready.values())
             self.ready.clear()
-            self.pool.clear()
+            if alive:  # a thread left behind may still write into a set: keep none
+                self.pool.clear()
+            else:  # the loader's next iteration reuses the sets (BatchPool.handover)
+                self.loader._spare_sets = self.pool.handover(unseen)
             for drop in self.on_close:
                 drop()
         if not alive:  # never unmap while a thread might still copy out of a mapping
@@ -180,6 +185,7 @@ class BaseLoader(abc.ABC):
         self.interrupted = False
         self.debug_hook = None  # tests/diagnostics: called as hook(stage, info) in loader threads
         self._it: Iteration | None = None
+        self._spare_sets: list[BatchBuffers] = []  # batch buffer sets a finished iteration left
 
     @property
     def d_vit(self) -> int:
@@ -207,7 +213,7 @@ class BaseLoader(abc.ABC):
         raise NotImplementedError
 
     def __iter__(self):
-        self.close()
+        self._end_iteration()
         it = self._make_iteration()
         self._it = it
         return self._generate(it)
@@ -231,7 +237,12 @@ class BaseLoader(abc.ABC):
         raise NotImplementedError
 
     def close(self) -> None:
-        """Stop the running iteration (if any): threads joined, mappings released."""
+        """Stop the running iteration (if any): threads joined, mappings released; and free the
+        batch buffers kept for the next iteration."""
+        self._end_iteration()
+        self._spare_sets = []
+
+    def _end_iteration(self) -> None:
         it, self._it = self._it, None
         if it is not None:
             it.shutdown()

@@ -20,7 +20,8 @@ batch is being copied out of it can still raise SIGBUS: do not rewrite a cache w
 consumer no longer references them (the torch tensors given to the consumer hold a reference to
 their numpy array, so a reference count at its baseline means nobody uses it any more). A
 consumer that keeps old batches keeps their memory; the pool then allocates new buffers and never
-writes into one that is still referenced.
+writes into one that is still referenced. The sets outlive an iteration: the loader's next one
+starts with them (``BatchPool.handover``), until ``close()``.
 """
 
 from __future__ import annotations
@@ -451,11 +452,15 @@ class BatchBuffers:
 class BatchPool:
     """At most ``max_sets`` reusable BatchBuffers owned by the loader (see the module docstring)."""
 
-    def __init__(self, make: Callable[[], BatchBuffers], max_sets: int, cond: threading.Condition):
+    def __init__(
+        self, make: Callable[[], BatchBuffers], max_sets: int, cond: threading.Condition, spare: list | None = None
+    ):
         self.make, self.max_sets, self.cond = make, max_sets, cond
         self.free: list[BatchBuffers] = []
-        self.lent: list[BatchBuffers] = []
-        self.n_owned = 0
+        # sets left by the loader's previous iteration (see handover): the consumer may still hold
+        # some of them, so they start as lent and are taken once their arrays are unreferenced
+        self.lent: list[BatchBuffers] = list(spare or [])[:max_sets]
+        self.n_owned = len(self.lent)
         self.n_allocated = 0
 
     def try_acquire(self, grow: bool = True) -> BatchBuffers | None:
@@ -517,3 +522,13 @@ class BatchPool:
     def clear(self) -> None:
         self.free.clear()
         self.lent.clear()
+
+    def handover(self, unseen: list[BatchBuffers]) -> list[BatchBuffers]:
+        """Every set this pool still tracks, for the loader's next iteration (call once its
+        threads have stopped; ``unseen``: sets filled but never handed out). Reusing them spares
+        the next pass fresh memory: on the project VM (free page reporting) memory freed a second
+        or more before is given back to the host and faults in again at ~1-1.5 GB/s, against
+        ~23 GB/s for memory freed just before (48 MiB: ~40 ms against ~2 ms)."""
+        sets = self.free + unseen + self.lent
+        self.clear()
+        return sets
