@@ -33,6 +33,7 @@ import benchlib  # noqa: E402
 
 D, T, LAYER = 768, 197, 10
 VARIANTS = {  # extra loader configurations measured beside the default ones
+    "ordered io=read": {"io": "read"},
     "ordered io=mmap": {"io": "mmap"},
     "shuffled 2nd epoch": {"n_epochs": 2},  # timed over the second epoch only (steady state; warm only)
     "shuffled strips=3": {"n_strips": 3},

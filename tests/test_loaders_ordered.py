@@ -42,7 +42,7 @@ def loader_threads():
 
 @pytest.mark.parametrize("patches,layer", [("image", 3), ("image", "all"), ("all", 7), ("cls", 3), ("cls", "all")])
 @pytest.mark.parametrize("batch_size", [1, 11, 64, 5000])
-@pytest.mark.parametrize("io", ["read", "mmap"])
+@pytest.mark.parametrize("io", ["auto", "read", "mmap"])
 def test_equals_indexed_dataset_order(cache, patches, layer, batch_size, io):
     path = cache[0]
     want = expected(IndexedDataset(path, patches, layer))
@@ -71,7 +71,7 @@ def test_drop_last_range_and_threads(cache):
         OrderedLoader(path, layer=7, batch_size=-1)
     with pytest.raises(ConfigError, match="layer"):
         OrderedLoader(path, layer=-2)
-    with pytest.raises(ConfigError, match="io='pread' is not allowed; use one of read, mmap"):
+    with pytest.raises(ConfigError, match="io='pread' is not allowed; use one of auto, read, mmap"):
         OrderedLoader(path, layer=7, io="pread")
 
 
@@ -110,6 +110,41 @@ def test_read_mode_reads_few_large_pieces_and_reports_truncation(tmp_path, monke
         f.truncate(100)
     with pytest.raises(LoaderError, match=r"(?s)short read of acts000001.bin.*truncated"):
         list(it)
+
+
+@pytest.mark.parametrize("layers,layer,maps", [((5,), 5, True), ((3, 5), "all", True), ((3, 5), 5, False)])
+def test_auto_io_reads_what_is_not_cached_and_maps_what_is(tmp_path, monkeypatch, layers, layer, maps):
+    """io="auto" (the default): a batch whose bytes are not in the page cache is read with
+    preadv (as io="read"); once they are cached, it is copied out of the mappings (as io="mmap"),
+    unless the loader reads a small part of each image (one layer of two): that stays preadv.
+    The same batches either way."""
+    path, md, acts = make_cache(tmp_path, n_imgs=12, layers=layers, n_patches=4, d=8, imgs_per_shard=6)
+    want = expected(IndexedDataset(path, "image", layer))  # (reads every shard)
+    files = [os.path.join(path, f"acts00000{i}.bin") for i in range(2)]
+    for f in files:  # out of the page cache (written pages must reach the disk first)
+        fd = os.open(f, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    used = []
+    for name in ("_fill", "_read_fill"):
+        real = getattr(OrderedLoader, name)
+        monkeypatch.setattr(
+            OrderedLoader,
+            name,
+            lambda self, it, a, b, buf, real=real, name=name: used.append(name) or real(self, it, a, b, buf),
+        )
+    ld = OrderedLoader(path, batch_size=48, layer=layer, patches="image", read_ahead=1, n_readers=1)
+    assert ld.io == "auto"
+    cold = concat(ld)[1]
+    assert used[0] == "_read_fill"  # batch 0 was not cached
+    used.clear()
+    warm = concat(ld)[1]  # the first pass left every byte cached
+    assert used == ["_fill" if maps else "_read_fill"] * len(ld)
+    for c, w, x in zip(cold, warm, want, strict=True):
+        np.testing.assert_array_equal(c, x)
+        np.testing.assert_array_equal(w, x)
+    assert not ld._it and not loader_threads()
 
 
 @pytest.mark.parametrize("world_size,n_workers", [(1, 1), (2, 1), (3, 1), (2, 2), (8, 1)])

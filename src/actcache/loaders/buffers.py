@@ -162,16 +162,24 @@ class ShardMaps:
         return self.array(shard)[:n].view(np.float32).reshape(shape)
 
     # ---- residency ----------------------------------------------------------------------------
-    def prefetch(self, shard: int, starts: np.ndarray, ends: np.ndarray, gap: int = 0) -> None:
+    def prefetch(self, shard: int, starts: np.ndarray, ends: np.ndarray, gap: int = 0) -> bool:
         """Start reading byte ranges into the page cache (asynchronous, exact); ranges ``gap``
         bytes apart or closer are requested as one. A range whose first and last bytes are
         cached already is skipped: posix_fadvise walks every page of a range even when all are
         cached (~50 ms of CPU per 1 GB pass of 600 KB ranges on the project VM), where the probe
-        (two one-byte reads that must not block) costs ~2 us."""
+        (two one-byte reads that must not block) costs ~2 us. Returns whether every range was
+        found cached."""
         fd = self.fd(shard)
+        cached = True
         for s, e in _merged(starts, ends, gap):
             if not self._probe_cached(fd, int(s), int(e)):
                 os.posix_fadvise(fd, int(s), int(e - s), os.POSIX_FADV_WILLNEED)
+                cached = False
+        return cached
+
+    def mapped(self, shard: int) -> bool:
+        """Whether the shard has been mapped for copying (``array``)."""
+        return (shard, self._main) in self._arrays
 
     def _probe_cached(self, fd: int, start: int, end: int) -> bool:
         """Whether the bytes at ``start`` and ``end - 1`` are in the page cache (preadv2 with

@@ -8,17 +8,25 @@ Example ``i`` of the loader is example ``i`` of :class:`~actcache.loaders.indexe
 duplicate; batches are yielded in order whatever the thread timing. Reader threads start the
 reads of the next batches (``read_ahead + 2`` batches ahead) and copy threads fill a batch each:
 
-``io="read"`` (default): readers ask the kernel to read the batches' byte ranges ahead
+``io="auto"`` (default): each batch as ``io="read"`` below, except that when the readers find
+its bytes already in the page cache and the loader reads at least half of each image (the
+mapping is then of 2 MiB pages and costs almost nothing), it is copied as with ``io="mmap"``. Measured on the project
+VM (fresh process per pass, 1-layer 4.3 GB cache, medians of 7 warm / 5 cold alternating rounds,
+x ref): warm auto 0.82, read 0.70, mmap 0.74; cold auto 1.74, read 1.17, mmap 0.79 (cold figures
+are bimodal: see BENCHMARKS.md). Reading one layer of several maps 4 KiB pages, whose set-up cost
+more than the copy saved (one layer of four, warm: 0.33 mapped against 0.56 read): that stays
+``io="read"``.
+
+``io="read"``: readers ask the kernel to read the batches' byte ranges ahead
 (posix_fadvise WILLNEED: asynchronous, many requests in flight); a copy thread reads its batch's
 ranges with preadv straight into the batch buffer: ranges up to MERGE_GAP apart in one call (the
 CLS vector between two images' patches goes to a scratch buffer), ranges far apart (another
 layer of a multi-layer cache) in calls of their own. One copy, done by the kernel, and nothing
-mapped (no SIGBUS if a file is cut: a LoaderError naming it). It is the default for the caches this
-project is for, larger than memory and read cold, often from a network filesystem: cold it was
-the faster on the project VM (bench_loaders.py, 1-layer cache: 0.88 / 1.42 x ref in two runs
-against 0.80 / 1.15 for io="mmap"; one layer of four: 0.63 / 0.66 against 0.62 / 0.60). Warm,
-io="mmap" is faster there (1 layer: 0.70 against 0.62 x ref, 7 rounds; one layer of four: 0.38
-against 0.32): pass io="mmap" for caches that stay in the page cache.
+mapped (no SIGBUS if a file is cut: a LoaderError naming it). Cold it was the faster of read and
+mmap on the project VM (bench_loaders.py, 1-layer cache: 0.88 / 1.42 x ref in two runs against
+0.80 / 1.15 for io="mmap"; one layer of four: 0.63 / 0.66 against 0.62 / 0.60); warm, io="mmap"
+was faster for whole images. Caches larger than memory, read cold, often from a network
+filesystem, are what this project is for.
 
 ``io="mmap"``: readers make the ranges resident in memory-mapped shards (MADV_POPULATE_READ);
 copy threads copy runs of whole images out of the mappings with the C kernel (kernels.copy_blocks:
@@ -42,7 +50,7 @@ from actcache.loaders.partition import Partition
 from actcache.loaders.runtime import Stopped
 
 SCALE_IMGS = 2  # whole images copied then scaled while still in the CPU cache
-IO_MODES = ("read", "mmap")
+IO_MODES = ("auto", "read", "mmap")
 # io="read": byte ranges closer than this are read in one preadv call, the gap into a scratch
 # buffer (the CLS vector between two images' patches: 3 KiB); farther ones (the other layers of a
 # multi-layer cache) are read separately. One call reads at most CALL_BYTES (SCALE_CALL_BYTES
@@ -56,13 +64,14 @@ IOV_MAX = 1024
 class OrderedLoader(BaseLoader):
     """Storage-order batches of a cache's selected vectors.
 
-    Args: path (directory or ActivationCache), batch_size, patches ("cls" | "image" | "all"),
-    layer (a recorded layer value or "all"), drop_last, start_img / end_img (image range; default
-    all), batch_timeout_s (BatchTimeoutError when no batch arrives in time; None: wait forever),
-    scale_norm, rank / world_size / worker_id / n_workers, n_threads (copy threads), n_readers (default 4),
-    read_ahead (batches prepared ahead of the consumer), evict (also drop released bytes from
-    the page cache), io ("read": preadv into the batch buffers, the default; "mmap": copies out of
-    memory-mapped shards; see the module doc).
+        Args: path (directory or ActivationCache), batch_size, patches ("cls" | "image" | "all"),
+        layer (a recorded layer value or "all"), drop_last, start_img / end_img (image range; default
+        all), batch_timeout_s (BatchTimeoutError when no batch arrives in time; None: wait forever),
+        scale_norm, rank / world_size / worker_id / n_workers, n_threads (copy threads), n_readers (default 4),
+        read_ahead (batches prepared ahead of the consumer), evict (also drop released bytes from
+        the page cache), io ("auto", the default; "read": preadv into the batch buffers; "mmap": copies out of
+        memory-mapped shards; "auto": per batch, mmap when its bytes are cached and most of each image
+    is read, else read; see the module doc).
     """
 
     kind = "OrderedLoader"
@@ -87,7 +96,7 @@ class OrderedLoader(BaseLoader):
         n_readers: int | None = None,
         read_ahead: int = 2,
         evict: bool = False,
-        io: str = "read",
+        io: str = "auto",
     ):
         check_number("start_img", start_img, 0, integer=True)
         if io not in IO_MODES:
@@ -139,6 +148,7 @@ class OrderedLoader(BaseLoader):
         it = Iteration(self, "OrderedLoader", 0, len(self), self.read_ahead + 2)
         it.next_read = it.next_copy = it.frontier = 0
         it.resident, it.done = set(), set()
+        it.mapped = set()  # batches whose bytes are mapped (io="mmap", or "auto" found them cached)
         it.released_img = self.ex_start // self.geom.per_img
         it.held = 0  # bytes of the images read ahead and not released yet
         return it
@@ -176,13 +186,17 @@ class OrderedLoader(BaseLoader):
             a, b = self.batch_range(k)
             per = self.geom.per_img
             owned = -(-b // per) - -(-a // per)  # images whose first example is in this batch
-            for shard, simg, n in self._spans(a, b):
+            spans = [(shard, simg, n, self._extents(shard, simg, n)) for shard, simg, n in self._spans(a, b)]
+            cached = True
+            for shard, simg, n, ext in spans:
                 it.rt.status(name, f"reading {self.cache.shards[shard].name} images {simg}-{simg + n} (batch {k})")
                 self._hook("read", shard=shard, images=(simg, simg + n), batch=k)
-                if self.io == "read":  # start the reads; the copy threads' preadv waits for them
-                    it.maps.prefetch(shard, *self._extents(shard, simg, n), gap=MERGE_GAP)
-                else:
-                    it.maps.make_resident(shard, *self._extents(shard, simg, n))
+                if self.io != "mmap":  # start the reads; the copy threads' preadv waits for them
+                    cached = it.maps.prefetch(shard, *ext, gap=MERGE_GAP) and cached
+            mapped = self.io == "mmap" or (self.io == "auto" and cached and self.map_mode == "huge")
+            if mapped:  # the copy thread copies out of the mappings (see the module doc)
+                for shard, _, _, ext in spans:
+                    it.maps.make_resident(shard, *ext)
             with it.cond:
                 nbytes = owned * self.geom.img_bytes
                 self.stats.read_bytes += nbytes
@@ -190,6 +204,8 @@ class OrderedLoader(BaseLoader):
                 self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, it.held)
             with it.cond:
                 it.resident.add(k)
+                if mapped:
+                    it.mapped.add(k)
                 it.cond.notify_all()
 
     def _copier(self, it: Iteration, name: str) -> None:
@@ -217,13 +233,15 @@ class OrderedLoader(BaseLoader):
                 it.rt.wait(ready)
                 it.next_copy += 1
                 it.resident.discard(got["k"])
+                mapped = got["k"] in it.mapped
+                it.mapped.discard(got["k"])
             k, buf = got["k"], got["buf"]
             it.rt.status(name, f"copying batch {k}")
             self._hook("gather", batch=k)
-            if self.io == "read":
-                self._read_fill(it, *self.batch_range(k), buf)
-            else:
+            if mapped:
                 self._fill(it, *self.batch_range(k), buf)
+            else:
+                self._read_fill(it, *self.batch_range(k), buf)
             buf.key = (0, k)
             with it.cond:
                 it.ready[k] = buf
@@ -237,12 +255,11 @@ class OrderedLoader(BaseLoader):
             if upto is not None and upto > lo:
                 for shard, simg, n in self._spans(lo * self.geom.per_img, upto * self.geom.per_img):
                     ext = self._extents(shard, simg, n) if self.evict else (None, None)
-                    if self.io == "read":  # nothing mapped: only evict, if asked
-                        if self.evict:
-                            it.maps.evict_ranges(shard, *ext)
-                        continue
-                    # every byte of the shard before image simg + n (huge-page blocks: buffers.py)
-                    it.maps.release_before(shard, (simg + n) * self.metadata.bytes_per_img, *ext)
+                    if it.maps.mapped(shard):
+                        # every byte of the shard before image simg + n (huge-page blocks: buffers.py)
+                        it.maps.release_before(shard, (simg + n) * self.metadata.bytes_per_img, *ext)
+                    elif self.evict:  # nothing mapped: only evict, if asked
+                        it.maps.evict_ranges(shard, *ext)
                 with it.cond:
                     it.held -= (upto - lo) * self.geom.img_bytes
 
