@@ -10,12 +10,12 @@ reads of the next batches (``read_ahead + 2`` batches ahead) and copy threads fi
 
 ``io="auto"`` (default): each batch as ``io="read"`` below, except that when the readers find
 its bytes already in the page cache and the loader reads at least half of each image (the
-mapping is then of 2 MiB pages and costs almost nothing), it is copied as with ``io="mmap"``. Measured on the project
-VM (fresh process per pass, 1-layer 4.3 GB cache, medians of 7 warm / 5 cold alternating rounds,
-x ref): warm auto 0.82, read 0.70, mmap 0.74; cold auto 1.74, read 1.17, mmap 0.79 (cold figures
-are bimodal: see BENCHMARKS.md). Reading one layer of several maps 4 KiB pages, whose set-up cost
-more than the copy saved (one layer of four, warm: 0.33 mapped against 0.56 read): that stays
-``io="read"``.
+mapping is then of 2 MiB pages and costs almost nothing), it is copied as with ``io="mmap"``.
+Measured on the project VM (fresh process per pass, 1-layer 4.3 GB cache, medians of 7 warm /
+5 cold alternating rounds, x ref): warm auto 0.82, read 0.70, mmap 0.74; cold auto 1.74, read
+1.17, mmap 0.79 (cold figures are bimodal: see BENCHMARKS.md). Reading one layer of several
+maps 4 KiB pages, whose set-up cost more than the copy saved (one layer of four, warm: 0.33
+mapped against 0.56 read): that stays ``io="read"``.
 
 ``io="read"``: readers ask the kernel to read the batches' byte ranges ahead
 (posix_fadvise WILLNEED: asynchronous, many requests in flight); a copy thread reads its batch's
@@ -64,14 +64,14 @@ IOV_MAX = 1024
 class OrderedLoader(BaseLoader):
     """Storage-order batches of a cache's selected vectors.
 
-        Args: path (directory or ActivationCache), batch_size, patches ("cls" | "image" | "all"),
-        layer (a recorded layer value or "all"), drop_last, start_img / end_img (image range; default
-        all), batch_timeout_s (BatchTimeoutError when no batch arrives in time; None: wait forever),
-        scale_norm, rank / world_size / worker_id / n_workers, n_threads (copy threads), n_readers (default 4),
-        read_ahead (batches prepared ahead of the consumer), evict (also drop released bytes from
-        the page cache), io ("auto", the default; "read": preadv into the batch buffers; "mmap": copies out of
-        memory-mapped shards; "auto": per batch, mmap when its bytes are cached and most of each image
-    is read, else read; see the module doc).
+    Args: path (directory or ActivationCache), batch_size, patches ("cls" | "image" | "all"),
+    layer (a recorded layer value or "all"), drop_last, start_img / end_img (image range; default
+    all), batch_timeout_s (BatchTimeoutError when no batch arrives in time; None: wait forever),
+    scale_norm, rank / world_size / worker_id / n_workers, n_threads (copy threads), n_readers
+    (default 4), read_ahead (batches prepared ahead of the consumer), evict (also drop released
+    bytes from the page cache), io ("auto", the default: per batch, "mmap" when its bytes are
+    cached and most of each image is read, else "read"; "read": preadv into the batch buffers;
+    "mmap": copies out of memory-mapped shards; see the module doc).
     """
 
     kind = "OrderedLoader"
