@@ -478,7 +478,10 @@ def main() -> None:
         "drifts by +-20% over an hour, hence ratios measured within one round. Cold figures swing between two "
         "modes (see MB/s by round): the virtual disk is cached by the host, and how fast a cold read runs "
         "depends on what read the disk just before (measured: a cold shuffled epoch took 3.7-4.8 s right after a "
-        "cold ordered pass with io=read, 2.5-3.0 s after one with io=mmap; ref is slow right after ref2).",
+        "cold ordered pass with io=read, 2.5-3.0 s after one with io=mmap; ref is slow right after ref2). "
+        "Free page reporting is a cause: the page cache that drop_caches frees is given back to the host, and "
+        "the next cold pass needs that memory backed again. ref right after drop_caches ran at 983-3,329 MB/s "
+        "(mostly ~3,300), 6 s after it at 710-781 MB/s (7 runs each, alternating).",
         "",
     ]
     for run in stored:
