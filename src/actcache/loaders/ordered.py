@@ -147,8 +147,8 @@ class OrderedLoader(BaseLoader):
     def _make_iteration(self) -> Iteration:
         it = Iteration(self, "OrderedLoader", 0, len(self), self.read_ahead + 2)
         it.next_read = it.next_copy = it.frontier = 0
-        it.resident, it.done = set(), set()
-        it.mapped = set()  # batches whose bytes are mapped (io="mmap", or "auto" found them cached)
+        it.resident = {}  # batch -> whether its bytes are mapped (io="mmap", or "auto" found them cached)
+        it.done = set()
         it.released_img = self.ex_start // self.geom.per_img
         it.held = 0  # bytes of the images read ahead and not released yet
         return it
@@ -202,10 +202,7 @@ class OrderedLoader(BaseLoader):
                 self.stats.read_bytes += nbytes
                 it.held += nbytes
                 self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, it.held)
-            with it.cond:
-                it.resident.add(k)
-                if mapped:
-                    it.mapped.add(k)
+                it.resident[k] = mapped
                 it.cond.notify_all()
 
     def _copier(self, it: Iteration, name: str) -> None:
@@ -232,9 +229,7 @@ class OrderedLoader(BaseLoader):
 
                 it.rt.wait(ready)
                 it.next_copy += 1
-                it.resident.discard(got["k"])
-                mapped = got["k"] in it.mapped
-                it.mapped.discard(got["k"])
+                mapped = it.resident.pop(got["k"])
             k, buf = got["k"], got["buf"]
             it.rt.status(name, f"copying batch {k}")
             self._hook("gather", batch=k)
