@@ -38,6 +38,7 @@ VARIANTS = {  # extra loader configurations measured beside the default ones
     "shuffled 2nd epoch": {"n_epochs": 2},  # timed over the second epoch only (steady state; warm only)
     "shuffled strips=3": {"n_strips": 3},
     "shuffled io=read": {"io": "read"},
+    "shuffled cold_read=fault": {"cold_read": "fault"},  # runs not cached read through the mapping
 }
 TARGETS = {  # (loader, mode) -> [(reference, minimum ratio)]
     ("shuffled", "warm"): [("ref", 0.30), ("ref2", 0.90)],

@@ -111,6 +111,7 @@ def test_cls_without_cls_token_is_a_config_error(nocls):
         (dict(layer=99), "layer 99"),
         (dict(buffer_bytes=0), "buffer_bytes"),
         (dict(io="odirect"), "io"),
+        (dict(cold_read="direct"), "cold_read='direct'.*read, fault"),
         (dict(start_at=(1,)), "start_at"),
         (dict(end_at=("step", 3)), "end_at"),
         (dict(n_epochs=-1), "n_epochs"),
@@ -573,3 +574,50 @@ def test_the_next_epoch_maps_only_the_blocks_that_change(tmp_path, monkeypatch):
     # epoch 1 finds blocks epoch 0's last runs still map (measured: 10 of 16 blocks mapped anew);
     # without that it would map all 16 again, 12 of them for its first fill alone
     assert mapped[1] <= 14 * HUGE
+
+
+def _evict(path):
+    """Every shard of the cache out of the page cache (written pages must reach the disk first)."""
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".bin"):
+            fd = os.open(os.path.join(path, f), os.O_RDONLY)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+
+
+def test_cold_runs_are_read_with_preadv_then_mapped_and_cached_ones_only_mapped(tmp_path, monkeypatch):
+    """cold_read="read" (the default, huge-page mappings): a run whose blocks are not in the page
+    cache is read with preadv first, no block twice; a pass over cached data reads nothing
+    that way. "fault" reads through the mapping. The batches are the same either way."""
+    import actcache.loaders.shuffled as shuffled
+
+    # 512 images of 4 patches x 2048 floats (32 KiB each, 64 per 2 MiB block), shards of 256
+    path, md, acts = make_cache(tmp_path, n_imgs=512, layers=(3,), n_patches=4, cls=False, d=2048, imgs_per_shard=256)
+    monkeypatch.setattr(shuffled, "HUGE_MIN_RUN", 0)  # huge mappings for this small cache
+    size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".bin"))
+    kw = dict(batch_size=500, layer=3, buffer_bytes=6 * 2**21, run_bytes=2**21, seed=3)
+    ld = ShuffledLoader(path, **kw)
+    assert ld.map_mode == "huge" and ld.cold_read == "read"
+    _evict(path)
+    cold = collect(ld)
+    # whole 2 MiB blocks, none twice; a block the kernel's read-ahead brought in (after a
+    # neighbouring run's reads) is found cached and only mapped: measured 6-7 of the 8 blocks
+    # read by the loader, depending on thread timing
+    got = ld.stats.cold_read_bytes
+    assert got % 2**21 == 0 and 0 < got <= size
+    ld.stats.reset()
+    warm = collect(ld)
+    assert ld.stats.cold_read_bytes == 0
+    assert ld.stats.batches == len(warm) and ld.stats.thread_cpu_s  # reset() started the counts over
+    _evict(path)
+    fault = ShuffledLoader(path, cold_read="fault", **kw)
+    by_fault = collect(fault)
+    assert fault.stats.cold_read_bytes == 0
+    for other in (warm, by_fault):
+        assert len(other) == len(cold)
+        for x, y in zip(cold, other, strict=True):
+            for k in x:
+                np.testing.assert_array_equal(x[k], y[k])
+    check_values(cold, md, acts)
+    assert sorted(keys(cold)) == sorted((i, 3, p) for i in range(512) for p in range(4))

@@ -53,6 +53,7 @@ class Iteration:
             loader.shard_sizes,
             evict=loader.evict,
             mode=loader.map_mode,
+            cold_read=getattr(loader, "cold_read", "fault"),
         )
         self.closed = False
         self.on_close: list = []  # loader-specific state to drop before unmapping (may hold views)

@@ -52,6 +52,8 @@ class LoaderStats:
 
     wait_s: time the consumer spent waiting for data inside ``next()`` (0 means the loader kept
     up); read_bytes: bytes made resident from the shards (only the selected layers' bytes);
+    cold_read_bytes: of the shards' bytes (whole 2 MiB blocks), those the shuffled loader found
+    outside the page cache and read from the disk itself (``cold_read="read"``);
     first_batch_s: time from the start of the iteration to the first batch.
     """
 
@@ -60,6 +62,7 @@ class LoaderStats:
     wait_s: float = 0.0
     elapsed_s: float = 0.0
     read_bytes: int = 0
+    cold_read_bytes: int = 0  # bytes found outside the page cache and read with preadv (shuffled, cold_read="read")
     peak_held_bytes: int = 0  # most shard bytes held resident at once (shuffled: <= buffer_bytes)
     first_batch_s: float | None = None
     started: float | None = None
@@ -84,7 +87,8 @@ class LoaderStats:
 
     def reset(self) -> None:
         for f in dataclasses.fields(self):
-            setattr(self, f.name, f.default)
+            missing = f.default_factory is dataclasses.MISSING
+            setattr(self, f.name, f.default if missing else f.default_factory())
 
 
 class Runtime:

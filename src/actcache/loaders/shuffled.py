@@ -39,6 +39,19 @@ BENCHMARKS.md. Since 2026-11-24 that machine is a Zen-5 VM whose page cache -> b
     process's mmap lock while the host backs the memory and stalled every numpy allocation of the
     planner (first batch's plan 80-160 -> ~20 ms).
 
+    Cold, reading through that fault path costs more than it reads: the gather threads then
+    spent 4-8 CPU-s per 4.3 GB epoch copying out of pages just read that way, against ~0.5 s
+    when the pages had come in through preadv (the first CPU touch of freshly read memory is
+    slow on this VM, and preadv makes it in its own copy, as the data arrives, in reader threads
+    that are waiting on the disk anyway). So a run whose bytes are not cached is first read with
+    sequential preadv calls into a 2 MiB scratch buffer per reader (``cold_read="read"``, the
+    default; the probe is two RWF_NOWAIT one-byte reads), then mapped. 1-layer bench cache, cold,
+    one epoch in a fresh process, alternating rounds: 1.6-2.4 s against 2.6-4.5 s (6 rounds).
+    The price: preadv at a random offset fills the page cache with smaller folios, of which
+    only ~half then map 2 MiB at a time, so a later warm epoch over those same pages took
+    0.33-0.45 s against 0.24-0.29 s. ``cold_read="fault"`` keeps the fault path, for a cache
+    that fits in memory and is read for many epochs.
+
     Memory: the plan holds at most ``buffer_bytes`` of runs (a run is charged the 2 MiB blocks its
     mapping spans; runs are cut on 2 MiB boundaries of the files, through images where needed, so
     those blocks hold only the run's own vectors, plus CLS ones it does not use); readers may load
@@ -86,7 +99,7 @@ import numpy as np
 from actcache.errors import ConfigError
 from actcache.loaders import kernels
 from actcache.loaders.base import BaseLoader, Iteration, check_number
-from actcache.loaders.buffers import HUGE, huge_empty
+from actcache.loaders.buffers import COLD_READS, HUGE, huge_empty
 from actcache.loaders.partition import Partition
 from actcache.loaders.plan import EpochPlan, cut_points, epoch_runs, part_runs
 from actcache.loaders.runtime import Stopped
@@ -133,6 +146,10 @@ class ShuffledLoader(BaseLoader):
         n_strips: 1 holds whole runs; 3 releases each image a third at a time (more mixing for
             the same buffer, slower: see the module docstring and plan.py).
         io: "mmap" (page cache as shuffle buffer) or "read" (private arena; see the module doc).
+        cold_read: how io="mmap" loads runs of whole images that are not in the page cache yet:
+            "read" (plain preadv into a small scratch buffer, then mapped; fastest cold) or
+            "fault" (through the huge-page mapping: the pages land in 2 MiB folios, which later
+            warm passes over the same cached data gather from faster). See the module doc.
         evict: also drop used-up bytes from the page cache.
     """
 
@@ -164,6 +181,7 @@ class ShuffledLoader(BaseLoader):
         run_bytes: int = 48 * 2**20,
         n_strips: int = 1,
         io: str = "mmap",
+        cold_read: str = "read",
         evict: bool = False,
     ):
         check_number("buffer_bytes", buffer_bytes, 1, integer=True)
@@ -176,6 +194,8 @@ class ShuffledLoader(BaseLoader):
             raise ConfigError(f"deterministic={deterministic!r} must be true or false")
         if io not in IO_MODES:
             raise ConfigError(f"io={io!r} is not allowed; use one of {', '.join(IO_MODES)}")
+        if cold_read not in COLD_READS:
+            raise ConfigError(f"cold_read={cold_read!r} is not allowed; use one of {', '.join(COLD_READS)}")
         if not (isinstance(start_at, (tuple, list)) and len(start_at) == 2):
             raise ConfigError(f"start_at={start_at!r} must be (epoch, batch)")
         for v in start_at:
@@ -202,7 +222,7 @@ class ShuffledLoader(BaseLoader):
         )
         self.buffer_bytes, self.seed, self.n_epochs = buffer_bytes, seed, n_epochs
         self.start_at, self.end_at = tuple(start_at), end_at
-        self.deterministic, self.io = deterministic, io
+        self.deterministic, self.io, self.cold_read = deterministic, io, cold_read
         self.n_strips = n_strips if io == "mmap" else 1
         g = self.geom
         self.partition = Partition(self.sel.n_examples, self.world, batch_size, drop_last)
@@ -365,10 +385,11 @@ class ShuffledLoader(BaseLoader):
             a, b = r.img0 + r.j0, r.img0 + r.j1
             it.rt.status(name, f"reading {shards[r.shard].name} images {a}-{b} (for batch {self._describe_key(key)})")
             self._hook("read", shard=r.shard, images=(a, b), batch=key)
+            cold = 0
             if blocks:
                 nbytes = (r.hi - r.lo) * self.geom.vec_bytes
                 if len(starts):
-                    it.maps.make_resident(r.shard, starts, ends)
+                    cold = it.maps.make_resident(r.shard, starts, ends)
             else:
                 starts, ends = r.extents(self.geom, range(r.first_strip, r.n_strips))
                 nbytes = int((ends - starts).sum())
@@ -379,6 +400,7 @@ class ShuffledLoader(BaseLoader):
             with it.cond:
                 r.loaded = True
                 self.stats.read_bytes += nbytes
+                self.stats.cold_read_bytes += cold
                 # wake the gather threads only when the next batch has all it needs
                 spec = it.specs.get(it.next_gather)
                 if spec is not None and all(q.loaded for q, _ in spec.takes):
