@@ -10,8 +10,10 @@ reused buffer; ref2 = two threads reading them into batch-sized (48 MiB) buffers
 only the bytes of the layer they read. naive = torch DataLoader over IndexedDataset with a
 RandomSampler and 2 workers, time-boxed and extrapolated. Every measurement runs in a fresh
 subprocess (clean peak-RSS figure, no mapping kept open across a cold measurement). Warm: page
-cache filled just before; cold: page cache dropped before each measurement; both median of
-``--rounds`` alternating rounds.
+cache filled just before; cold: page cache dropped right before each measurement; cold-late: the
+same, then COLD_LATE_S idle before it starts (see the machine note: on this VM memory freed a
+second or more earlier has been handed back to the host, as it has before any real cold read);
+all median of ``--rounds`` alternating rounds.
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ VARIANTS = {  # extra loader configurations measured beside the default ones
     "shuffled io=read": {"io": "read"},
     "shuffled cold_read=fault": {"cold_read": "fault"},  # runs not cached read through the mapping
 }
-TARGETS = {  # (loader, mode) -> [(reference, minimum ratio)]
+MODES = ("warm", "cold", "cold-late")
+COLD_LATE_S = 4.0  # idle after drop_caches in mode cold-late
+TARGETS = {  # (loader, mode) -> [(reference, minimum ratio)]; cold-late has cold's
     ("shuffled", "warm"): [("ref", 0.30), ("ref2", 0.90)],
     ("shuffled", "cold"): [("ref", 0.80)],
     ("ordered", "warm"): [("ref", 0.60)],
@@ -186,10 +190,12 @@ def run_loader(spec: dict) -> dict:
     torch.from_numpy(np.ones((4, 4), np.float32)).sum().item()
     if spec.get("cold"):
         benchlib.drop_caches([f for f, _ in files])
+        time.sleep(spec.get("cold_delay_s", 0.0))
     if kind in ("ref", "ref2"):
         c0 = cpu_s()
         out = ref_read(files, 1, 8 * 2**20) if kind == "ref" else ref_read(files, 2, 48 * 2**20)
-        out["GB_per_cpu_s"] = sum(size for _, size in files) / 1e9 / (cpu_s() - c0)
+        cpu = cpu_s() - c0  # (0 for a tiny --quick cache: below the clock's 10 ms tick)
+        out["GB_per_cpu_s"] = sum(size for _, size in files) / 1e9 / cpu if cpu > 0 else None
         return out
     if kind.startswith("ordered"):
         loader = OrderedLoader(path, batch_size=B, patches="image", layer=LAYER, **spec.get("options", {}))
@@ -245,7 +251,7 @@ def run_loader(spec: dict) -> dict:
         "rss_growth_GB": (hwm - base) / 1e9,
         "anon_growth_GB": mem.anon_growth / 1e9,
         "file_mapped_GB": (mem.file_peak - mem.base_file) / 1e9,
-        "GB_per_cpu_s": n * D * 4 / 1e9 / cpu if kind != "naive" else None,
+        "GB_per_cpu_s": n * D * 4 / 1e9 / cpu if kind != "naive" and cpu > 0 else None,
     }
     if hasattr(loader, "stats"):
         out["held_GB"] = loader.stats.peak_held_bytes / 1e9
@@ -262,8 +268,11 @@ def run_loader(spec: dict) -> dict:
     return out
 
 
-def measure(spec: dict, cold: bool, files: list[str]) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps({**spec, "cold": cold})]
+def measure(spec: dict, mode: str | bool, files: list[str]) -> dict:
+    """One measurement in a fresh process; mode: warm, cold or cold-late (True: cold)."""
+    mode = "cold" if mode is True else "warm" if mode is False else mode
+    extra = {"cold": mode != "warm", "cold_delay_s": COLD_LATE_S if mode == "cold-late" else 0.0}
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps({**spec, **extra})]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(f"{spec['kind']} failed:\n{out.stderr[-3000:]}")
@@ -283,9 +292,9 @@ def bench_cache(args, n_layers: int) -> dict:
         for r in range(args.rounds):
             order = kinds if r % 2 == 0 else kinds[::-1]
             for k in order:
-                if mode == "cold" and "2nd epoch" in k:
+                if mode != "warm" and "2nd epoch" in k:
                     continue
-                m = measure({**base, "kind": k, "seed": 17 + r, "options": VARIANTS.get(k, {})}, mode == "cold", files)
+                m = measure({**base, "kind": k, "seed": 17 + r, "options": VARIANTS.get(k, {})}, mode, files)
                 res[mode][k].append(m)
                 print(f"  L={n_layers} {mode} round {r} {k:9s} {m['MBps']:8.0f} MB/s", flush=True)
     if args.naive_s > 0:
@@ -353,7 +362,8 @@ def summarize(run: dict) -> list[dict]:
             target_kind = next((k for k in ("shuffled", "ordered") if kind.startswith(k)), kind)
             row = {k: v for k, v in row.items() if v is not None}
             checks = [
-                f"{'ok' if row[f'x {r}'] >= t else 'MISSED'} x{r}>={t}" for r, t in TARGETS.get((target_kind, mode), [])
+                f"{'ok' if row[f'x {r}'] >= t else 'MISSED'} x{r}>={t}"
+                for r, t in TARGETS.get((target_kind, mode.replace("-late", "")), [])
             ]
             if target_kind == "shuffled" and mode == "warm" and run["n_layers"] == 1:
                 checks.append(f"{'ok' if row['entropy img'] >= 0.95 else 'MISSED'} entropy>=0.95")
@@ -386,11 +396,14 @@ def plot(runs: list[dict], out_png: str) -> None:
     fig, axes = plt.subplots(1, len(runs), figsize=(7 * len(runs), 5), squeeze=False)
     for ax, run in zip(axes[0], runs, strict=True):
         rows = summarize(run)[::-1]
-        colors = ["0.6" if r["loader"].startswith("ref") else "C0" if r["mode"] == "warm" else "C1" for r in rows]
+        hue = {"warm": "C0", "cold": "C1", "cold-late": "C3"}
+        colors = ["0.6" if r["loader"].startswith("ref") else hue.get(r["mode"], "C1") for r in rows]
         ax.barh(range(len(rows)), [r["MB/s"] for r in rows], color=colors)
         ax.set_yticks(range(len(rows)), [f"{r['loader']} ({r['mode']})" for r in rows], fontsize=8)
         ax.set_xlabel("MB/s (bytes of the layer read; grey: raw-read references)")
-        ax.set_title(f"{run['n_layers']} recorded layer(s), {run['size_GB']:.1f} GB; blue warm, orange cold")
+        ax.set_title(
+            f"{run['n_layers']} recorded layer(s), {run['size_GB']:.1f} GB; blue warm, orange cold, red cold-late"
+        )
     fig.tight_layout()
     os.makedirs(os.path.dirname(out_png), exist_ok=True)
     fig.savefig(out_png, dpi=100)
@@ -409,12 +422,12 @@ def main() -> None:
     ap.add_argument("--buffer-bytes", type=int, default=3_200_000_000)
     ap.add_argument("--naive-s", type=float, default=20.0, help="time box of the naive baseline (0: skip)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="extra shuffled configurations (comma list)")
-    ap.add_argument("--modes", default="warm,cold", help="warm, cold or both")
+    ap.add_argument("--modes", default=",".join(MODES), help="comma list of " + ", ".join(MODES))
     ap.add_argument("--quick", action="store_true", help="tiny smoke run; does not touch BENCHMARKS.md")
     ap.add_argument("--render", action="store_true", help="only re-render the section and plot from stored results")
     args = ap.parse_args()
     args.variants = [v for v in args.variants.split(",") if v]
-    args.modes = [m for m in args.modes.split(",") if m in ("warm", "cold")]
+    args.modes = [m for m in args.modes.split(",") if m in MODES]
     if args.worker:
         print(json.dumps(run_loader(json.loads(args.worker))))
         return
@@ -456,7 +469,8 @@ def main() -> None:
         f"{args.batch_size}; shuffled buffer {args.buffer_bytes / 1e9:.1f} GB. MB/s count only the bytes of "
         "the layer read. ref = 1 thread, 8 MiB reads, one reused buffer; ref2 = 2 threads, 48 MiB buffers. "
         "MB/s: median of alternating rounds; x ref, x ref2: median over rounds of the ratio within the round; "
-        "each measurement in a fresh process; cold = page cache dropped first. "
+        "each measurement in a fresh process; cold = page cache dropped right before; cold-late = dropped, "
+        f"then {COLD_LATE_S:g} s idle before the measurement starts (see below). "
         "naive = torch DataLoader over IndexedDataset, RandomSampler, 2 workers (time-boxed, warm). "
         "Memory: RSS = peak resident-set growth while iterating; anon = peak growth of the process's anonymous memory while iterating (batch buffers, "
         "arenas); held = most shard bytes the loader kept resident on purpose (its shuffle window plus "
@@ -482,7 +496,14 @@ def main() -> None:
         "cold ordered pass with io=read, 2.5-3.0 s after one with io=mmap; ref is slow right after ref2). "
         "Free page reporting is a cause: the page cache that drop_caches frees is given back to the host, and "
         "the next cold pass needs that memory backed again. ref right after drop_caches ran at 983-3,329 MB/s "
-        "(mostly ~3,300), 6 s after it at 710-781 MB/s (7 runs each, alternating).",
+        "(mostly ~3,300), 6 s after it at 710-781 MB/s (7 runs each, alternating). So 'cold' measures a read "
+        "into memory the host still backs, which is rare outside a benchmark: a cache read for real has not "
+        "been read for a while, and the memory its pages land in has usually been free (and handed back) "
+        "for longer. 'cold-late' measures that case: ref, the loaders and every variant all wait "
+        f"{COLD_LATE_S:g} s after the drop. The shuffled loader's cold_read default was chosen on it (measured "
+        "in one session, 1-layer cache, one epoch in a fresh process, 3 alternating rounds each: dropped right "
+        "before, 'read' 1.6-1.8 s, 'fault' 1.4-4.8 s; dropped 4 s before, 'read' 2.2-3.0 s, 'fault' 4.4-5.8 s, "
+        "ref 0.83-0.93 GB/s).",
         "",
     ]
     for run in stored:
