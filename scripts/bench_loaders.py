@@ -500,10 +500,15 @@ def main() -> None:
         "into memory the host still backs, which is rare outside a benchmark: a cache read for real has not "
         "been read for a while, and the memory its pages land in has usually been free (and handed back) "
         "for longer. 'cold-late' measures that case: ref, the loaders and every variant all wait "
-        f"{COLD_LATE_S:g} s after the drop. The shuffled loader's cold_read default was chosen on it (measured "
-        "in one session, 1-layer cache, one epoch in a fresh process, 3 alternating rounds each: dropped right "
-        "before, 'read' 1.6-1.8 s, 'fault' 1.4-4.8 s; dropped 4 s before, 'read' 2.2-3.0 s, 'fault' 4.4-5.8 s, "
-        "ref 0.83-0.93 GB/s).",
+        f"{COLD_LATE_S:g} s after the drop. There one thread reading (ref) is much slower than two (ref2: "
+        "~2.4 against ~0.9 GB/s), so x ref2 is the fairer ratio in cold-late rows. The shuffled loader's "
+        "cold_read default was chosen on these conditions (1-layer cache, one epoch in a fresh process, 6 "
+        "alternating rounds each, /tmp/mb/sab.py): page cache dropped right before, 'read' took 1.6-1.8 s, "
+        "'fault' 1.4 s when it ran right after ref but 4.5-4.9 s right after 'read' (how fast the fault "
+        "path's 2 MiB folios come depends on what freed memory last); dropped 4 s before, 'read' 2.0-3.0 s, "
+        "'fault' 4.0-5.6 s (ref 0.92-1.07 GB/s). In this script's order the 'shuffled cold_read=fault' row "
+        "runs right after 'shuffled io=read', whose 3.2 GB arena has just been freed: its cold figure is "
+        "that best case.",
         "",
     ]
     for run in stored:

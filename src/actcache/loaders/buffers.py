@@ -94,9 +94,10 @@ class ShardMaps:
     cold_read (huge mode): how ranges not yet in the page cache are read. "fault": through the
     mapping's fault path (2 MiB page-cache folios). "read": first with plain sequential preadv
     calls into a small per-thread scratch buffer (``read_uncached``), then mapped. On the project
-    VM "read" made a cold shuffled epoch ~1.6x faster: data read through the fault path was
-    slow to copy out of the first time (the gather threads spent 4-8 CPU-s per 4.3 GB epoch on
-    it, against ~0.5 s), while preadv's own copy, made as the data arrives, paid little. But
+    VM "read" made a cold shuffled epoch ~1.6x faster when the memory the pages land in had been
+    free for a while: data read through the fault path was then slow to copy out of the first
+    time (the gather threads spent 4-8 CPU-s per 4.3 GB epoch on it, against ~0.5 s), while
+    preadv's own copy, made as the data arrives, paid little (see the shuffled loader). But
     preadv at a random offset fills the page cache with small folios (~half of them end up
     mapped 2 MiB at a time, against all with "fault"), so a later warm pass over the same pages
     gathers ~1.4x slower (measured: 0.33-0.45 s against 0.24-0.29 s per 4.3 GB epoch).

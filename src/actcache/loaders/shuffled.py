@@ -41,16 +41,20 @@ BENCHMARKS.md. Since 2026-11-24 that machine is a Zen-5 VM whose page cache -> b
 
     Cold, reading through that fault path costs more than it reads: the gather threads then
     spent 4-8 CPU-s per 4.3 GB epoch copying out of pages just read that way, against ~0.5 s
-    when the pages had come in through preadv (the first CPU touch of freshly read memory is
-    slow on this VM, and preadv makes it in its own copy, as the data arrives, in reader threads
-    that are waiting on the disk anyway). So a run whose bytes are not cached is first read with
-    sequential preadv calls into a 2 MiB scratch buffer per reader (``cold_read="read"``, the
-    default; the probe is two RWF_NOWAIT one-byte reads), then mapped. 1-layer bench cache, cold,
-    one epoch in a fresh process, alternating rounds: 1.6-2.4 s against 2.6-4.5 s (6 rounds).
-    The price: preadv at a random offset fills the page cache with smaller folios, of which
-    only ~half then map 2 MiB at a time, so a later warm epoch over those same pages took
-    0.33-0.45 s against 0.24-0.29 s. ``cold_read="fault"`` keeps the fault path, for a cache
-    that fits in memory and is read for many epochs.
+    when the pages had come in through preadv. The first CPU touch of page-cache memory is slow
+    on this VM when that memory had been free for a while (free page reporting gives it back to
+    the host, which must back it again: see BENCHMARKS.md's machine note), as it usually has
+    before a real cold read; preadv makes that touch in its own copy, as the data arrives, in
+    reader threads that are waiting on the disk anyway. So a run whose bytes are not cached is
+    first read with sequential preadv calls into a 2 MiB scratch buffer per reader
+    (``cold_read="read"``, the default; the probe is two RWF_NOWAIT one-byte reads), then
+    mapped. 1-layer bench cache, one epoch in a fresh process, alternating rounds, page cache
+    dropped 1-4 s before: 1.6-3.0 s against 2.6-5.8 s. Dropped right before (memory still
+    backed), the two are close and "fault" is often faster (bench_loaders' cold against
+    cold-late rows). The price of "read": preadv at a random offset fills the page cache with
+    smaller folios, of which only ~half then map 2 MiB at a time, so a later warm epoch over
+    those same pages took 0.33-0.45 s against 0.24-0.29 s. ``cold_read="fault"`` keeps the
+    fault path, for a cache that fits in memory and is read for many epochs.
 
     Memory: the plan holds at most ``buffer_bytes`` of runs (a run is charged the 2 MiB blocks its
     mapping spans; runs are cut on 2 MiB boundaries of the files, through images where needed, so
