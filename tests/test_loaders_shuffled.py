@@ -586,11 +586,23 @@ def _evict(path):
             os.close(fd)
 
 
-def test_cold_runs_are_read_with_preadv_then_mapped_and_cached_ones_only_mapped(tmp_path, monkeypatch):
+@pytest.mark.parametrize("probe", ["nowait", "mincore"])
+def test_cold_runs_are_read_with_preadv_then_mapped_and_cached_ones_only_mapped(tmp_path, monkeypatch, probe):
     """cold_read="read" (the default, huge-page mappings): a run whose blocks are not in the page
     cache is read with preadv first, no block twice; a pass over cached data reads nothing
-    that way. "fault" reads through the mapping. The batches are the same either way."""
+    that way. "fault" reads through the mapping. The batches are the same either way. Where
+    preadv2's RWF_NOWAIT is not supported, the cache is probed with mincore instead."""
     import actcache.loaders.shuffled as shuffled
+    from actcache.loaders.buffers import ShardMaps
+
+    if probe == "mincore":  # as on a kernel or filesystem without RWF_NOWAIT
+        real_init = ShardMaps.__init__
+
+        def init(self, *a, **k):
+            real_init(self, *a, **k)
+            self._nowait_ok = False
+
+        monkeypatch.setattr(ShardMaps, "__init__", init)
 
     # 512 images of 4 patches x 2048 floats (32 KiB each, 64 per 2 MiB block), shards of 256
     path, md, acts = make_cache(tmp_path, n_imgs=512, layers=(3,), n_patches=4, cls=False, d=2048, imgs_per_shard=256)

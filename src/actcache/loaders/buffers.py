@@ -221,6 +221,19 @@ class ShardMaps:
             self._nowait_ok = False
             return False
 
+    def _resident(self, shard: int, start: int, end: int) -> bool:
+        """Whether the first and last pages of bytes [start, end) are in the page cache, by
+        mincore on the mapping (no I/O): the probe where RWF_NOWAIT is not supported."""
+        if _mincore is None or end <= start:
+            return False
+        addr = self.array(shard).ctypes.data
+        vec = np.zeros(1, np.uint8)
+        for off in (start, end - 1):
+            page = (addr + off) // PAGE * PAGE
+            if _mincore(page, PAGE, vec.ctypes.data) != 0 or not vec[0] & 1:
+                return False
+        return True
+
     def cached(self, shard: int, starts: np.ndarray, ends: np.ndarray) -> bool:
         """Whether every page of the byte ranges is in the page cache (mincore; no I/O)."""
         if _mincore is None:
@@ -257,11 +270,11 @@ class ShardMaps:
     def read_uncached(self, shard: int, starts: np.ndarray, ends: np.ndarray, gap: int = 0) -> int:
         """Read into the page cache, with sequential preadv calls of READ_CHUNK bytes into this
         thread's scratch buffer, each range (ranges ``gap`` bytes apart or closer taken as one)
-        whose first or last byte is not cached. -> bytes read."""
+        whose first or last byte is not cached (RWF_NOWAIT probe, else mincore). -> bytes read."""
         fd = self.fd(shard)
         done = 0
         for s, e in _merged(starts, ends, gap):
-            if self._probe_cached(fd, s, e):
+            if self._probe_cached(fd, s, e) if self._nowait_ok else self._resident(shard, s, e):
                 continue
             buf = getattr(self._scratch, "buf", None)
             if buf is None:
