@@ -387,6 +387,25 @@ def test_truncated_shard_is_an_error_not_a_crash(tmp_path):
         collect(ld)
 
 
+def test_a_shard_truncated_while_a_cold_run_is_read_is_an_error_naming_it(tmp_path):
+    """read_uncached (cold_read="read"): a file that ends before the range it reads (truncated
+    after its size was checked) is a LoaderError naming the file and the bytes, not a hang or a
+    silent short read."""
+    from actcache.loaders.buffers import ShardMaps
+
+    path, md, _ = make_cache(tmp_path, n_imgs=8, layers=(3,), n_patches=4, d=8, imgs_per_shard=4)
+    name = "acts000001.bin"
+    size = os.path.getsize(os.path.join(path, name))
+    maps = ShardMaps(path, ["acts000000.bin", name], [size, size], cold_read="read")
+    try:
+        maps.fd(1)  # opened, size checked
+        os.truncate(os.path.join(path, name), 100)
+        with pytest.raises(LoaderError, match=rf"bytes 100-{size:,} of {name}.*ended early"):
+            maps.read_uncached(1, np.array([0]), np.array([size]))
+    finally:
+        maps.close()
+
+
 def test_stalled_reader_raises_batch_timeout_naming_it(cache):
     release = threading.Event()
     ld = ShuffledLoader(cache[0], batch_size=5, layer=3, batch_timeout_s=0.5, **SMALL)
