@@ -3,7 +3,9 @@ reusable batch buffers.
 
 :class:`ShardMaps` maps each shard file read-only once and offers, per byte range of a shard:
 ``prefetch`` (posix_fadvise WILLNEED: the kernel starts large reads now; skipped for ranges
-already cached), ``make_resident`` (madvise MADV_POPULATE_READ: returns when the pages are in
+already cached), ``read_uncached`` (plain preadv into a small scratch buffer, for ranges not
+cached yet: the default way the shuffled loader reads cold runs, see ``cold_read``),
+``make_resident`` (madvise MADV_POPULATE_READ: returns when the pages are in
 the page cache AND mapped in this process, so later copies out of them never fault), and
 ``release`` (MADV_DONTNEED: unmap them from this process, so its resident memory shrinks;
 optionally POSIX_FADV_DONTNEED as well, which also drops them from the page cache); for whole
