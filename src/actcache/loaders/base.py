@@ -53,7 +53,7 @@ class Iteration:
             loader.shard_sizes,
             evict=loader.evict,
             mode=loader.map_mode,
-            cold_read=getattr(loader, "cold_read", "fault"),
+            cold_read=loader.cold_read,
         )
         self.closed = False
         self.on_close: list = []  # loader-specific state to drop before unmapping (may hold views)
@@ -127,6 +127,7 @@ class BaseLoader(abc.ABC):
     """Options and lifecycle shared by OrderedLoader and ShuffledLoader."""
 
     kind = "loader"
+    cold_read = "fault"  # how uncached huge-mapped ranges are read (ShardMaps); ShuffledLoader has an option
 
     def __init__(
         self,
