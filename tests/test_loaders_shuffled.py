@@ -4,6 +4,7 @@ failures (reader crash, timeout, Ctrl-C), memory bound, scale_norm."""
 from __future__ import annotations
 
 import _thread
+import itertools
 import math
 import multiprocessing
 import os
@@ -419,6 +420,21 @@ def test_stalled_reader_raises_batch_timeout_naming_it(cache):
     for t in loader_threads():
         t.join(5)
     assert not loader_threads()
+
+
+def test_a_slow_first_fill_is_not_a_stall(cache):
+    """The first batch waits for the whole first fill; readers that keep finishing reads are slow,
+    not stalled, so batch_timeout_s (measured from the last finished read) does not fire."""
+    ref = collect(ShuffledLoader(cache[0], batch_size=5, layer=3, **SMALL))
+    ld = ShuffledLoader(cache[0], batch_size=5, layer=3, batch_timeout_s=0.4, n_readers=1, **SMALL)
+    reads = itertools.count()
+    ld.debug_hook = lambda stage, info: time.sleep(0.15) if stage == "read" and next(reads) < 6 else None
+    got = collect(ld)
+    assert ld.stats.first_batch_s > 0.4  # longer than the timeout: a wait since the start would have failed
+    assert len(got) == len(ref)
+    for a, b in zip(got, ref, strict=True):
+        for k in a:
+            np.testing.assert_array_equal(a[k], b[k])
 
 
 def test_ctrl_c_stops_promptly_and_cleanly(cache, sigint_raises):

@@ -66,7 +66,8 @@ class OrderedLoader(BaseLoader):
 
     Args: path (directory or ActivationCache), batch_size, patches ("cls" | "image" | "all"),
     layer (a recorded layer value or "all"), drop_last, start_img / end_img (image range; default
-    all), batch_timeout_s (BatchTimeoutError when no batch arrives in time; None: wait forever),
+    all), batch_timeout_s (BatchTimeoutError when no batch arrives and no read finishes for that
+    long; None: wait forever),
     scale_norm, rank / world_size / worker_id / n_workers, n_threads (copy threads), n_readers
     (default 4), read_ahead (batches prepared ahead of the consumer), evict (also drop released
     bytes from the page cache), io ("auto", the default: per batch, "mmap" when its bytes are
@@ -198,6 +199,7 @@ class OrderedLoader(BaseLoader):
                 for shard, _, _, ext in spans:
                     it.maps.make_resident(shard, *ext)
             with it.cond:
+                it.rt.progressed()
                 nbytes = owned * self.geom.img_bytes
                 self.stats.read_bytes += nbytes
                 it.held += nbytes
@@ -318,6 +320,7 @@ class OrderedLoader(BaseLoader):
                         f"short read of {self.cache.shards[shard].name} in {self.cache.path} at byte {S[i]:,}: "
                         f"{got:,} of {want:,} bytes. The file was truncated after the cache was opened."
                     )
+                it.rt.progressed()  # a slow filesystem is not a stalled one (runtime module doc)
                 if self.scale is not None:  # the rows just read, while still in the CPU cache
                     rows = buf.act[pos // g.vec_bytes : p // g.vec_bytes]
                     if len(self.scale) == 1:

@@ -3,7 +3,11 @@
 Every thread runs through :meth:`Runtime.spawn`: an exception in it is recorded with its
 traceback text, everything stops, and the consumer's next wait raises :class:`LoaderError`
 carrying that text. Threads report what they are doing (:meth:`Runtime.status`), so a
-:class:`BatchTimeoutError` names what stalled (which reader, which shard and images).
+:class:`BatchTimeoutError` names what stalled (which reader, which shard and images). A timeout
+measures a stall, not a slow start: the consumer gives up only when it has waited
+``batch_timeout_s`` and no reader has finished a read (:meth:`Runtime.progressed`) within that
+time. A cold shuffled loader's first batch needs its whole first fill (``buffer_bytes`` of
+reads: ~40 s for 32 GB at 800 MB/s), which is slow but not stalled.
 
 The consumer waits in short slices, so a Ctrl-C (KeyboardInterrupt) in the consuming thread is
 seen at once; the loader's cleanup then stops and joins its threads. Threads only; no process,
@@ -109,6 +113,7 @@ class Runtime:
         self._status: dict[str, tuple[str, float]] = {}
         self.consumer_waiting = False  # the consumer is inside consumer_wait()
         self.cpu_s: dict[str, float] = {}  # CPU seconds each finished thread used (diagnostics)
+        self.progress_at = time.monotonic()  # when a reader last finished a read (see progressed)
 
     def condition(self) -> threading.Condition:
         """A further condition on this runtime's lock (woken, like every one, on errors and stop)."""
@@ -152,6 +157,10 @@ class Runtime:
 
     def status(self, who: str, what: str) -> None:
         self._status[who] = (what, time.monotonic())
+
+    def progressed(self) -> None:
+        """A reader finished a read: the loader is moving, even if no batch is ready yet."""
+        self.progress_at = time.monotonic()
 
     def describe(self) -> str:
         now = time.monotonic()
@@ -198,8 +207,8 @@ class Runtime:
     ):
         """Wait (``cond`` NOT held) until ``ready()`` returns something not None, and return it.
 
-        Raises LoaderError if a thread failed, BatchTimeoutError after ``timeout_s`` (None or
-        <= 0: no limit). Waits in short slices so that KeyboardInterrupt is seen promptly.
+        Raises LoaderError if a thread failed, BatchTimeoutError once it has waited ``timeout_s``
+        and no read has finished for ``timeout_s`` either (None or <= 0: no limit). Waits in short slices so that KeyboardInterrupt is seen promptly.
         On entry it wakes the loader threads: a plain loop has just dropped the batch before its
         last, so a thread waiting for a free buffer may go on. ``consumer_waiting`` is True
         meanwhile (loader threads read it with ``cond`` held).
@@ -222,12 +231,13 @@ class Runtime:
                 return got
             if self.stopping:
                 raise LoaderError(f"{self.name}: the loader was stopped")
-            waited = time.monotonic() - start
-            if timeout_s and timeout_s > 0 and waited > timeout_s:
+            now = time.monotonic()
+            if timeout_s and timeout_s > 0 and now - max(start, self.progress_at) > timeout_s:
                 raise BatchTimeoutError(
-                    f"{self.name}: no batch within batch_timeout_s={timeout_s:g} s while waiting for "
-                    f"{what}. What each thread is doing:\n{self.describe()}\nA reader stuck on one shard "
-                    "points at the filesystem (slow or hung); raise batch_timeout_s if it is only slow."
+                    f"{self.name}: no batch and no finished read for batch_timeout_s={timeout_s:g} s "
+                    f"(waited {now - start:.1f} s) for {what}. What each thread is doing:\n{self.describe()}\n"
+                    "A reader stuck on one shard points at the filesystem (slow or hung); raise "
+                    "batch_timeout_s if a single read can take that long there."
                 )
             self.consumer_cond.wait(SLICE_S)
 

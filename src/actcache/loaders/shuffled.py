@@ -405,6 +405,7 @@ class ShuffledLoader(BaseLoader):
                     it.maps.make_resident(r.shard, starts, ends)
             with it.cond:
                 r.loaded = True
+                it.rt.progressed()
                 self.stats.read_bytes += nbytes
                 self.stats.cold_read_bytes += cold
                 # wake the gather threads only when the next batch has all it needs
