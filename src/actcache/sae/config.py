@@ -25,7 +25,7 @@ Identity
   directory; other runs are never touched. Keys are hashed as written (``layer: null`` means the
   cache's only layer; ``exp_factor`` is not resolved into a width), so ids never need the cache.
 - ``RunConfig.group_id``: SAEs with equal :data:`GROUP_KEYS` (layer, patches, batch size, length,
-  loader settings, logging) train together on the batches of ONE loader pass; ``actcache train
+  loader settings and I/O, logging) train together on the batches of ONE loader pass; ``actcache train
   --group G`` trains one group. Ids look like ``L-2-image-1a2b3c4d`` (stable: a hash of the keys).
 
 Output of a finished group (what the workflow waits for): one file per SAE,
@@ -50,6 +50,7 @@ import re
 from typing import Any
 
 from actcache.errors import ConfigError
+from actcache.loaders.buffers import COLD_READS
 from actcache.sae.modeling import ACTIVATIONS, DTYPES, SAEConfig
 
 ID_VERSION = 1
@@ -104,8 +105,25 @@ FIELDS: dict[str, tuple[tuple, Any, str]] = {
     "ckpt_every": ((int,), 1000, "checkpoint every N steps (and at the end)"),
     "wandb_project": ((str, None), None, "also log to this Weights & Biases project (when installed)"),
     "wandb_entity": ((str, None), None, "Weights & Biases entity"),
+    # loader I/O: how the batches are read, never which (the loaders' batches do not depend on them)
+    "n_readers": (
+        (int, None),
+        None,
+        "loader reader threads (null: the loader's default, 4; more may help on Lustre/GPFS)",
+    ),
+    "cold_read": ((str,), "read", "read | fault: how the shuffled loader reads shard bytes not in the page cache"),
+    "batch_timeout_s": (
+        (float, None),
+        30.0,
+        "error when no batch comes and no read finishes for this long (null: wait)",
+    ),
 }
-LOGISTICS = ("log_every", "ckpt_every", "wandb_project", "wandb_entity")
+LOADER_IO = ("n_readers", "cold_read", "batch_timeout_s")
+LOGISTICS = ("log_every", "ckpt_every", "wandb_project", "wandb_entity", *LOADER_IO)
+# Keys added after group ids were first issued: hashed into group_id only when set to something
+# other than their default, so the groups of an existing experiment keep their ids (and the
+# workflow does not see their finished training jobs as new).
+LATE_GROUP_KEYS = LOADER_IO
 GROUP_KEYS = (
     "layer",
     "patches",
@@ -164,6 +182,9 @@ class RunConfig:
     ckpt_every: int = 1000
     wandb_project: str | None = None
     wandb_entity: str | None = None
+    n_readers: int | None = None
+    cold_read: str = "read"
+    batch_timeout_s: float | None = 30.0
 
     # -- identity ---------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -189,7 +210,8 @@ class RunConfig:
     @property
     def group_id(self) -> str:
         layer = "auto" if self.layer is None else str(self.layer)
-        return f"L{layer}-{self.patches}-{_hash({'v': ID_VERSION, **self.group_key})[:8]}"
+        key = {k: v for k, v in self.group_key.items() if k not in LATE_GROUP_KEYS or v != FIELDS[k][1]}
+        return f"L{layer}-{self.patches}-{_hash({'v': ID_VERSION, **key})[:8]}"
 
     # -- what the trainer builds from it ------------------------------------------------------------
     def sae_config(self, d_vit: int) -> SAEConfig:
@@ -309,6 +331,10 @@ def _positive(d: dict, where: str) -> None:
     for key in ("aux_coeff", "l1_coeff"):
         if d.get(key) is not None and d[key] < 0:
             bad(key, "must be >= 0")
+    if d["n_readers"] is not None and d["n_readers"] < 1:
+        bad("n_readers", "must be >= 1 (or null for the loader's default)")
+    if d["batch_timeout_s"] is not None and d["batch_timeout_s"] <= 0:
+        bad("batch_timeout_s", "must be > 0 (or null to wait without limit)")
     if d["max_grad_norm"] is not None and d["max_grad_norm"] <= 0:
         bad("max_grad_norm", "must be > 0 (or null for no clipping)")
     if d["exp_factor"] is not None and d["exp_factor"] <= 0:
@@ -319,6 +345,7 @@ def _positive(d: dict, where: str) -> None:
         ("dtype", tuple(DTYPES)),
         ("lr_decay", DECAYS),
         ("b_dec_init", B_DEC_INITS),
+        ("cold_read", COLD_READS),
     ):
         if d[key] not in allowed:
             bad(key, f"must be one of {', '.join(allowed)}")

@@ -218,6 +218,7 @@ class GroupTrainer:
             patches=run.patches, layer=self.layer, buffer_bytes=run.buffer_bytes, seed=run.data_seed,
             n_epochs=None, end_at=("batch", run.steps), drop_last=True, deterministic=run.deterministic,
             scale_norm=run.scale_norm, rank=self.ctx.rank, world_size=self.ctx.world_size,
+            n_readers=run.n_readers, cold_read=run.cold_read, batch_timeout_s=run.batch_timeout_s,
         )  # fmt: skip
         nb = len(loader)
         if nb == 0:
@@ -339,7 +340,8 @@ class GroupTrainer:
             return [{"skipped": "eval_frac is 0 and no eval_cache is set"} for _ in members]
         from actcache.loaders import OrderedLoader
 
-        kw = {"batch_size": run.batch_size, "patches": run.patches, "layer": self.layer, "scale_norm": run.scale_norm}
+        kw = {"batch_size": run.batch_size, "patches": run.patches, "layer": self.layer, "scale_norm": run.scale_norm,
+              "n_readers": run.n_readers, "batch_timeout_s": run.batch_timeout_s}  # fmt: skip
         if run.eval_cache is not None:
             where = {"cache": os.path.abspath(run.eval_cache)}
             loader = OrderedLoader(run.eval_cache, **kw)
