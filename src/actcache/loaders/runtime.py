@@ -208,7 +208,8 @@ class Runtime:
         """Wait (``cond`` NOT held) until ``ready()`` returns something not None, and return it.
 
         Raises LoaderError if a thread failed, BatchTimeoutError once it has waited ``timeout_s``
-        and no read has finished for ``timeout_s`` either (None or <= 0: no limit). Waits in short slices so that KeyboardInterrupt is seen promptly.
+        and no read has finished for ``timeout_s`` either (None or <= 0: no limit). Waits in
+        short slices so that KeyboardInterrupt is seen promptly.
         On entry it wakes the loader threads: a plain loop has just dropped the batch before its
         last, so a thread waiting for a free buffer may go on. ``consumer_waiting`` is True
         meanwhile (loader threads read it with ``cond`` held).

@@ -109,7 +109,7 @@ FIELDS: dict[str, tuple[tuple, Any, str]] = {
     "n_readers": (
         (int, None),
         None,
-        "loader reader threads (null: the loader's default, 4; more may help on Lustre/GPFS)",
+        "loader reader threads (null: the loader's default, 4)",
     ),
     "cold_read": ((str,), "read", "read | fault: how the shuffled loader reads shard bytes not in the page cache"),
     "batch_timeout_s": (
