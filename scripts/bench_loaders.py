@@ -297,8 +297,8 @@ def bench_cache(args, n_layers: int) -> dict:
     base = {"path": path, "batch_size": args.batch_size, "buffer_bytes": args.buffer_bytes}
     kinds = ["ref", "ref2", "ordered", "shuffled", *args.variants]
     res = {mode: {k: [] for k in kinds if mode == "warm" or "2nd epoch" not in k} for mode in args.modes}
-    # a defined warm state: the page cache filled by one plain sequential read of the files
-    measure({**base, "kind": "ref"}, True, files)
+    if "warm" in args.modes:  # a defined warm state: the page cache filled by one plain sequential read
+        measure({**base, "kind": "ref"}, True, files)
     for mode in args.modes:
         for r in range(args.rounds):
             order = kinds if r % 2 == 0 else kinds[::-1]
@@ -331,10 +331,7 @@ def merge_stored(args, run: dict) -> dict:
         return run
     with open(p) as fh:
         old = json.load(fh)
-    if old.get("path") != run["path"] or (old.get("batch_size"), old.get("buffer_bytes")) != (
-        run["batch_size"],
-        run["buffer_bytes"],
-    ):
+    if any(old.get(k) != run[k] for k in ("path", "batch_size", "buffer_bytes")):
         return run  # another cache or configuration: nothing to keep
     before = old.get("measured") or {m: {"date": old["date"], "argv": old.get("argv")} for m in old["results"]}
     results = {m: old["results"][m] for m in MODES if m in old["results"] and m not in run["results"]}
