@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import statistics
@@ -41,6 +42,7 @@ D, T, LAYER = 768, 197, 10
 VARIANTS = {  # extra loader configurations measured beside the default ones
     "ordered io=read": {"io": "read"},
     "ordered io=mmap": {"io": "mmap"},
+    "ordered 2nd epoch": {},  # two passes in one process, the second timed (steady state; warm only)
     "shuffled 2nd epoch": {"n_epochs": 2},  # timed over the second epoch only (steady state; warm only)
     "shuffled strips=3": {"n_strips": 3},
     "shuffled io=read": {"io": "read"},
@@ -232,10 +234,13 @@ def run_loader(spec: dict) -> dict:
     mem = MemSampler()
     n, first, imgs, patches = 0, None, [], []
     deadline = spec.get("time_box_s")
-    skip = len(loader) if spec.get("options", {}).get("n_epochs") == 2 else 0  # time epoch 2 only
+    skip = len(loader) if "2nd epoch" in kind else 0  # time epoch 2 only
+    # the shuffled loader runs both epochs in one iteration (n_epochs=2); the ordered one, one pass
+    # per `for` loop: the second pass starts when the first ends, on the same loader
+    batches = itertools.chain(loader, loader) if skip and kind.startswith("ordered") else loader
     c0 = cpu_s()
     t0 = time.perf_counter()
-    for i, b in enumerate(loader):
+    for i, b in enumerate(batches):
         if i == skip and skip:
             c0, t0, imgs, patches, n, first = cpu_s(), time.perf_counter(), [], [], 0, None
         if first is None:
@@ -508,6 +513,9 @@ def main() -> None:
         f"then {COLD_LATE_S:g} s idle before the measurement starts; cold-primed = dropped, then the measuring "
         "process touches and frees as much memory as the cache plus 1 GiB right before it starts (see below). "
         "naive = torch DataLoader over IndexedDataset, RandomSampler, 2 workers (time-boxed, warm). "
+        "'2nd epoch' rows (warm only): two epochs in one process (ordered: two passes of the same loader), "
+        "only the second timed: the steady state of a long run, without the first epoch's one-time costs "
+        "(threads, fresh batch buffers, the first plan). "
         "Memory: RSS = peak resident-set growth while iterating; anon = peak growth of the process's anonymous memory while iterating (batch buffers, "
         "arenas); held = most shard bytes the loader kept resident on purpose (its shuffle window plus "
         "read-ahead); mapped = peak growth of the page-cache memory mapped in the process (the kernel maps whole "

@@ -197,7 +197,8 @@ class ShardMaps:
         cached already is skipped: posix_fadvise walks every page of a range even when all are
         cached (~50 ms of CPU per 1 GB pass of 600 KB ranges on the project VM), where the probe
         (two one-byte reads that must not block) costs ~2 us. Returns whether every range was
-        found cached."""
+        found cached: False where the kernel cannot tell (no RWF_NOWAIT), so that the ordered
+        loader's io="auto" then reads (see its module doc for why that is the right default)."""
         fd = self.fd(shard)
         cached = True
         for s, e in _merged(starts, ends, gap):
