@@ -17,10 +17,9 @@ Measured on the project VM (fresh process per pass, 1-layer 4.3 GB cache, median
 maps 4 KiB pages, whose set-up cost more than the copy saved (one layer of four, warm: 0.33
 mapped against 0.56 read): that stays ``io="read"``. (Zen-5 VM, one layer of four, 3 passes in
 a process: io="mmap" ran at 17-19 GB/s in one series and 9-10 GB/s in another an hour later,
-read at 15-16 GB/s in both; mapping it huge was 3.8 GB/s.) Where the kernel
-cannot tell what is cached (no RWF_NOWAIT, e.g. tmpfs), "auto" reads:
-measured on a tmpfs copy of the 1-layer cache, a warm pass read at 14-16 GB/s, mmap at 7-11 GB/s
-(tmpfs maps 4 KiB pages).
+read at 15-16 GB/s in both; mapping it huge was 3.8 GB/s.) Where the kernel cannot tell what
+is cached (no RWF_NOWAIT, e.g. tmpfs), "auto" reads: measured on a tmpfs copy of the 1-layer
+cache, a warm pass read at 14-16 GB/s, mmap at 7-11 GB/s (tmpfs maps 4 KiB pages).
 
 ``io="read"``: readers ask the kernel to read the batches' byte ranges ahead
 (posix_fadvise WILLNEED: asynchronous, many requests in flight); a copy thread reads its batch's
