@@ -256,11 +256,14 @@ def test_worker_cannot_share_a_batch_fails_without_hanging(tmp_path, ckpt, image
     # The limit also caps the worker's shared-memory batch, as a full /dev/shm would: a clear
     # error, not a main process waiting for a batch that never comes. 3 images are 36,864 bytes as
     # float32, 9,216 as the uint8 a CUDA dump's workers send (device "auto" picks a GPU if any).
+    # torch leaves the file of a segment it could not size in /dev/shm: the worker removes it.
     exp = write_experiment(tmp_path / "exp.yaml", ckpt, images, batch_size=3, n_workers=1)
+    before = set(os.listdir("/dev/shm"))
     out = _dump_with_file_size_limit(exp, str(tmp_path / "d"), 8_000)
     assert out.returncode == 2 and "shm" in out.stderr and shard_name(0) in out.stderr, out.stderr
     (path,) = hash_dirs(tmp_path / "d")
     assert shard_files(path) == {} and not temp_files(path)
+    assert not {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("torch_")}
 
 
 def test_writer_thread_error_surfaces_promptly(tmp_path):

@@ -166,6 +166,7 @@ def _collate(items):
             out = out.share_memory_()
         np.stack([x for x, _ in items], out=out.numpy())
     except (RuntimeError, OSError) as err:
+        _remove_unsized_segments()
         nbytes = int(np.prod(shape)) * items[0][0].itemsize
         return _BatchError(
             f"cannot pass a batch of {shape[0]} images ({nbytes:,} bytes) from an image-loading worker to the "
@@ -173,6 +174,23 @@ def _collate(items):
             "A smaller --batch-size or --workers 0 needs less shared memory"
         )
     return out
+
+
+def _remove_unsized_segments(shm_dir: str = "/dev/shm") -> None:
+    """Remove this process's empty torch shared-memory files. torch creates a segment's file
+    (``torch_<pid>_<random>_<n>``) before it sizes it, and leaves the file behind when sizing
+    fails (a full /dev/shm, a file size limit). A segment in use is never empty, and torch's
+    default sharing strategy unlinks those at once anyway."""
+    prefix = f"torch_{os.getpid()}_"
+    try:
+        names = [n for n in os.listdir(shm_dir) if n.startswith(prefix)]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(shm_dir, name)
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_size == 0:
+                os.unlink(path)
 
 
 class _Batches(torch.utils.data.Sampler):
