@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -13,6 +14,26 @@ from actcache.writer import write_cache_from_array
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+SHM = "/dev/shm"
+
+
+def _shm_names() -> set[str]:
+    return set(os.listdir(SHM)) if os.path.isdir(SHM) else set()
+
+
+@pytest.fixture(autouse=True)
+def no_shared_memory_left_behind():
+    """Every test: nothing it created in /dev/shm (torch's shared batches, multiprocessing
+    semaphores, ...) may outlive it. Entries still going away get 2 s."""
+    before = _shm_names()
+    yield
+    left = _shm_names() - before
+    deadline = time.monotonic() + 2.0
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left &= _shm_names()
+    assert not left, f"left behind in {SHM}: {sorted(left)}"
 
 
 def make_metadata(
