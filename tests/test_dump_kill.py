@@ -38,7 +38,10 @@ def setup(tmp_path_factory):
 
 
 def start_dump(exp, dump_to, log_path) -> subprocess.Popen:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    # a killed dump cannot remove its multiprocessing temp dir (/tmp/pymp-*): keep it in the test's
+    tmp = os.path.join(os.path.dirname(log_path), "tmp")
+    os.makedirs(tmp, exist_ok=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TMPDIR": tmp}
     with open(log_path, "ab") as log:
         return subprocess.Popen(
             [sys.executable, "-m", "actcache.cli", "dump", "--experiment", exp, "--dump-to", dump_to, "--no-progress"],

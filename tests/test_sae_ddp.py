@@ -67,6 +67,7 @@ def test_two_process_ddp_keeps_ranks_identical_on_disjoint_data(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))}
+    env["TMPDIR"] = str(tmp_path)  # torchrun leaves its log directory (torchelastic_*) in TMPDIR
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            str(script), path, str(tmp_path / "runs"), str(out), json.dumps([r.to_dict() for r in runs])]  # fmt: skip
