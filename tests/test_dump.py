@@ -266,6 +266,36 @@ def test_worker_cannot_share_a_batch_fails_without_hanging(tmp_path, ckpt, image
     assert not {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("torch_")}
 
 
+def _dump_over_small_dev_shm(tmp_path, exp, size):
+    """The dump in its own mount namespace over a tmpfs /dev/shm of ``size`` (needs root); the
+    namespace's /dev/shm is listed once the dump has ended: (process, what was left there)."""
+    dump = [sys.executable, "-m", "actcache.cli", "dump", "--experiment", exp, "--dump-to", str(tmp_path / "d"),
+            "--no-progress"]  # fmt: skip
+    script = (
+        f'mount -t tmpfs -o size={size} tmpfs /dev/shm || exit 99; "$@"; rc=$?; echo "left:$(ls -A /dev/shm)"; exit $rc'
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    out = subprocess.run(["unshare", "--mount", "sh", "-c", script, "sh", *dump], capture_output=True, text=True,
+                         timeout=120, env=env, cwd=ROOT)  # fmt: skip
+    assert out.returncode != 99, out.stderr
+    return out, out.stdout.strip().splitlines()[-1].removeprefix("left:")
+
+
+@pytest.mark.parametrize("size, batch_size, where", [("64k", 16, "pass a batch"), ("4k", 3, "start 1 image-loading")])
+def test_full_dev_shm_is_a_clear_error_and_leaves_nothing(tmp_path, ckpt, images, size, batch_size, where):
+    # A real full /dev/shm. 64 KiB: the workers start, but a batch of 16 images (196,608 bytes)
+    # does not fit; torch's allocation fails (ENOSPC) and leaves the segment's file, sized but
+    # not allocated, which the worker removes. 4 KiB: not even the workers' queue semaphores fit.
+    exp = write_experiment(tmp_path / "exp.yaml", ckpt, images, batch_size=batch_size, n_workers=1)
+    out, left = _dump_over_small_dev_shm(tmp_path, exp, size)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert f"cannot {where}" in out.stderr and "No space left on device" in out.stderr, out.stderr
+    assert "/dev/shm full" in out.stderr and "--workers 0" in out.stderr
+    assert left == "", left
+    (path,) = hash_dirs(tmp_path / "d")
+    assert shard_files(path) == {} and not temp_files(path)
+
+
 def test_writer_thread_error_surfaces_promptly(tmp_path):
     from conftest import make_metadata
 

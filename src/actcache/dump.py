@@ -34,6 +34,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -166,31 +167,32 @@ def _collate(items):
             out = out.share_memory_()
         np.stack([x for x, _ in items], out=out.numpy())
     except (RuntimeError, OSError) as err:
-        _remove_unsized_segments()
+        _remove_failed_segments()
         nbytes = int(np.prod(shape)) * items[0][0].itemsize
         return _BatchError(
             f"cannot pass a batch of {shape[0]} images ({nbytes:,} bytes) from an image-loading worker to the "
             f"main process ({err}): is /dev/shm full, or the file size limit (ulimit -f) too small? "
-            "A smaller --batch-size or --workers 0 needs less shared memory"
+            "A smaller --batch-size (cache.batch_size) or --workers 0 needs less shared memory"
         )
     return out
 
 
-def _remove_unsized_segments(shm_dir: str = "/dev/shm") -> None:
-    """Remove this process's empty torch shared-memory files. torch creates a segment's file
-    (``torch_<pid>_<random>_<n>``) before it sizes it, and leaves the file behind when sizing
-    fails (a full /dev/shm, a file size limit). A segment in use is never empty, and torch's
-    default sharing strategy unlinks those at once anyway."""
+def _remove_failed_segments(shm_dir: str = "/dev/shm") -> None:
+    """Remove the shared-memory files torch left behind in this process. torch names a segment's
+    file ``torch_<pid>_<random>_<n>``, sizes and allocates it, and with its default sharing
+    strategy ("file_descriptor") unlinks it as soon as the segment is made. When sizing or
+    allocating fails (a full /dev/shm: ENOSPC; a file size limit: EFBIG) the file stays, so any
+    file of this process still there is a failed one."""
+    if torch.multiprocessing.get_sharing_strategy() != "file_descriptor":
+        return  # "file_system" keeps the names of live segments: leave them to torch
     prefix = f"torch_{os.getpid()}_"
     try:
         names = [n for n in os.listdir(shm_dir) if n.startswith(prefix)]
     except OSError:
         return
     for name in names:
-        path = os.path.join(shm_dir, name)
         with contextlib.suppress(OSError):
-            if os.stat(path).st_size == 0:
-                os.unlink(path)
+            os.unlink(os.path.join(shm_dir, name))
 
 
 class _Batches(torch.utils.data.Sampler):
@@ -326,6 +328,27 @@ def dump_shards(
     return path
 
 
+def _start_workers(loader, n_workers: int):
+    """iter(loader), with a clear error where the workers cannot start: their queues' semaphores
+    live in /dev/shm, so a full /dev/shm fails here (OSError ENOSPC)."""
+    hook, error = sys.unraisablehook, None
+    try:
+        try:
+            return iter(loader)
+        except OSError as err:
+            # the half-built iterator is freed with this exception, and its __del__ fails as well:
+            # one clear message, not a second traceback
+            sys.unraisablehook = lambda unraisable: None
+            error = err.strerror or str(err)
+    finally:
+        sys.unraisablehook = hook
+        if error is not None:
+            raise DumpError(
+                f"cannot start {n_workers} image-loading worker(s): {error}. Is /dev/shm full? Free space there, "
+                "or use --workers 0 (images decoded in the main process). No shard was written."
+            )
+
+
 def _dump(exp, md, path, todo, dev, batch_size, n_workers, progress, ds, load_transform, load_vit) -> None:
     from actcache.progress import Progress
 
@@ -344,7 +367,7 @@ def _dump(exp, md, path, todo, dev, batch_size, n_workers, progress, ds, load_tr
         pin_memory=dev.type == "cuda",
         timeout=LOADER_TIMEOUT_S if n_workers else 0,
     )
-    batch_iter = iter(loader)  # workers start decoding while the model loads
+    batch_iter = _start_workers(loader, n_workers)  # workers start decoding while the model loads
     try:
         t0 = time.monotonic()
         vit = load_vit(exp.vit.family, exp.vit.ckpt, dev)
