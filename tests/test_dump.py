@@ -296,6 +296,40 @@ def test_full_dev_shm_is_a_clear_error_and_leaves_nothing(tmp_path, ckpt, images
     assert shard_files(path) == {} and not temp_files(path)
 
 
+def test_disk_full_keeps_complete_shards_and_a_rerun_finishes_the_cache(tmp_path, ckpt, images):
+    # A real full disk: dump_to is a tmpfs of ~2.5 shards (and 4 pages) in the dump's own mount namespace (root).
+    # The dump stops with ENOSPC, having kept only complete shards; the filesystem is then grown
+    # (what an admin would do) and the same command finishes the cache, equal to an unhindered one.
+    exp = write_experiment(tmp_path / "exp.yaml", ckpt, images)
+    ref = dump_shards(load_experiment(exp), None, str(tmp_path / "ref"), progress=False)
+    want = shard_files(ref)
+    shard = len(want[shard_name(0)])
+    d, out_dir = tmp_path / "d", tmp_path / "out"
+    d.mkdir()
+    dump = [sys.executable, "-m", "actcache.cli", "dump", "--experiment", exp, "--dump-to", str(d), "--no-progress"]
+    script = (
+        f"mount -t tmpfs -o size={(-(-shard // 4096) * 5 // 2 + 4) * 4096} tmpfs {d} || exit 99\n"
+        '"$@"; echo "rc1=$?" >&2\n'
+        f"find {d} -type f -printf 'file %P %s\\n' | sort\n"
+        f"mount -o remount,size=64m {d}\n"
+        '"$@"; echo "rc2=$?" >&2\n'
+        f"cp -r {d} {out_dir}\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    out = subprocess.run(["unshare", "--mount", "sh", "-c", script, "sh", *dump], capture_output=True, text=True,
+                         timeout=240, env=env, cwd=ROOT)  # fmt: skip
+    assert out.returncode == 0 and "rc1=2" in out.stderr and "rc2=0" in out.stderr, out.stderr
+    first = out.stderr.split("rc1=")[0]
+    assert "No space left on device" in first and "re-run the same command" in first and "Traceback" not in first
+    after_full = dict(line[5:].rsplit(" ", 1) for line in out.stdout.splitlines() if line.startswith("file "))
+    bins = {os.path.basename(p): int(n) for p, n in after_full.items() if p.endswith(".bin")}
+    assert 0 < len(bins) < len(want) and set(bins.values()) == {shard}, after_full  # complete shards only
+    assert not [p for p in after_full if is_temp(os.path.basename(p))], after_full
+    (path,) = hash_dirs(out_dir)
+    assert os.path.basename(path) == os.path.basename(ref) and shard_files(path) == want
+    assert gather(path)
+
+
 def test_writer_thread_error_surfaces_promptly(tmp_path):
     from conftest import make_metadata
 
