@@ -204,3 +204,44 @@ def test_cli_checkpoints_and_exits_on_sigterm_then_resumes(tmp_path):
     assert 10 <= step < 300  # written at the step where SIGTERM arrived (no periodic checkpoint before 1000)
     assert train_cli(*argv) == 0
     assert os.path.exists(os.path.join(d, "done.json"))
+
+
+def test_full_disk_during_a_checkpoint_is_a_clear_error_and_a_rerun_resumes(tmp_path):
+    # A real full disk: runs_to is a 1,200 KiB tmpfs in the trainer's own mount namespace (root).
+    # One checkpoint (~810 KB: weights + optimizer state) fits, the next does not. The error names
+    # the checkpoint and the step to resume from; the complete checkpoint survives; after the
+    # filesystem grows the same command resumes and ends with the weights of an unhindered run.
+    train = {"batch_size": 128, "steps": 60, "width": 512, "k": 4, "log_every": 10, "ckpt_every": 20, "eval_frac": 0.1}
+    exp = write_experiment(tmp_path, train, n_imgs=512)
+    path, _ = experiment_cache(exp, tmp_path / "cache")
+    (run,) = expand_train_section(train, exp)
+    argv = ["--experiment", exp, "--dump-to", str(tmp_path / "cache"), "--device", "cpu"]
+    assert train_cli(*argv, "--runs-to", str(tmp_path / "ref")) == 0
+    want = SAE.load(run_dir(tmp_path / "ref", os.path.basename(path), run))
+
+    runs, out_dir = tmp_path / "runs", tmp_path / "out"
+    runs.mkdir()
+    train_cmd = [sys.executable, "-m", "actcache.cli", "train", *argv, "--runs-to", str(runs)]
+    script = (
+        f"mount -t tmpfs -o size=1200k tmpfs {runs} || exit 99\n"
+        '"$@"; echo "rc1=$?" >&2\n'
+        f"find {runs} -printf 'file %P\\n' | sort\n"
+        f"mount -o remount,size=64m {runs}\n"
+        '"$@"; echo "rc2=$?" >&2\n'
+        f"cp -r {runs} {out_dir}\n"
+    )
+    proc = subprocess.run(["unshare", "--mount", "sh", "-c", script, "sh", *train_cmd], capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0 and "rc1=2" in proc.stderr and "rc2=0" in proc.stderr, proc.stderr[-3000:]
+    first = proc.stderr.split("rc1=")[0]
+    assert "Traceback" not in first, first[-3000:]
+    assert "could not write the checkpoint of step 40" in first and "No space left on device (ENOSPC)" in first
+    assert "re-run the same command: training resumes from its last complete checkpoint (step 20 here)" in first
+    listed = [ln[5:] for ln in proc.stdout.splitlines() if ln.startswith("file ")]
+    ckpts = sorted({p.split("/checkpoints/")[1].split("/")[0] for p in listed if "/checkpoints/" in p})
+    assert ckpts == ["step-00000020"], listed  # complete, and no temporary checkpoint directory
+    d = run_dir(out_dir, os.path.basename(path), run)
+    assert os.path.exists(os.path.join(d, "done.json"))
+    got = SAE.load(d)
+    for name, w in want.state_dict().items():
+        torch.testing.assert_close(got.state_dict()[name], w, rtol=0, atol=0, equal_nan=True)

@@ -21,8 +21,10 @@ the trainer write a checkpoint at the current step and raise :class:`Preempted`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import errno
 import json
 import logging
 import os
@@ -97,6 +99,30 @@ class _Member:
         self.last = out
         self.acc_sum += torch.stack([getattr(out, k).detach().double() for k in _SCALARS])
         self.acc_n += 1
+
+
+@contextlib.contextmanager
+def _writing(what: str, directory: str):
+    """An OSError while writing ``what`` under a run directory (a full disk, a quota, a read-only
+    filesystem) -> a TrainError naming it and the fix. Checkpoints are written atomically and a
+    resume drops metric lines cut short, so nothing already written is lost."""
+    try:
+        yield
+    except OSError as err:
+        try:
+            done = ckpt.steps(directory)
+        except OSError:
+            done = []
+        resume = (
+            f"training resumes from its last complete checkpoint (step {done[-1]} here)"
+            if done
+            else "training starts again"
+        )
+        code = f" ({errno.errorcode[err.errno]})" if err.errno in errno.errorcode else ""
+        raise TrainError(
+            f"could not write {what} in {directory}: {err.strerror or err}{code}. Nothing already written was lost; "
+            f"free space there (or fix its permissions) and re-run the same command: {resume}."
+        ) from err
 
 
 def _now() -> str:
@@ -202,8 +228,9 @@ class GroupTrainer:
                 log.info("SAE %s is done (%s); skipped", r.sae_id, os.path.join(d, DONE_FILE))
         if self.ctx.is_main:
             for r, d in pending:
-                self._write_run_json(r, d)
-                ckpt.clean_temps(d)
+                with _writing("run.json", d):
+                    self._write_run_json(r, d)
+                    ckpt.clean_temps(d)
         ddp.barrier(self.ctx)
         for start, members in self._passes(pending):
             self._train_pass(cache, start, members)
@@ -292,7 +319,9 @@ class GroupTrainer:
                    "world_size": self.ctx.world_size, "time": _now()}  # fmt: skip
             for m in members:
                 if step not in ckpt.steps(m.dir):  # (a resumed, already finished pass has it)
-                    ckpt.save(m.dir, step, m.sae, m.opt, m.obj, pos, {"metric_sum": m.acc_sum, "metric_n": m.acc_n})
+                    with _writing(f"the checkpoint of step {step}", m.dir):
+                        extra = {"metric_sum": m.acc_sum, "metric_n": m.acc_n}
+                        ckpt.save(m.dir, step, m.sae, m.opt, m.obj, pos, extra)
             for m in members:  # only now, when every member has `step`
                 ckpt.prune(m.dir, keep=step)
         ddp.barrier(self.ctx)
@@ -312,7 +341,10 @@ class GroupTrainer:
                     "n_dead": int(m.last.n_dead), "n_dense": int(m.last.n_dense), **timing, "time": _now()}  # fmt: skip
             m.last_line = line
             if self.ctx.is_main:
-                with open(os.path.join(m.dir, METRICS_FILE), "a", encoding="utf-8") as fh:
+                with (
+                    _writing(METRICS_FILE, m.dir),
+                    open(os.path.join(m.dir, METRICS_FILE), "a", encoding="utf-8") as fh,
+                ):
                     fh.write(json.dumps(line) + "\n")
         if self.ctx.is_main:
             _wandb_log(self, members, step)
@@ -323,15 +355,18 @@ class GroupTrainer:
     def _finish(self, cache, members: list[_Member]) -> None:
         run = self.runs[0]
         for m in members:
-            m.sae.save(m.dir)
+            with _writing("the final weights", m.dir):
+                m.sae.save(m.dir)
         evals = self._evaluate(cache, members)
         for m, ev in zip(members, evals, strict=True):
-            write_eval(m.dir, ev)
+            with _writing("eval.json", m.dir):
+                write_eval(m.dir, ev)
             done = {"sae_id": m.run.sae_id, "group_id": self.group_id, "cache_hash": self.md.hash,
                     "steps": run.steps, "tokens": run.steps * run.batch_size, "final": m.last_line,
                     "eval": {k: ev.get(k) for k in ("n_tokens", "nmse", "l0", "n_dead", "n_dense")},
                     "finished": _now()}  # fmt: skip
-            _write_json(os.path.join(m.dir, DONE_FILE), done)
+            with _writing(DONE_FILE, m.dir):
+                _write_json(os.path.join(m.dir, DONE_FILE), done)
             log.info("SAE %s done: %s", m.run.sae_id, os.path.join(m.dir, DONE_FILE))
 
     def _evaluate(self, cache, members: list[_Member]) -> list[dict]:
