@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 
 import numpy as np
@@ -301,6 +302,32 @@ def test_reuse_skips_the_pass(world, page, capsys):
 
 
 # ---- sweeps ----------------------------------------------------------------------------------
+
+
+def test_full_disk_is_a_clear_error_and_keeps_the_page(world, page, tmp_path):
+    # A real full disk: a copy of the run directory (with its page) on a tmpfs in the command's own
+    # mount namespace (root), with 16 pages to spare. The new page does not fit: one clear error,
+    # and the page already there is untouched, with no temporary folder left.
+    run = tmp_path / "run"
+    shutil.copytree(world["run"], run)
+    files = [os.path.join(d, f) for d, _, fs in os.walk(run) for f in fs]
+    pages_used = sum(-(-os.path.getsize(f) // 4096) for f in files)
+    page_bytes = sum(os.path.getsize(f) for f in files if os.sep + "visuals" + os.sep in f)
+    assert page_bytes > 16 * 4096  # the page cannot fit again in the room left
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    script = (
+        f"mount -t tmpfs -o size={(pages_used + 16 + len(files)) * 4096} tmpfs {mnt} || exit 99\n"
+        f'cp -a {run} {mnt}/run || exit 98\n"$@" {mnt}/run; echo "rc=$?" >&2\n'
+        f"diff -r {run} {mnt}/run && echo SAME\n"
+    )
+    cmd = [sys.executable, "-m", "actcache.cli", "visuals", "--latents", "12", "--device", "cpu"]
+    out = subprocess.run(["unshare", "--mount", "sh", "-c", script, "sh", *cmd], capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert "rc=2" in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "could not write the visuals of" in out.stderr and "No space left on device (ENOSPC)" in out.stderr
+    assert "a page already there is kept" in out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "SAME", out.stdout  # the page as it was, nothing added
 
 
 def test_sweep_of_trained_saes(world, capsys, tmp_path):

@@ -25,8 +25,10 @@ Modules: this one (runs, errors, the pass, the CLI), :mod:`actcache.topk` (strea
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import errno
 import json
 import logging
 import math
@@ -294,6 +296,20 @@ def _patch_of_token(md, patches: str, layer: int) -> np.ndarray:
     return np.asarray(sel.decode(np.arange(sel.per_img))[3], np.int64)
 
 
+@contextlib.contextmanager
+def _writing(what: str, kept: str):
+    """An OSError while writing output (a full disk, a quota, a read-only folder) -> a VisualsError
+    naming it and the fix, not a traceback."""
+    try:
+        yield
+    except OSError as err:
+        code = f" ({errno.errorcode[err.errno]})" if err.errno in errno.errorcode else ""
+        raise VisualsError(
+            f"could not write {what}: {err.strerror or err}{code}; {kept}. Free space there (or fix its "
+            "permissions) and re-run the same command."
+        ) from err
+
+
 def write_visuals(run: Run, cache, res: LatentSummary, src, opts, timings: dict) -> str:
     """Write RUN_DIR/visuals/ (into a temporary sibling, then renamed) and RUN_DIR/visuals.html
     (the same page, self-contained); returns visuals/index.html."""
@@ -447,15 +463,17 @@ def cli_visuals(args) -> int:
                     results[r.dir] = res
             pass_s = time.perf_counter() - t0
             for r in members:
-                path = write_visuals(r, cache, results[r.dir], src, args,
-                                     {"pass_s": pass_s, **timings, "reused": r not in todo})  # fmt: skip
+                with _writing(f"the visuals of {r.dir}", "a page already there is kept"):
+                    path = write_visuals(r, cache, results[r.dir], src, args,
+                                         {"pass_s": pass_s, **timings, "reused": r not in todo})  # fmt: skip
                 print(path)
     if len(runs) > 1 or args.out or args.plots_only:
         out = args.out or os.path.join(os.path.commonpath([os.path.abspath(os.path.dirname(r.dir)) for r in runs]),
                                        VISUALS_DIR)  # fmt: skip
         from actcache.visuals_plots import write_sweep
 
-        made = write_sweep(runs, out)
+        with _writing(f"the sweep plots in {out}", "a plot cut short there is rewritten by the re-run"):
+            made = write_sweep(runs, out)
         for name in made:
             print(os.path.join(out, f"{name}.png"))
         print(os.path.join(out, "index.html"))
