@@ -296,6 +296,28 @@ def test_full_dev_shm_is_a_clear_error_and_leaves_nothing(tmp_path, ckpt, images
     assert shard_files(path) == {} and not temp_files(path)
 
 
+def test_dump_to_with_one_page_of_room(tmp_path, ckpt, images):
+    # dump_to a 4 KiB tmpfs in the dump's own mount namespace (root): its one page goes to the image
+    # listing or to metadata.json, and the next set-up write fails. One clear error; what is left
+    # is whole.
+    exp = write_experiment(tmp_path / "exp.yaml", ckpt, images)
+    d, out_dir = tmp_path / "d", tmp_path / "out"
+    d.mkdir()
+    dump = [sys.executable, "-m", "actcache.cli", "dump", "--experiment", exp, "--dump-to", str(d), "--no-progress"]
+    script = f'mount -t tmpfs -o size=4k tmpfs {d} || exit 99\n"$@"; echo "rc=$?" >&2\ncp -r {d} {out_dir}\n'
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    out = subprocess.run(["unshare", "--mount", "sh", "-c", script, "sh", *dump], capture_output=True, text=True,
+                         timeout=120, env=env, cwd=ROOT)  # fmt: skip
+    assert "rc=2" in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "error: creating " in out.stderr or "error: writing labels into" in out.stderr, out.stderr[-3000:]
+    assert "failed: No space left on device (ENOSPC). Check that dump_to is writable and has free space" in out.stderr
+    for path in hash_dirs(out_dir):
+        left = os.listdir(path)
+        assert set(left) <= {"metadata.json"}, left  # no labels file, whole or partial; no temporary file
+        if left:
+            assert Metadata.load(os.path.join(path, "metadata.json")).hash == os.path.basename(path)
+
+
 def test_disk_full_keeps_complete_shards_and_a_rerun_finishes_the_cache(tmp_path, ckpt, images):
     # A real full disk: dump_to is a tmpfs of ~2.5 shards (and 4 pages) in the dump's own mount namespace (root).
     # The dump stops with ENOSPC, having kept only complete shards; the filesystem is then grown

@@ -31,6 +31,7 @@ Guarantees:
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -257,7 +258,10 @@ def _write_labels(path: str, ds) -> None:
 
 
 def _setup_error(err: OSError, what: str) -> DumpError:
-    return DumpError(f"{what} failed: {err.strerror or err} ({getattr(err, 'filename', None) or ''}). "
+    name = getattr(err, "filename", None)
+    at = f" ({name})" if name and str(name) not in what else ""
+    code = errno.errorcode.get(err.errno, str(err.errno)) if err.errno is not None else type(err).__name__
+    return DumpError(f"{what} failed{at}: {err.strerror or err} ({code}). "
                      "Check that dump_to is writable and has free space.")  # fmt: skip
 
 
