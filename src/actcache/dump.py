@@ -31,7 +31,6 @@ Guarantees:
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import signal
@@ -43,7 +42,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from actcache.errors import ConfigError, DumpError, ProtocolError
+from actcache.errors import ConfigError, DumpError, ProtocolError, os_error_text
 from actcache.protocol import Metadata, shard_name
 from actcache.sink import QUEUE_DEPTH, PinnedRing, ShardSink
 from actcache.writer import ensure_metadata, shard_is_complete
@@ -260,8 +259,7 @@ def _write_labels(path: str, ds) -> None:
 def _setup_error(err: OSError, what: str) -> DumpError:
     name = getattr(err, "filename", None)
     at = f" ({name})" if name and str(name) not in what else ""
-    code = errno.errorcode.get(err.errno, str(err.errno)) if err.errno is not None else type(err).__name__
-    return DumpError(f"{what} failed{at}: {err.strerror or err} ({code}). "
+    return DumpError(f"{what} failed{at}: {os_error_text(err)}. "
                      "Check that dump_to is writable and has free space.")  # fmt: skip
 
 
@@ -343,7 +341,7 @@ def _start_workers(loader, n_workers: int):
             # the half-built iterator is freed with this exception, and its __del__ fails as well:
             # one clear message, not a second traceback
             sys.unraisablehook = lambda unraisable: None
-            error = err.strerror or str(err)
+            error = os_error_text(err)
     finally:
         sys.unraisablehook = hook
         if error is not None:

@@ -5,6 +5,8 @@ The CLI catches ActCacheError and prints its message (no traceback), exiting wit
 
 from __future__ import annotations
 
+import errno
+
 
 class ActCacheError(Exception):
     """Base class: something the user can fix (a file, a field, a value)."""
@@ -40,3 +42,10 @@ class BatchTimeoutError(LoaderError):
 
 class TrainError(ActCacheError):
     """SAE training failed because of its input (config, data)."""
+
+
+def os_error_text(err: OSError) -> str:
+    """An OSError as a user reads it: "No space left on device (ENOSPC)"."""
+    code = errno.errorcode.get(err.errno) if err.errno is not None else None
+    text = err.strerror or str(err)
+    return f"{text} ({code})" if code else text

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import errno
 import json
 import logging
 import math
@@ -39,7 +38,7 @@ import time
 
 import numpy as np
 
-from actcache.errors import ActCacheError, ConfigError
+from actcache.errors import ActCacheError, ConfigError, os_error_text
 from actcache.fsutil import atomic_write_bytes
 from actcache.topk import LatentStats, LatentSummary
 
@@ -303,9 +302,8 @@ def _writing(what: str, kept: str):
     try:
         yield
     except OSError as err:
-        code = f" ({errno.errorcode[err.errno]})" if err.errno in errno.errorcode else ""
         raise VisualsError(
-            f"could not write {what}: {err.strerror or err}{code}; {kept}. Free space there (or fix its "
+            f"could not write {what}: {os_error_text(err)}; {kept}. Free space there (or fix its "
             "permissions) and re-run the same command."
         ) from err
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import errno
 import json
 import logging
 import os
@@ -35,7 +34,7 @@ from collections.abc import Callable
 
 import torch
 
-from actcache.errors import ConfigError, TrainError
+from actcache.errors import ConfigError, TrainError, os_error_text
 from actcache.fsutil import atomic_write_bytes
 from actcache.sae import checkpoint as ckpt
 from actcache.sae import ddp
@@ -118,9 +117,8 @@ def _writing(what: str, directory: str):
             if done
             else "training starts again"
         )
-        code = f" ({errno.errorcode[err.errno]})" if err.errno in errno.errorcode else ""
         raise TrainError(
-            f"could not write {what} in {directory}: {err.strerror or err}{code}. Nothing already written was lost; "
+            f"could not write {what} in {directory}: {os_error_text(err)}. Nothing already written was lost; "
             f"free space there (or fix its permissions) and re-run the same command: {resume}."
         ) from err
 
