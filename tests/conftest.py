@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 
 import numpy as np
@@ -16,6 +17,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 SHM = "/dev/shm"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def in_mount_namespace(script: str, argv: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """``sh -c script`` with ``argv`` as "$@", in a mount namespace of its own (needs root): the
+    script can mount a small tmpfs over a folder, for a real full disk that the machine's own
+    filesystems never see."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    cmd = ["unshare", "--mount", "sh", "-c", script, "sh", *map(str, argv)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
 def _shm_names() -> set[str]:

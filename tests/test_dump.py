@@ -23,6 +23,7 @@ from actcache.fsutil import is_temp
 from actcache.protocol import SHARDS_FILE, Metadata, shard_name
 from actcache.validate import validate_dir
 from actcache.writer import gather
+from conftest import in_mount_namespace
 from fixtures_vit import make_checkpoint, reference_hidden_states
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -274,9 +275,7 @@ def _dump_over_small_dev_shm(tmp_path, exp, size):
     script = (
         f'mount -t tmpfs -o size={size} tmpfs /dev/shm || exit 99; "$@"; rc=$?; echo "left:$(ls -A /dev/shm)"; exit $rc'
     )
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    out = subprocess.run(["unshare", "--mount", "sh", "-c", script, "sh", *dump], capture_output=True, text=True,
-                         timeout=120, env=env, cwd=ROOT)  # fmt: skip
+    out = in_mount_namespace(script, dump, timeout=120)
     assert out.returncode != 99, out.stderr
     return out, out.stdout.strip().splitlines()[-1].removeprefix("left:")
 
@@ -305,9 +304,7 @@ def test_dump_to_with_one_page_of_room(tmp_path, ckpt, images):
     d.mkdir()
     dump = [sys.executable, "-m", "actcache.cli", "dump", "--experiment", exp, "--dump-to", str(d), "--no-progress"]
     script = f'mount -t tmpfs -o size=4k tmpfs {d} || exit 99\n"$@"; echo "rc=$?" >&2\ncp -r {d} {out_dir}\n'
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    out = subprocess.run(["unshare", "--mount", "sh", "-c", script, "sh", *dump], capture_output=True, text=True,
-                         timeout=120, env=env, cwd=ROOT)  # fmt: skip
+    out = in_mount_namespace(script, dump, timeout=120)
     assert "rc=2" in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
     assert "error: creating " in out.stderr or "error: writing labels into" in out.stderr, out.stderr[-3000:]
     assert "failed: No space left on device (ENOSPC). Check that dump_to is writable and has free space" in out.stderr
@@ -337,9 +334,7 @@ def test_disk_full_keeps_complete_shards_and_a_rerun_finishes_the_cache(tmp_path
         '"$@"; echo "rc2=$?" >&2\n'
         f"cp -r {d} {out_dir}\n"
     )
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    out = subprocess.run(["unshare", "--mount", "sh", "-c", script, "sh", *dump], capture_output=True, text=True,
-                         timeout=240, env=env, cwd=ROOT)  # fmt: skip
+    out = in_mount_namespace(script, dump, timeout=240)
     assert out.returncode == 0 and "rc1=2" in out.stderr and "rc2=0" in out.stderr, out.stderr
     first = out.stderr.split("rc1=")[0]
     assert "No space left on device" in first and "re-run the same command" in first and "Traceback" not in first

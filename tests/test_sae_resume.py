@@ -19,6 +19,7 @@ from actcache.sae import checkpoint as ckpt
 from actcache.sae.config import expand_train_section, run_dir
 from actcache.sae.modeling import SAE
 from actcache.sae.train import Preempted, train_group
+from conftest import in_mount_namespace
 from test_sae_train import dictionary_cache, experiment_cache, train_cli, write_experiment
 
 TRAIN = {"batch_size": 128, "steps": 40, "width": 128, "log_every": 10, "ckpt_every": 10, "eval_frac": 0.1,
@@ -230,8 +231,7 @@ def test_full_disk_during_a_checkpoint_is_a_clear_error_and_a_rerun_resumes(tmp_
         '"$@"; echo "rc2=$?" >&2\n'
         f"cp -r {runs} {out_dir}\n"
     )
-    proc = subprocess.run(["unshare", "--mount", "sh", "-c", script, "sh", *train_cmd], capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    proc = in_mount_namespace(script, train_cmd)
     assert proc.returncode == 0 and "rc1=2" in proc.stderr and "rc2=0" in proc.stderr, proc.stderr[-3000:]
     first = proc.stderr.split("rc1=")[0]
     assert "Traceback" not in first, first[-3000:]

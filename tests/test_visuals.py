@@ -35,6 +35,7 @@ from actcache.protocol import Metadata
 from actcache.sae.modeling import SAE, SAEConfig
 from actcache.topk import N_BINS
 from actcache.writer import synthetic_fill, synthetic_metadata, write_cache, write_cache_from_array
+from conftest import in_mount_namespace
 
 D, WIDTH, K_SAE, N_PER_CLASS = 16, 48, 4, 8
 SAE_ID = "abc123def456"
@@ -322,8 +323,7 @@ def test_full_disk_is_a_clear_error_and_keeps_the_page(world, page, tmp_path):
         f"diff -r {run} {mnt}/run && echo SAME\n"
     )
     cmd = [sys.executable, "-m", "actcache.cli", "visuals", "--latents", "12", "--device", "cpu"]
-    out = subprocess.run(["unshare", "--mount", "sh", "-c", script, "sh", *cmd], capture_output=True, text=True,
-                         timeout=300)  # fmt: skip
+    out = in_mount_namespace(script, cmd)
     assert "rc=2" in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
     assert "could not write the visuals of" in out.stderr and "No space left on device (ENOSPC)" in out.stderr
     assert "a page already there is kept" in out.stderr
