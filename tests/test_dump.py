@@ -72,6 +72,12 @@ def write_experiment(path, ckpt, images, family="clip", layers=LAYERS, imgs_per_
     return str(path)
 
 
+def dump_argv(exp, dump_to) -> list[str]:
+    """The command line of `actcache dump` for an experiment (for a process of its own)."""
+    return [sys.executable, "-m", "actcache.cli", "dump", "--experiment", str(exp), "--dump-to", str(dump_to),
+            "--no-progress"]  # fmt: skip
+
+
 def cli(*args, timeout=120, **kw) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     return subprocess.run([sys.executable, "-m", "actcache.cli", *args], capture_output=True, text=True,
@@ -270,8 +276,7 @@ def test_worker_cannot_share_a_batch_fails_without_hanging(tmp_path, ckpt, image
 def _dump_over_small_dev_shm(tmp_path, exp, size):
     """The dump in its own mount namespace over a tmpfs /dev/shm of ``size`` (needs root); the
     namespace's /dev/shm is listed once the dump has ended: (process, what was left there)."""
-    dump = [sys.executable, "-m", "actcache.cli", "dump", "--experiment", exp, "--dump-to", str(tmp_path / "d"),
-            "--no-progress"]  # fmt: skip
+    dump = dump_argv(exp, tmp_path / "d")
     script = (
         f'mount -t tmpfs -o size={size} tmpfs /dev/shm || exit 99; "$@"; rc=$?; echo "left:$(ls -A /dev/shm)"; exit $rc'
     )
@@ -302,7 +307,7 @@ def test_dump_to_with_one_page_of_room(tmp_path, ckpt, images):
     exp = write_experiment(tmp_path / "exp.yaml", ckpt, images)
     d, out_dir = tmp_path / "d", tmp_path / "out"
     d.mkdir()
-    dump = [sys.executable, "-m", "actcache.cli", "dump", "--experiment", exp, "--dump-to", str(d), "--no-progress"]
+    dump = dump_argv(exp, d)
     script = f'mount -t tmpfs -o size=4k tmpfs {d} || exit 99\n"$@"; echo "rc=$?" >&2\ncp -r {d} {out_dir}\n'
     out = in_mount_namespace(script, dump, timeout=120)
     assert "rc=2" in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
@@ -325,7 +330,7 @@ def test_disk_full_keeps_complete_shards_and_a_rerun_finishes_the_cache(tmp_path
     shard = len(want[shard_name(0)])
     d, out_dir = tmp_path / "d", tmp_path / "out"
     d.mkdir()
-    dump = [sys.executable, "-m", "actcache.cli", "dump", "--experiment", exp, "--dump-to", str(d), "--no-progress"]
+    dump = dump_argv(exp, d)
     script = (
         f"mount -t tmpfs -o size={(-(-shard // 4096) * 5 // 2 + 4) * 4096} tmpfs {d} || exit 99\n"
         '"$@"; echo "rc1=$?" >&2\n'

@@ -167,7 +167,8 @@ def _collate(items):
             out = out.share_memory_()
         np.stack([x for x, _ in items], out=out.numpy())
     except (RuntimeError, OSError) as err:
-        _remove_failed_segments()
+        if torch.utils.data.get_worker_info() is not None:
+            _remove_failed_segments()
         nbytes = int(np.prod(shape)) * items[0][0].itemsize
         return _BatchError(
             f"cannot pass a batch of {shape[0]} images ({nbytes:,} bytes) from an image-loading worker to the "
@@ -333,22 +334,19 @@ def dump_shards(
 def _start_workers(loader, n_workers: int):
     """iter(loader), with a clear error where the workers cannot start: their queues' semaphores
     live in /dev/shm, so a full /dev/shm fails here (OSError ENOSPC)."""
-    hook, error = sys.unraisablehook, None
+    hook = sys.unraisablehook
     try:
-        try:
-            return iter(loader)
-        except OSError as err:
-            # the half-built iterator is freed with this exception, and its __del__ fails as well:
-            # one clear message, not a second traceback
-            sys.unraisablehook = lambda unraisable: None
-            error = os_error_text(err)
-    finally:
-        sys.unraisablehook = hook
-        if error is not None:
-            raise DumpError(
-                f"cannot start {n_workers} image-loading worker(s): {error}. Is /dev/shm full? Free space there, "
-                "or use --workers 0 (images decoded in the main process). No shard was written."
-            )
+        return iter(loader)
+    except OSError as err:
+        error = os_error_text(err)
+        # the half-built iterator is freed with this exception, at the end of this block, and its
+        # __del__ fails as well: one clear message, not a second traceback
+        sys.unraisablehook = lambda unraisable: None
+    sys.unraisablehook = hook
+    raise DumpError(
+        f"cannot start {n_workers} image-loading worker(s): {error}. Is /dev/shm full? Free space there, "
+        "or use --workers 0 (images decoded in the main process). No shard was written."
+    )
 
 
 def _dump(exp, md, path, todo, dev, batch_size, n_workers, progress, ds, load_transform, load_vit) -> None:
