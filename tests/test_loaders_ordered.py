@@ -249,3 +249,29 @@ def test_prefetch_asks_only_for_ranges_not_cached(tmp_path, monkeypatch):
     maps.prefetch(0, starts, ends)
     assert asked == [(0, 2**14), (2**16, 2**14)]
     maps.close()
+
+
+@pytest.mark.parametrize("io", ["auto", "read"])
+def test_first_batch_is_requested_before_any_other(tmp_path, io):
+    """The readers ask for the first batch's byte ranges before any later batch's (their requests
+    would otherwise interleave at the disk and the first batch arrive with the last): a slow
+    request of batch 0 holds the others back; the batches still come whole and in order."""
+    path, _, _ = make_cache(tmp_path, n_imgs=24, layers=(3,), n_patches=6, d=8, imgs_per_shard=5)
+    want = expected(IndexedDataset(path, "image", 3))
+    ld = OrderedLoader(path, batch_size=36, layer=3, io=io, n_readers=4)  # batch 0: 5 + 1 images
+    events, lock = [], threading.Lock()
+
+    def hook(stage, info):
+        if stage != "read":
+            return
+        with lock:
+            events.append((info["batch"], info["shard"]))
+        if info["batch"] == 0 and info["shard"] == 0:
+            time.sleep(0.3)  # the other readers are free meanwhile: they must wait
+
+    ld.debug_hook = hook
+    _, got = concat(ld)
+    np.testing.assert_array_equal(got[0], want[0])
+    first_others = next(i for i, (k, _) in enumerate(events) if k > 0)
+    assert events[:first_others] == [(0, 0), (0, 1)]
+    assert sorted({k for k, _ in events}) == list(range(len(ld)))

@@ -63,6 +63,13 @@ MERGE_GAP = 64 * 2**10
 CALL_BYTES = 8 * 2**20
 SCALE_CALL_BYTES = 2 * 2**20
 IOV_MAX = 1024
+# The readers request the first batch's byte ranges before any other batch's: started together,
+# four readers' requests interleave at the disk and the first batch arrives with the fourth. One
+# layer of a 4-layer cache, cold (81 ranges of 600 KB per batch), first batch 0.11 -> 0.05 s and
+# the pass 1.7 -> 2.6 GB/s (medians of 8 alternating rounds); 1-layer cache (one 48 MB request
+# per batch, 1.5 ms to send): no difference beyond the noise. Requesting every batch strictly in
+# order was slower on the 4-layer cache (2.2 GB/s): later batches gain from parallel requests.
+FIRST_ALONE = True
 
 
 class OrderedLoader(BaseLoader):
@@ -152,6 +159,7 @@ class OrderedLoader(BaseLoader):
     def _make_iteration(self) -> Iteration:
         it = Iteration(self, "OrderedLoader", 0, len(self), self.read_ahead + 2)
         it.next_read = it.next_copy = it.frontier = 0
+        it.first_requested = False  # batch 0's reads have been requested (see FIRST_ALONE)
         it.resident = {}  # batch -> whether its bytes are mapped (io="mmap", or "auto" found them cached)
         it.done = set()
         it.released_img = self.ex_start // self.geom.per_img
@@ -193,11 +201,22 @@ class OrderedLoader(BaseLoader):
             owned = -(-b // per) - -(-a // per)  # images whose first example is in this batch
             spans = [(shard, simg, n, self._extents(shard, simg, n)) for shard, simg, n in self._spans(a, b)]
             cached = True
-            for shard, simg, n, ext in spans:
-                it.rt.status(name, f"reading {self.cache.shards[shard].name} images {simg}-{simg + n} (batch {k})")
-                self._hook("read", shard=shard, images=(simg, simg + n), batch=k)
-                if self.io != "mmap":  # start the reads; the copy threads' preadv waits for them
-                    cached = it.maps.prefetch(shard, *ext, gap=MERGE_GAP) and cached
+            ask = self.io != "mmap"  # start the reads; the copy threads' preadv waits for them
+            if ask and k > 0 and FIRST_ALONE:
+                with it.cond:
+                    it.rt.status(name, f"waiting to request batch {k}: batch 0's reads go first")
+                    it.rt.wait(lambda: it.first_requested)
+            try:
+                for shard, simg, n, ext in spans:
+                    it.rt.status(name, f"reading {self.cache.shards[shard].name} images {simg}-{simg + n} (batch {k})")
+                    self._hook("read", shard=shard, images=(simg, simg + n), batch=k)
+                    if ask:
+                        cached = it.maps.prefetch(shard, *ext, gap=MERGE_GAP) and cached
+            finally:
+                if ask and k == 0:
+                    with it.cond:
+                        it.first_requested = True
+                        it.cond.notify_all()
             mapped = self.io == "mmap" or (self.io == "auto" and cached and self.map_mode == "huge")
             if mapped:  # the copy thread copies out of the mappings (see the module doc)
                 for shard, _, _, ext in spans:
