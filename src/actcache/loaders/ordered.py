@@ -6,7 +6,8 @@
 Example ``i`` of the loader is example ``i`` of :class:`~actcache.loaders.indexed.IndexedDataset`
 (restricted to images [start_img, end_img)); batches span shard boundaries with no gap or
 duplicate; batches are yielded in order whatever the thread timing. Reader threads start the
-reads of the next batches (``read_ahead + 2`` batches ahead) and copy threads fill a batch each:
+reads of the next batches (``read_ahead + 2`` batches ahead; the first batch's alone, before any
+other's: FIRST_ALONE) and copy threads fill a batch each:
 
 ``io="auto"`` (default): each batch as ``io="read"`` below, except that when the readers find
 its bytes already in the page cache and the loader reads at least half of each image (the
