@@ -9,8 +9,9 @@ References (same run, same files): ref = one thread reading the shards with 8 Mi
 reused buffer; ref2 = two threads reading them into batch-sized (48 MiB) buffers; on a cache of
 several layers also ref layer = the raw read of just the bytes the loaders read (layer 10's
 patch-token ranges, ~600 KB each, one thread, one reused batch-sized buffer; cold, a second thread
-asks the kernel for them four batches ahead). Loaders count only the bytes of the layer they read. naive = torch DataLoader over IndexedDataset with a
-RandomSampler and 2 workers, time-boxed and extrapolated. Every measurement runs in a fresh
+asks the kernel for them four batches ahead). Loaders count only the bytes of the layer they
+read. naive = torch DataLoader over IndexedDataset with a RandomSampler and 2 workers,
+time-boxed and extrapolated. Every measurement runs in a fresh
 subprocess (clean peak-RSS figure, no mapping kept open across a cold measurement). Warm: page
 cache filled just before; cold: page cache dropped right before each measurement; cold-late: the
 same, then COLD_LATE_S idle before it starts (see the machine note: on this VM memory freed a
@@ -153,7 +154,7 @@ def ref_layer(path: str, batch_bytes: int, ask_ahead: bool) -> dict:
         asked = 0
         for f, a, b in ranges:
             with cond:
-                cond.wait_for(lambda: asked - state["read"] < ahead)  # noqa: B023
+                cond.wait_for(lambda asked=asked: asked - state["read"] < ahead)
             os.posix_fadvise(fds[f], a, b - a, os.POSIX_FADV_WILLNEED)
             asked += b - a
 
@@ -648,9 +649,9 @@ def main() -> None:
     ]
     for run in stored:
         groups: dict = {}  # modes grouped by the run that measured them (see --modes)
-        measured = run.get("measured") or {m: {"date": run["date"], "argv": run.get("argv", [__file__])} for m in MODES}
+        whole = {"date": run["date"], "argv": run.get("argv", [__file__])}
         for mode in run["results"]:
-            m = measured.get(mode, {"date": run["date"], "argv": run.get("argv", [__file__])})
+            m = (run.get("measured") or {}).get(mode, whole)
             groups.setdefault((m["date"], tuple(m["argv"])), []).append(mode)
         parts = []
         for (date, argv), modes in groups.items():
