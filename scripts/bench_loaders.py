@@ -643,7 +643,7 @@ def main() -> None:
         "ranges ('ref layer') ran at 0.72 x ref, 0.67 x ref cold-primed (2026-11-24 16:51 run), so the 0.9 "
         "x ref cold target is out of reach of any reader there; compare the loaders with ref layer (x ref "
         "layer). The ordered loader requests the first batch's ranges before any other's (its FIRST_ALONE): "
-        "cold, its first batch came in 0.05 s instead of 0.14 s and the pass rose from 0.70 to 0.81 x ref "
+        "cold, its first batch came in 0.06 s instead of 0.14 s and the pass rose from 0.70 to 0.81 x ref "
         "(~1.0 x ref layer).",
         "",
     ]

@@ -68,7 +68,7 @@ IOV_MAX = 1024
 # four readers' requests interleave at the disk and the first batch arrives with the fourth. One
 # layer of a 4-layer cache, cold (81 ranges of 600 KB per batch): first batch 0.11 -> 0.05 s and
 # the pass 1.7 -> 2.6 GB/s (one pass per process, medians of 8 alternating rounds); in
-# bench_loaders' rounds 0.14 -> 0.05 s and 0.70 -> 0.81 x ref, ~1.0 x a raw read of the same
+# bench_loaders' rounds 0.14 -> 0.06 s and 0.70 -> 0.81 x ref, ~1.0 x a raw read of the same
 # ranges. 1-layer cache (one 48 MB request per batch, 1.5 ms to send): no difference beyond the
 # noise. Requesting every batch strictly in order was slower on the 4-layer cache (2.2 GB/s):
 # later batches gain from parallel requests.
