@@ -162,8 +162,8 @@ def ref_layer(path: str, batch_bytes: int, ask_ahead: bool) -> dict:
     buf = np.empty(batch_bytes, np.uint8)
     buf[:] = 0
     mv = memoryview(buf)
-    th = threading.Thread(target=ask, daemon=True)
-    if ask_ahead:
+    th = threading.Thread(target=ask, daemon=True) if ask_ahead else None
+    if th is not None:
         th.start()
     pos = total = 0
     for f, a, b in ranges:
@@ -176,7 +176,7 @@ def ref_layer(path: str, batch_bytes: int, ask_ahead: bool) -> dict:
             state["read"] = total
             cond.notify_all()
     dt = time.perf_counter() - t0
-    if ask_ahead:
+    if th is not None:
         th.join()
     for fd in fds.values():
         os.close(fd)
