@@ -577,6 +577,26 @@ def test_blocks_stay_mapped_while_any_run_uses_them(cache):
     m.close()
 
 
+def test_a_pinned_block_stays_mapped_until_its_pinning_run_is_released(cache):
+    """block_pin holds the blocks of a span that some run maps (no new bytes), block_acquire with
+    those pins counts only the rest, and the pinned blocks outlive their first user."""
+    from actcache.loaders.buffers import HUGE, ShardMaps
+
+    path = cache[0]
+    names = sorted(f for f in os.listdir(path) if f.startswith("acts"))
+    m = ShardMaps(path, names, [4 * HUGE] * len(names), mode="huge")
+    assert m.block_acquire(0, 0, 2 * HUGE)[0] == 2 * HUGE  # run A: blocks 0, 1
+    pins = m.block_pin(0, HUGE, 4 * HUGE)  # run B (blocks 1-3) next in line: block 1 is mapped
+    assert pins.tolist() == [1]
+    assert m.block_new_bytes(0, HUGE, 4 * HUGE) == 2 * HUGE  # what reading B still adds
+    assert m.block_release(0, 0, 2 * HUGE) == HUGE  # A goes: block 0 is unmapped, block 1 is not
+    new, s, e = m.block_acquire(0, HUGE, 4 * HUGE, pinned=pins)
+    assert new == 2 * HUGE and s.tolist() == [2 * HUGE, 3 * HUGE]  # block 1 is not mapped again
+    assert m.block_release(0, HUGE, 4 * HUGE) == 3 * HUGE  # B goes: all three, block 1 once
+    assert m.block_new_bytes(0, 0, 4 * HUGE) == 4 * HUGE
+    m.close()
+
+
 def test_the_next_epoch_maps_only_the_blocks_that_change(tmp_path, monkeypatch):
     """Whole runs on huge-page mappings (the default for whole images): at an epoch boundary the
     next epoch's first runs reuse the blocks the last epoch's runs still map, so far fewer bytes
@@ -617,6 +637,64 @@ def test_the_next_epoch_maps_only_the_blocks_that_change(tmp_path, monkeypatch):
     # epoch 1 finds blocks epoch 0's last runs still map (measured: 10 of 16 blocks mapped anew);
     # without that it would map all 16 again, 12 of them for its first fill alone
     assert mapped[1] <= 14 * HUGE
+
+
+def test_the_next_epoch_keeps_the_blocks_its_first_fill_shares(tmp_path, monkeypatch):
+    """At an epoch boundary the old epoch's last runs all end with its last batch, and the next
+    epoch's first batch needs its whole first fill. Once that batch's runs are next in line, the
+    readers hold (pin) the blocks of them that older runs still map, so that releasing the older
+    runs does not unmap what must then be mapped again."""
+    import actcache.loaders.shuffled as shuffled
+    from actcache.loaders.buffers import HUGE, ShardMaps
+
+    path, md, acts = make_cache(tmp_path, n_imgs=1024, layers=(3,), n_patches=4, cls=False, d=2048, imgs_per_shard=256)
+    monkeypatch.setattr(shuffled, "HUGE_MIN_RUN", 0)  # huge mappings for this small cache
+    events = []  # ("map", shard, block) for the next epoch's first batch; ("unmap", shard, block)
+    local = threading.local()
+    make_resident, block_release = ShardMaps.make_resident, ShardMaps.block_release
+
+    def spy_map(self, shard, starts, ends):
+        if local.batch == nb:
+            events.extend(("map", shard, int(s) // HUGE) for s in starts)
+        return make_resident(self, shard, starts, ends)
+
+    def spy_release(self, shard, start, end):
+        out = block_release(self, shard, start, end)
+        refs = self._block_refs(shard)
+        events.extend(("unmap", shard, b) for b in range(start // HUGE, -(-end // HUGE)) if refs[b] == 0)
+        return out
+
+    def hook(stage, info):
+        if stage == "read":
+            local.batch = info["batch"]
+            if info["batch"] == nb:
+                events.append(("first read", None, None))
+
+    monkeypatch.setattr(ShardMaps, "make_resident", spy_map)
+    monkeypatch.setattr(ShardMaps, "block_release", spy_release)
+    ld = ShuffledLoader(path, batch_size=512, layer=3, buffer_bytes=12 * HUGE, run_bytes=HUGE, n_epochs=2, seed=9)
+    ld.debug_hook = hook
+    assert ld.map_mode == "huge"
+    nb = len(ld)
+    # from the plan alone: epoch 1's first fill shares blocks with the runs epoch 0 holds to its end
+    last = list(ld.epoch_plan(0).batches(0))[-1]
+    held = {(r.shard, b) for r, _ in last.releases for b in range(r.span[0] // HUGE, -(-r.span[1] // HUGE))}
+    fill = next(iter(ld.epoch_plan(1).batches(0))).admit
+    assert {(r.shard, b) for r in fill for b in range(r.span[0] // HUGE, -(-r.span[1] // HUGE))} & held
+    n = 0
+    for b in ld:
+        n += len(b["act"])
+        time.sleep(0.02)  # a consumer slower than the readers (see the test above)
+    assert n == 2 * 1024 * 4
+    # no block mapped for epoch 1's first batch had been unmapped since its runs came next in line
+    start = events.index(("first read", None, None))
+    remapped, n_mapped = [], 0
+    for j, (kind, s, b) in enumerate(events):
+        if kind == "map":
+            n_mapped += 1
+            if ("unmap", s, b) in events[start:j]:
+                remapped.append((s, b))
+    assert n_mapped and not remapped, remapped
 
 
 def _evict(path):

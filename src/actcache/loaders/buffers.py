@@ -10,7 +10,7 @@ the page cache AND mapped in this process, so later copies out of them never fau
 ``release`` (MADV_DONTNEED: unmap them from this process, so its resident memory shrinks;
 optionally POSIX_FADV_DONTNEED as well, which also drops them from the page cache); for whole
 2 MiB blocks with several users (the shuffled loader's runs, across epochs) ``block_acquire`` /
-``block_release``; for a sequential reader ``release_before``. madvise is called through ctypes
+``block_release``, and ``block_pin`` (hold the blocks a run shares with others before it is read); for a sequential reader ``release_before``. madvise is called through ctypes
 and fadvise through ``os``, so the GIL is released while the kernel works (``mmap.madvise``
 holds it).
 
@@ -392,13 +392,31 @@ class ShardMaps:
         refs = self._block_refs(shard)[a:b]
         return self._block_bytes(shard, np.flatnonzero(refs == 0) + a)
 
-    def block_acquire(self, shard: int, start: int, end: int) -> tuple[int, np.ndarray, np.ndarray]:
-        """Count one more user of the blocks under [start, end); -> (bytes newly held, starts,
-        ends of the byte ranges of blocks that had none: the caller populates those)."""
+    def block_pin(self, shard: int, start: int, end: int) -> np.ndarray:
+        """Count one more user of those blocks under [start, end) that some run maps already, so
+        that they stay mapped until the run is read (block_acquire with ``pinned``) and, later,
+        released: this holds no new bytes. -> their block numbers."""
         a, b = start // HUGE, -(-end // HUGE)
         refs = self._block_refs(shard)
-        new = np.flatnonzero(refs[a:b] == 0) + a
-        refs[a:b] += 1
+        held = np.flatnonzero(refs[a:b] > 0) + a
+        refs[held] += 1
+        return held
+
+    def block_acquire(
+        self, shard: int, start: int, end: int, pinned: np.ndarray | None = None
+    ) -> tuple[int, np.ndarray, np.ndarray]:
+        """Count one more user of the blocks under [start, end) (but the ``pinned`` ones, which
+        block_pin counted already); -> (bytes newly held, starts, ends of the byte ranges of
+        blocks that had none: the caller populates those)."""
+        a, b = start // HUGE, -(-end // HUGE)
+        refs = self._block_refs(shard)
+        if pinned is None or len(pinned) == 0:
+            new = np.flatnonzero(refs[a:b] == 0) + a
+            refs[a:b] += 1
+        else:
+            rest = np.setdiff1d(np.arange(a, b), pinned, assume_unique=True)
+            new = rest[refs[rest] == 0]
+            refs[rest] += 1
         if len(new) == 0:
             return 0, new, new
         s = new * HUGE

@@ -283,6 +283,7 @@ class Run:
         "slot",
         "weight",
         "span",
+        "pinned",
     )
 
     def __init__(self, key, row, n_strips: int, nT: int):
@@ -296,6 +297,7 @@ class Run:
         self.slot = None  # io="read": the arena slot holding the run
         self.weight = 1.0  # share weight while runs are still admitted (EpochPlan.batches)
         self.span = None  # one strip: [first, last) byte in the shard of the run's selected vectors
+        self.pinned = None  # 2 MiB mappings: the blocks of span it holds before it is read (ShardMaps.block_pin)
 
     def strip_tokens(self, g: int) -> tuple[int, int]:
         """[a, b): the rotated token positions of strip g (strip = position * n_strips // nT)."""

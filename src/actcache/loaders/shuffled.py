@@ -34,7 +34,9 @@ BENCHMARKS.md. Since 2026-11-24 that machine is a Zen-5 VM whose page cache -> b
     page tables; posix_fadvise WILLNEED would read into 4 KiB pages and cost ~12 GB/s of mapping
     work on every pass (first VM). A 2 MiB block stays mapped while any run, of this epoch or the
     next, uses it (ShardMaps.block_*): at an epoch boundary only the blocks that change are
-    unmapped and mapped (pause between epochs ~58 -> ~15 ms, Zen-5 VM). Fresh batch buffers are
+    unmapped and mapped (pause between epochs ~58 -> ~15 ms, Zen-5 VM), and the runs of the batch
+    next in line hold (pin) the blocks they share with older runs before those let go of them
+    (PIN_SHARED). Fresh batch buffers are
     faulted in by writing to them (kernels.touch), not with MADV_POPULATE_WRITE, which holds the
     process's mmap lock while the host backs the memory and stalled every numpy allocation of the
     planner (first batch's plan 80-160 -> ~20 ms).
@@ -130,6 +132,15 @@ GROW_AFTER_S = 0.005
 # Runs smaller than this are read through 4 KiB mappings: a run also holds the 2 MiB blocks at
 # its edges, which only pays for big runs.
 HUGE_MIN_RUN = 8 * HUGE
+# 2 MiB mappings: once a batch's runs are next in line to be read, each holds (block_pin) the
+# blocks it shares with runs still mapped, and a reader may take one whose blocks are all held
+# while the first waits for memory. Without this, at an epoch boundary (where the old epoch's
+# last runs all end with its last batch and the next one's first batch needs its whole first
+# fill) the release unmapped blocks the first fill then mapped again. 1-layer bench cache, 3.2 GB
+# buffer, epochs 2-5 in one process, 4 alternating rounds (/tmp/mc/bnd.py): page cache filled by
+# the loader's own cold read (small folios), pause between epochs 36-44 -> 15-22 ms, 12.5 ->
+# 13.5 GB/s; filled by one sequential read (2 MiB folios), 14-17 -> 9-11 ms, 15.4 -> 15.8 GB/s.
+PIN_SHARED = True
 
 
 class ShuffledLoader(BaseLoader):
@@ -372,18 +383,35 @@ class ShuffledLoader(BaseLoader):
             with it.cond:
                 it.rt.status(name, "waiting for a run to read (or for memory)")
 
-                def ready():
+                pick = [0]  # the index in it.loads of the run to read
+
+                def ready(pick=pick):
                     if not it.loads:
                         return False
-                    r, _, plan_bytes = it.loads[0]
+                    r, head_key, plan_bytes = it.loads[0]
+                    shared = 0  # the first of the batch's other runs whose blocks are all held
+                    if blocks and PIN_SHARED:
+                        for i, (q, k, _) in enumerate(it.loads):
+                            if k != head_key:
+                                break
+                            if q.pinned is None:
+                                q.pinned = it.maps.block_pin(q.shard, *q.span)
+                            if not shared and i and len(q.pinned) == -(-q.span[1] // HUGE) - q.span[0] // HUGE:
+                                shared = i
                     need = it.maps.block_new_bytes(r.shard, *r.span) if blocks else r.strip_bytes[r.first_strip :].sum()
                     limit = max(self.buffer_bytes, plan_bytes) + self.read_ahead_bytes
-                    return it.outstanding == 0 or it.outstanding + int(need) <= limit
+                    fits = it.outstanding == 0 or it.outstanding + int(need) <= limit
+                    pick[0] = 0 if fits else shared
+                    return fits or shared > 0
 
                 it.rt.wait(ready, cond=it.c_read)
-                r, key, _ = it.loads.popleft()
+                if pick[0]:
+                    r, key, _ = it.loads[pick[0]]
+                    del it.loads[pick[0]]
+                else:
+                    r, key, _ = it.loads.popleft()
                 if blocks:  # only the blocks no run maps yet are new (buffers.ShardMaps.block_*)
-                    need, starts, ends = it.maps.block_acquire(r.shard, *r.span)
+                    need, starts, ends = it.maps.block_acquire(r.shard, *r.span, pinned=r.pinned)
                 else:
                     need = int(r.strip_bytes[r.first_strip :].sum())
                 it.outstanding += need
