@@ -133,13 +133,14 @@ GROW_AFTER_S = 0.005
 # its edges, which only pays for big runs.
 HUGE_MIN_RUN = 8 * HUGE
 # 2 MiB mappings: once a batch's runs are next in line to be read, each holds (block_pin) the
-# blocks it shares with runs still mapped, and a reader may take one whose blocks are all held
-# while the first waits for memory. Without this, at an epoch boundary (where the old epoch's
-# last runs all end with its last batch and the next one's first batch needs its whole first
-# fill) the release unmapped blocks the first fill then mapped again. 1-layer bench cache, 3.2 GB
-# buffer, epochs 2-5 in one process, 4 alternating rounds (/tmp/mc/bnd.py): page cache filled by
-# the loader's own cold read (small folios), pause between epochs 36-44 -> 15-22 ms, 12.5 ->
-# 13.5 GB/s; filled by one sequential read (2 MiB folios), 14-17 -> 9-11 ms, 15.4 -> 15.8 GB/s.
+# blocks it shares with runs still mapped, and while the first waits for memory a reader may take
+# one whose blocks are all held. Without this, at an epoch boundary (the old epoch's last runs all
+# end with its last batch, and the next one's first batch needs its whole first fill) releasing
+# the old runs unmapped blocks that the first fill then mapped again. 1-layer bench cache, 3.2 GB
+# buffer, epochs 2-5 in one process (/tmp/mc/bnd.py): page cache filled by the loader's own cold
+# read (small folios), 4 alternating rounds: pause between epochs 36-44 -> 15-22 ms, 12.5 -> 13.5
+# GB/s; filled by one sequential read (2 MiB folios), 6 rounds: 17 -> 10 ms, 14.7 -> 15.4 GB/s.
+# First epoch unchanged (10 rounds: 0.335 -> 0.338 s).
 PIN_SHARED = True
 
 
@@ -333,6 +334,7 @@ class ShuffledLoader(BaseLoader):
         it.sources = {}  # shard -> its (rows, D) view (_shard_source)
         it.on_close += [it.indexed.clear, it.parts.clear, it.specs.clear, it.sources.clear]  # views of the maps
         it.planned = it.next_gather = it.frontier = start
+        it.pinned_key = None  # the batch whose runs' shared blocks the readers pinned (_reader)
         it.outstanding = 0
         it.done = set()
         it.slots = []  # io="read": free arena slots
@@ -389,20 +391,26 @@ class ShuffledLoader(BaseLoader):
                     if not it.loads:
                         return False
                     r, head_key, plan_bytes = it.loads[0]
-                    shared = 0  # the first of the batch's other runs whose blocks are all held
-                    if blocks and PIN_SHARED:
+                    pin = blocks and PIN_SHARED
+                    if pin and it.pinned_key != head_key:  # the batch's runs are next in line: pin
+                        it.pinned_key = head_key
+                        for q, k, _ in it.loads:
+                            if k != head_key:
+                                break
+                            q.pinned = it.maps.block_pin(q.shard, *q.span)
+                    need = it.maps.block_new_bytes(r.shard, *r.span) if blocks else r.strip_bytes[r.first_strip :].sum()
+                    limit = max(self.buffer_bytes, plan_bytes) + self.read_ahead_bytes
+                    pick[0] = 0
+                    if it.outstanding == 0 or it.outstanding + int(need) <= limit:
+                        return True
+                    if pin:  # while it waits for memory, another run of its batch whose blocks are all held
                         for i, (q, k, _) in enumerate(it.loads):
                             if k != head_key:
                                 break
-                            if q.pinned is None:
-                                q.pinned = it.maps.block_pin(q.shard, *q.span)
-                            if not shared and i and len(q.pinned) == -(-q.span[1] // HUGE) - q.span[0] // HUGE:
-                                shared = i
-                    need = it.maps.block_new_bytes(r.shard, *r.span) if blocks else r.strip_bytes[r.first_strip :].sum()
-                    limit = max(self.buffer_bytes, plan_bytes) + self.read_ahead_bytes
-                    fits = it.outstanding == 0 or it.outstanding + int(need) <= limit
-                    pick[0] = 0 if fits else shared
-                    return fits or shared > 0
+                            if i and len(q.pinned) == -(-q.span[1] // HUGE) - q.span[0] // HUGE:
+                                pick[0] = i
+                                return True
+                    return False
 
                 it.rt.wait(ready, cond=it.c_read)
                 if pick[0]:
