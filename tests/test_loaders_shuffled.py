@@ -645,7 +645,7 @@ def test_the_next_epoch_keeps_the_blocks_its_first_fill_shares(tmp_path, monkeyp
     readers hold (pin) the blocks of them that older runs still map, so that releasing the older
     runs does not unmap what must then be mapped again."""
     import actcache.loaders.shuffled as shuffled
-    from actcache.loaders.buffers import HUGE, ShardMaps
+    from actcache.loaders.buffers import HUGE, ShardMaps, block_range
 
     path, md, acts = make_cache(tmp_path, n_imgs=1024, layers=(3,), n_patches=4, cls=False, d=2048, imgs_per_shard=256)
     monkeypatch.setattr(shuffled, "HUGE_MIN_RUN", 0)  # huge mappings for this small cache
@@ -661,7 +661,7 @@ def test_the_next_epoch_keeps_the_blocks_its_first_fill_shares(tmp_path, monkeyp
     def spy_release(self, shard, start, end):
         out = block_release(self, shard, start, end)
         refs = self._block_refs(shard)
-        events.extend(("unmap", shard, b) for b in range(start // HUGE, -(-end // HUGE)) if refs[b] == 0)
+        events.extend(("unmap", shard, b) for b in range(*block_range(start, end)) if refs[b] == 0)
         return out
 
     def hook(stage, info):
@@ -678,9 +678,9 @@ def test_the_next_epoch_keeps_the_blocks_its_first_fill_shares(tmp_path, monkeyp
     nb = len(ld)
     # from the plan alone: epoch 1's first fill shares blocks with the runs epoch 0 holds to its end
     last = list(ld.epoch_plan(0).batches(0))[-1]
-    held = {(r.shard, b) for r, _ in last.releases for b in range(r.span[0] // HUGE, -(-r.span[1] // HUGE))}
+    held = {(r.shard, b) for r, _ in last.releases for b in range(*block_range(*r.span))}
     fill = next(iter(ld.epoch_plan(1).batches(0))).admit
-    assert {(r.shard, b) for r in fill for b in range(r.span[0] // HUGE, -(-r.span[1] // HUGE))} & held
+    assert {(r.shard, b) for r in fill for b in range(*block_range(*r.span))} & held
     n = 0
     for b in ld:
         n += len(b["act"])

@@ -10,9 +10,9 @@ the page cache AND mapped in this process, so later copies out of them never fau
 ``release`` (MADV_DONTNEED: unmap them from this process, so its resident memory shrinks;
 optionally POSIX_FADV_DONTNEED as well, which also drops them from the page cache); for whole
 2 MiB blocks with several users (the shuffled loader's runs, across epochs) ``block_acquire`` /
-``block_release``, and ``block_pin`` (hold the blocks a run shares with others before it is read); for a sequential reader ``release_before``. madvise is called through ctypes
-and fadvise through ``os``, so the GIL is released while the kernel works (``mmap.madvise``
-holds it).
+``block_release``, and ``block_pin`` (hold the blocks a run shares with others before it is
+read); for a sequential reader ``release_before``. madvise is called through ctypes and fadvise
+through ``os``, so the GIL is released while the kernel works (``mmap.madvise`` holds it).
 
 Before touching a range, its file is stat'ed: a shard truncated after the cache was opened is
 reported as an error instead of killing the process with SIGBUS. (A file truncated while a
@@ -75,6 +75,11 @@ def _page_span(addr: int, start: int, end: int, inner: bool, unit: int = PAGE) -
 
 
 MODES = ("huge", "pte", "random")
+
+
+def block_range(start: int, end: int) -> tuple[int, int]:
+    """[a, b): the numbers of the 2 MiB blocks under the byte range [start, end) of a file."""
+    return start // HUGE, -(-end // HUGE)
 
 
 class ShardMaps:
@@ -388,7 +393,7 @@ class ShardMaps:
 
     def block_new_bytes(self, shard: int, start: int, end: int) -> int:
         """Bytes of the blocks under [start, end) that no run maps yet (what acquiring adds)."""
-        a, b = start // HUGE, -(-end // HUGE)
+        a, b = block_range(start, end)
         refs = self._block_refs(shard)[a:b]
         return self._block_bytes(shard, np.flatnonzero(refs == 0) + a)
 
@@ -396,7 +401,7 @@ class ShardMaps:
         """Count one more user of those blocks under [start, end) that some run maps already, so
         that they stay mapped until the run is read (block_acquire with ``pinned``) and, later,
         released: this holds no new bytes. -> their block numbers."""
-        a, b = start // HUGE, -(-end // HUGE)
+        a, b = block_range(start, end)
         refs = self._block_refs(shard)
         held = np.flatnonzero(refs[a:b] > 0) + a
         refs[held] += 1
@@ -408,7 +413,7 @@ class ShardMaps:
         """Count one more user of the blocks under [start, end) (but the ``pinned`` ones, which
         block_pin counted already); -> (bytes newly held, starts, ends of the byte ranges of
         blocks that had none: the caller populates those)."""
-        a, b = start // HUGE, -(-end // HUGE)
+        a, b = block_range(start, end)
         refs = self._block_refs(shard)
         if pinned is None or len(pinned) == 0:
             new = np.flatnonzero(refs[a:b] == 0) + a
@@ -426,7 +431,7 @@ class ShardMaps:
     def block_release(self, shard: int, start: int, end: int) -> int:
         """One user fewer of the blocks under [start, end); the blocks left with none are
         unmapped. -> bytes unmapped."""
-        a, b = start // HUGE, -(-end // HUGE)
+        a, b = block_range(start, end)
         refs = self._block_refs(shard)
         refs[a:b] -= 1
         free = np.flatnonzero(refs[a:b] == 0) + a

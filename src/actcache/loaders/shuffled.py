@@ -107,7 +107,7 @@ import numpy as np
 from actcache.errors import ConfigError
 from actcache.loaders import kernels
 from actcache.loaders.base import BaseLoader, Iteration, check_number
-from actcache.loaders.buffers import COLD_READS, HUGE, huge_empty
+from actcache.loaders.buffers import COLD_READS, HUGE, block_range, huge_empty
 from actcache.loaders.partition import Partition
 from actcache.loaders.plan import EpochPlan, cut_points, epoch_runs, part_runs
 from actcache.loaders.runtime import Stopped
@@ -407,7 +407,8 @@ class ShuffledLoader(BaseLoader):
                         for i, (q, k, _) in enumerate(it.loads):
                             if k != head_key:
                                 break
-                            if i and len(q.pinned) == -(-q.span[1] // HUGE) - q.span[0] // HUGE:
+                            a, b = block_range(*q.span)
+                            if i and len(q.pinned) == b - a:
                                 pick[0] = i
                                 return True
                     return False
