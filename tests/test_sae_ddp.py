@@ -97,6 +97,66 @@ def test_two_process_ddp_keeps_ranks_identical_on_disjoint_data(tmp_path):
         assert saved["optimizer"]["state"]  # rank 0's optimizer state was checkpointed
 
 
+FAILING_WORKER = textwrap.dedent(
+    """
+    import errno, json, os, sys
+    import torch
+    torch.set_num_threads(1)
+    from actcache.sae import checkpoint
+    from actcache.sae.config import RunConfig
+    from actcache.sae.train import GroupTrainer
+
+    if os.environ["RANK"] == "0":  # rank 0's disk is full when it writes the first checkpoint
+        def full(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        checkpoint.save = full
+    cache, runs_to, runs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    GroupTrainer(cache, [RunConfig.from_dict(r) for r in runs], runs_to, device="cpu").run()
+    """
+)
+
+
+def test_a_write_error_on_rank_0_stops_every_rank_with_its_cause(tmp_path):
+    """Only rank 0 writes the run directory. When that fails (here: a full disk at the first
+    checkpoint), every rank stops at once: rank 0 with the error and the fix, the others with a
+    TrainError naming rank 0's failure. Before, they waited at a barrier: with gloo that failed with
+    "Connection closed by peer", which does not say why; with nccl it waits for the process group's
+    timeout (under srun, which by default lets the other tasks run on). The ranks are started by
+    hand here: no torchrun agent stops the others for them."""
+    path, _ = dictionary_cache(tmp_path / "cache", n_imgs=200, imgs_per_shard=64)
+    train = {"batch_size": 256, "steps": 10, "width": 64, "log_every": 5, "ckpt_every": 5, "eval_frac": 0.1,
+             "dead_tokens": 500, "saes": [{"activation": "topk", "k": 4}]}  # fmt: skip
+    runs = expand_train_section(train, "t.yaml")
+    script = tmp_path / "worker.py"
+    script.write_text(FAILING_WORKER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", TMPDIR=str(tmp_path))
+    args = [sys.executable, str(script), path, str(tmp_path / "runs"), json.dumps([r.to_dict() for r in runs])]
+    procs = [
+        subprocess.Popen(
+            args,
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for r in (0, 1)
+    ]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    err0, err1 = outs[0][1], outs[1][1]
+    assert procs[0].returncode != 0 and procs[1].returncode != 0
+    assert "TrainError" in err0 and "No space left on device" in err0 and "the checkpoint of step 5" in err0, err0[
+        -3000:
+    ]
+    assert "rank 0 failed while writing the checkpoint of step 5, so rank 1 stops too" in err1, err1[-3000:]
+    d = run_dir(tmp_path / "runs", os.path.basename(path), runs[0])
+    assert json.load(open(os.path.join(d, "run.json")))["world_size"] == 2  # what rank 0 wrote before stays
+
+
 def test_rank_and_world_size_from_torchrun_or_slurm():
     assert env_context({}) == DistContext(0, 1, 0)
     assert env_context({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}) == DistContext(1, 4, 1)

@@ -6,7 +6,9 @@ anything. Each rank reads its own partition of the cache (the loader's rank/worl
 ``batch_size / world_size`` examples per step; after every backward pass the gradients of each
 SAE are averaged over ranks with one flat all-reduce, so every rank applies the same update and
 the weights stay identical. The batchtopk threshold (a buffer) is averaged too. Dead/dense
-counters stay per rank (rank 0's are logged and checkpointed). Backend: nccl on CUDA, gloo on CPU.
+counters stay per rank (rank 0's are logged and checkpointed). Only rank 0 writes the run
+directory (:func:`on_main`), and an error there stops every rank at once. Backend: nccl on CUDA,
+gloo on CPU.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import subprocess
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -144,6 +147,23 @@ def broadcast_(t: torch.Tensor, ctx: DistContext, src: int = 0) -> None:
         dist.broadcast(t, src)
 
 
-def barrier(ctx: DistContext) -> None:
-    if ctx.enabled:
-        dist.barrier()
+def on_main(ctx: DistContext, device: torch.device, what: str, fn: Callable[[], None]) -> None:
+    """Run ``fn`` (writing the run directory: ``what``) on the main rank only, then wait for it on
+    every rank. When it raises, every rank stops at once: the main rank with its error, the others
+    with a TrainError naming it. Behind a plain barrier they waited for a rank that was gone: with
+    gloo that failed with "Connection closed by peer", which does not say why; with nccl a
+    collective whose peer is gone can wait for the process group's timeout (not measured here, no
+    GPU), and srun by default lets the other tasks run on."""
+    err = None
+    if ctx.is_main:
+        try:
+            fn()
+        except Exception as e:  # re-raised below, once the other ranks know
+            err = e
+    if any_true(err is not None, ctx, device) and err is None:
+        raise TrainError(
+            f"rank 0 failed while writing {what}, so rank {ctx.rank} stops too: rank 0's output has the error "
+            "and the fix; the run resumes from its last complete checkpoint"
+        )
+    if err is not None:
+        raise err

@@ -224,12 +224,14 @@ class GroupTrainer:
         for r, d in dirs:
             if (r, d) not in pending:
                 log.info("SAE %s is done (%s); skipped", r.sae_id, os.path.join(d, DONE_FILE))
-        if self.ctx.is_main:
+
+        def write_run_jsons():
             for r, d in pending:
                 with _writing("run.json", d):
                     self._write_run_json(r, d)
                     ckpt.clean_temps(d)
-        ddp.barrier(self.ctx)
+
+        ddp.on_main(self.ctx, self.device, "run.json", write_run_jsons)
         for start, members in self._passes(pending):
             self._train_pass(cache, start, members)
         return [d for _, d in dirs]
@@ -300,9 +302,7 @@ class GroupTrainer:
             loader.close()
         self._save(members, run.steps)
         self.trained.update({m.run.sae_id: m.sae for m in members})
-        if self.ctx.is_main:
-            self._finish(cache, members)
-        ddp.barrier(self.ctx)
+        ddp.on_main(self.ctx, self.device, "the final weights and evaluation", lambda: self._finish(cache, members))
 
     def _init_b_dec(self, members: list[_Member], x_BD: torch.Tensor) -> None:
         for m in members:
@@ -311,7 +311,7 @@ class GroupTrainer:
             ddp.broadcast_(m.sae.b_dec.data, self.ctx)
 
     def _save(self, members: list[_Member], step: int) -> None:
-        if self.ctx.is_main:
+        def write():
             nb = len(self.loader)
             pos = {"loader": {"epoch": step // nb, "batch": step % nb}, "batches_per_epoch": nb,
                    "world_size": self.ctx.world_size, "time": _now()}  # fmt: skip
@@ -322,7 +322,8 @@ class GroupTrainer:
                         ckpt.save(m.dir, step, m.sae, m.opt, m.obj, pos, extra)
             for m in members:  # only now, when every member has `step`
                 ckpt.prune(m.dir, keep=step)
-        ddp.barrier(self.ctx)
+
+        ddp.on_main(self.ctx, self.device, f"the checkpoint of step {step}", write)
 
     def _log(self, members: list[_Member], step: int, dt: float, wait_s: float, n_steps: int) -> None:
         run = self.runs[0]
@@ -338,12 +339,16 @@ class GroupTrainer:
             line = {"step": step, "tokens": step * run.batch_size, "lr": m.lr, **dict(zip(_SCALARS, means, strict=True)),
                     "n_dead": int(m.last.n_dead), "n_dense": int(m.last.n_dense), **timing, "time": _now()}  # fmt: skip
             m.last_line = line
-            if self.ctx.is_main:
+
+        def write():
+            for m in members:
                 with (
                     _writing(METRICS_FILE, m.dir),
                     open(os.path.join(m.dir, METRICS_FILE), "a", encoding="utf-8") as fh,
                 ):
-                    fh.write(json.dumps(line) + "\n")
+                    fh.write(json.dumps(m.last_line) + "\n")
+
+        ddp.on_main(self.ctx, self.device, f"{METRICS_FILE} (step {step})", write)
         if self.ctx.is_main:
             _wandb_log(self, members, step)
             m0 = members[0].last_line
