@@ -36,10 +36,9 @@ BENCHMARKS.md. Since 2026-11-24 that machine is a Zen-5 VM whose page cache -> b
     next, uses it (ShardMaps.block_*): at an epoch boundary only the blocks that change are
     unmapped and mapped (pause between epochs ~58 -> ~15 ms, Zen-5 VM), and the runs of the batch
     next in line hold (pin) the blocks they share with older runs before those let go of them
-    (PIN_SHARED). Fresh batch buffers are
-    faulted in by writing to them (kernels.touch), not with MADV_POPULATE_WRITE, which holds the
-    process's mmap lock while the host backs the memory and stalled every numpy allocation of the
-    planner (first batch's plan 80-160 -> ~20 ms).
+    (PIN_SHARED). Fresh batch buffers are faulted in by writing to them (kernels.touch), not with
+    MADV_POPULATE_WRITE, which holds the process's mmap lock while the host backs the memory and
+    stalled every numpy allocation of the planner (first batch's plan 80-160 -> ~20 ms).
 
     Cold, reading through that fault path costs more than it reads: the gather threads then
     spent 4-8 CPU-s per 4.3 GB epoch copying out of pages just read that way, against ~0.5 s

@@ -160,10 +160,11 @@ def on_main(ctx: DistContext, device: torch.device, what: str, fn: Callable[[], 
             fn()
         except Exception as e:  # re-raised below, once the other ranks know
             err = e
-    if any_true(err is not None, ctx, device) and err is None:
-        raise TrainError(
-            f"rank 0 failed while writing {what}, so rank {ctx.rank} stops too: rank 0's output has the error "
-            "and the fix; the run resumes from its last complete checkpoint"
-        )
+    failed = any_true(err is not None, ctx, device)  # every rank waits here, as at a barrier
     if err is not None:
         raise err
+    if failed:
+        raise TrainError(
+            f"rank 0 failed while writing {what}, so rank {ctx.rank} stops too: rank 0's output has the error "
+            "and the fix; a new run resumes from the last complete checkpoint"
+        )
