@@ -85,6 +85,7 @@ def test_huge_mode_runs_are_charged_the_blocks_they_map_and_share_none():
     for spec in plan.batches():
         for r in spec.admit:
             s, e = r.extents(GEOM, [0])
+            assert r.span == (int(s.min()), int(e.max()))  # first to last selected byte
             mine = set()
             for a, b in zip(s.tolist(), e.tolist(), strict=True):
                 mine |= set(range(a // unit, -(-b // unit)))

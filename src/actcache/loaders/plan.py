@@ -169,7 +169,9 @@ def cut_points(geom: Geometry, n_imgs: int, unit: int) -> np.ndarray:
     within = np.clip((R % LT)[:, None] - first[None, :], 0, geom.n_tokens).sum(axis=1)
     k = (R // LT) * per + within
     k = k[ok & (k > 0) & (k < n_imgs * per)]
-    return np.unique(k)
+    # k rises with X: drop repeats without np.unique, whose first call imports numpy.ma (~6 ms
+    # of a fresh process's first batch)
+    return k[np.r_[True, k[1:] != k[:-1]]] if len(k) else k
 
 
 def cut_runs(
@@ -376,6 +378,7 @@ class EpochPlan:
         # Huge-page mappings map whole map_unit blocks: a run also holds the parts of the blocks
         # at its ends that its neighbours' data fills (released with the run).
         self.map_unit = map_unit
+        self._size_cache = None  # (spans, held bytes) of every run (_sizes)
 
     @property
     def n_batches(self) -> int:
@@ -414,30 +417,38 @@ class EpochPlan:
             r.strip_bytes = (tok[:, 1] - tok[:, 0]) * (r.j1 - r.j0) * len(g.layer_idx) * g.vec_bytes
         return r
 
+    def _sizes(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every run's span and held bytes (see run_span, run_bytes), worked out once for all runs
+        (vectorised: the first batch's plan asks for them ~300 times)."""
+        if self._size_cache is None:
+            g, per = self.geom, self.geom.per_img
+            img0, lo, hi = (self.runs[:, j].astype(np.int64) for j in (1, 3, 4))
+            first = g.decode(img0 + lo // per, lo % per)[0]
+            last = g.decode(img0 + (hi - 1) // per, (hi - 1) % per)[0]
+            spans = np.stack([first * g.vec_bytes, (last + 1) * g.vec_bytes], axis=1)
+            if self.fixed is not None:
+                held = np.full(len(self.runs), self.fixed // self.G * self.G, np.int64)
+            elif self.G > 1:
+                held = (-(-hi // per) - lo // per) * g.img_bytes
+            elif not self.map_unit:
+                held = (hi - lo) * g.vec_bytes
+            else:
+                u = self.map_unit
+                held = -(-spans[:, 1] // u) * u - spans[:, 0] // u * u
+            self._size_cache = (spans, held.astype(np.int64))
+        return self._size_cache
+
     def run_span(self, i: int) -> tuple[int, int]:
         """[first, last) byte in its shard of run ``i``'s selected vectors."""
-        g, per = self.geom, self.geom.per_img
-        img0, lo, hi = (int(v) for v in self.runs[i, [1, 3, 4]])
-        ends = np.array([lo, hi - 1], np.int64)
-        rows = g.decode(img0 + ends // per, ends % per)[0]
-        return int(rows[0]) * g.vec_bytes, (int(rows[1]) + 1) * g.vec_bytes
+        a, b = self._sizes()[0][i].tolist()
+        return a, b
 
     def run_bytes(self, i: int) -> int:
         """Bytes run ``i`` holds while resident: its examples' bytes (whole images' strips with
         several strips); with ``map_unit``, every block its mapping spans (an image-aligned run
         also maps the parts of the edge blocks that its neighbours' data fills, ~1 block; one cut
         on block boundaries (:func:`cut_points`) maps only unselected vectors besides its own)."""
-        if self.fixed is not None:
-            return self.fixed // self.G * self.G
-        g, per = self.geom, self.geom.per_img
-        img0, lo, hi = (int(v) for v in self.runs[i, [1, 3, 4]])
-        if self.G > 1:
-            return int((-(-hi // per) - lo // per) * g.img_bytes)
-        if not self.map_unit:
-            return (hi - lo) * g.vec_bytes
-        u = self.map_unit
-        a, b = self.run_span(i)
-        return -(-b // u) * u - a // u * u
+        return int(self._sizes()[1][i])
 
     def batches(self, start: int = 0) -> Iterator[BatchSpec]:
         """Batch specs from batch ``start`` on (earlier batches are planned, not yielded)."""
