@@ -132,7 +132,7 @@ def test_auto_io_reads_what_is_not_cached_and_maps_what_is(tmp_path, monkeypatch
         monkeypatch.setattr(
             OrderedLoader,
             name,
-            lambda self, it, a, b, buf, real=real, name=name: used.append(name) or real(self, it, a, b, buf),
+            lambda self, *args, real=real, name=name: used.append(name) or real(self, *args),
         )
     ld = OrderedLoader(path, batch_size=48, layer=layer, patches="image", read_ahead=1, n_readers=1)
     assert ld.io == "auto"
@@ -210,6 +210,35 @@ def test_crash_timeout_and_ctrl_c(cache, tmp_path, sigint_raises):
             pass
     assert time.monotonic() - t0 < 2 and ld.interrupted
     assert not loader_threads()
+
+
+@pytest.mark.parametrize("io", ["read", "mmap"])
+@pytest.mark.parametrize("patches,layer,batch_size", [("image", 7, 40), ("image", "all", 29), ("all", 3, 64)])
+def test_copy_threads_share_each_batch_in_parts(cache, monkeypatch, io, patches, layer, batch_size):
+    """Every copy thread copies a part of the same batch (cut on image boundaries; the batches
+    themselves start inside images): the batches and their scaling are those of one copy."""
+    from actcache.loaders import ordered
+
+    monkeypatch.setattr(ordered, "MIN_PART_ROWS", 5)
+    path = cache[0]
+    ds = IndexedDataset(path, patches, layer)
+    want = expected(ds)
+    for scale_norm in (False, True):
+        parts = []
+        ld = OrderedLoader(
+            path, batch_size=batch_size, patches=patches, layer=layer, io=io, n_threads=3, scale_norm=scale_norm
+        )
+        ld.debug_hook = lambda stage, info, parts=parts: parts.append(info["batch"]) if stage == "gather" else None
+        batches, got = concat(ld)
+        assert len(parts) > len(batches) and sorted(set(parts)) == list(range(len(batches)))  # in parts
+        if scale_norm:  # one factor per layer: the same for every part
+            f = got[0][:, 0] / want[0][:, 0]
+            for v in np.unique(got[3]):
+                np.testing.assert_allclose(f[got[3] == v], f[got[3] == v][0], rtol=1e-5)
+            continue
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, w)
+        assert [len(b["act"]) for b in batches[:-1]] == [batch_size] * (len(batches) - 1)
 
 
 def test_scale_norm(tmp_path):

@@ -7,7 +7,8 @@ Example ``i`` of the loader is example ``i`` of :class:`~actcache.loaders.indexe
 (restricted to images [start_img, end_img)); batches span shard boundaries with no gap or
 duplicate; batches are yielded in order whatever the thread timing. Reader threads start the
 reads of the next batches (``read_ahead + 2`` batches ahead; the first batch's alone, before any
-other's: FIRST_ALONE) and copy threads fill a batch each:
+other's: FIRST_ALONE) and the copy threads fill each batch together, a part each (MIN_PART_ROWS),
+into ``max(3, read_ahead + 1)`` reused batch buffer sets:
 
 ``io="auto"`` (default): each batch as ``io="read"`` below, except that when the readers find
 its bytes already in the page cache and the loader reads at least half of each image (the
@@ -44,6 +45,7 @@ the same number of batches per rank (see :mod:`.partition`).
 
 from __future__ import annotations
 
+import collections
 import os
 
 import numpy as np
@@ -73,6 +75,14 @@ IOV_MAX = 1024
 # noise. Requesting every batch strictly in order was slower on the 4-layer cache (2.2 GB/s):
 # later batches gain from parallel requests.
 FIRST_ALONE = True
+# Every copy thread works on the same batch, a part each (>= MIN_PART_ROWS examples, cut on image
+# boundaries), rather than a batch each: a batch is ready in half the time, and 3 batch buffer
+# sets keep both threads busy where a batch each needed 4 (read_ahead + 2), which a fresh process
+# must fault in (slow on the project VM: see BatchPool.handover). One layer of the 4-layer bench
+# cache, warm, a fresh process per round, 3 series of 6-8 alternating rounds (medians): first
+# pass 9.8 / 10.9 / 10.0 -> 12.1 / 12.9 / 11.1 GB/s, first batch 18-23 -> 13-17 ms, second pass
+# 14.1 / 15.0 / 14.6 -> 14.0 / 13.6 / 14.6 GB/s; 1-layer cache: the same within the noise.
+MIN_PART_ROWS = 2048
 
 
 class OrderedLoader(BaseLoader):
@@ -160,8 +170,9 @@ class OrderedLoader(BaseLoader):
 
     # ---- threads ------------------------------------------------------------------------------
     def _make_iteration(self) -> Iteration:
-        it = Iteration(self, "OrderedLoader", 0, len(self), self.read_ahead + 2)
+        it = Iteration(self, "OrderedLoader", 0, len(self), max(3, self.read_ahead + 1))
         it.next_read = it.next_copy = it.frontier = 0
+        it.parts = collections.deque()  # (job, part) of a batch another copy thread started
         it.first_requested = False  # batch 0's reads have been requested (see FIRST_ALONE)
         it.resident = {}  # batch -> whether its bytes are mapped (io="mmap", or "auto" found them cached)
         it.done = set()
@@ -244,6 +255,9 @@ class OrderedLoader(BaseLoader):
                 got: dict = {}
 
                 def ready(got=got):
+                    if it.parts:
+                        got["job"], got["part"] = it.parts.popleft()
+                        return True
                     k = it.next_copy
                     if k >= it.stop:
                         raise Stopped
@@ -256,16 +270,28 @@ class OrderedLoader(BaseLoader):
                     return True
 
                 it.rt.wait(ready)
-                it.next_copy += 1
-                mapped = it.resident.pop(got["k"])
-            k, buf = got["k"], got["buf"]
-            it.rt.status(name, f"copying batch {k}")
+                if "job" not in got:
+                    it.next_copy += 1
+                    job = _Job(got["k"], got["buf"], it.resident.pop(got["k"]), self._cuts(*self.batch_range(got["k"])))
+                    if len(job.cuts) > 2:
+                        it.parts.extend((job, p) for p in range(1, len(job.cuts) - 1))
+                        it.cond.notify_all()
+                    got["job"], got["part"] = job, 0
+            job, part = got["job"], got["part"]
+            k, buf = job.k, job.buf
+            a0 = job.cuts[0]
+            a, b = job.cuts[part], job.cuts[part + 1]
+            it.rt.status(name, f"copying batch {k} (part {part + 1} of {len(job.cuts) - 1})")
             self._hook("gather", batch=k)
-            if mapped:
-                self._fill(it, *self.batch_range(k), buf)
+            if job.mapped:
+                self._fill(it, a, b, buf, a - a0)
             else:
-                self._read_fill(it, *self.batch_range(k), buf)
-            buf.key = (0, k)
+                self._read_fill(it, a, b, buf, a - a0)
+            with it.cond:
+                job.left -= 1
+                if job.left:
+                    continue  # the thread copying the last part publishes the batch
+            buf.n, buf.key = job.cuts[-1] - a0, (0, k)
             with it.cond:
                 it.ready[k] = buf
                 it.done.add(k)
@@ -285,6 +311,20 @@ class OrderedLoader(BaseLoader):
                         it.maps.evict_ranges(shard, *ext)
                 with it.cond:
                     it.held -= (upto - lo) * self.geom.img_bytes
+
+    def _cuts(self, a: int, b: int) -> list[int]:
+        """Where batch [a, b) is cut into parts, one per copy thread (MIN_PART_ROWS): [a, ..., b],
+        inner cuts moved to the nearest image boundary (whole images copy fastest); a cut that
+        lands on another, or on an end of the batch, is left out (fewer parts)."""
+        n_parts = max(1, min(self.n_threads, (b - a) // MIN_PART_ROWS))
+        per = self.geom.per_img
+        cuts = [a]
+        for i in range(1, n_parts):
+            c = a + (b - a) * i // n_parts
+            c = (c + per // 2) // per * per
+            if cuts[-1] < c < b:
+                cuts.append(c)
+        return cuts + [b]
 
     def _copy_native(self, it: Iteration, shard: int, simg: int, n: int, dst: np.ndarray, stream: bool) -> bool:
         """Images [simg, simg + n) of a shard, their selected layers' selected tokens, into dst with
@@ -314,14 +354,15 @@ class OrderedLoader(BaseLoader):
             ea, eb = np.clip(a - gimg * per, 0, per), np.clip(b - gimg * per, 0, per)
             yield shard, *self.geom.example_extents(np.arange(simg, simg + n, dtype=np.int64), ea, eb, with_lpos=True)
 
-    def _read_fill(self, it: Iteration, a: int, b: int, buf) -> None:
-        """io="read": the batch's byte ranges straight from the shard files into the batch buffer
-        (preadv: nearby ranges in one call, the gaps into a scratch buffer; module doc)."""
+    def _read_fill(self, it: Iteration, a: int, b: int, buf, off: int = 0) -> None:
+        """io="read": examples [a, b)'s byte ranges straight from the shard files into the batch
+        buffer from row ``off`` on (preadv: nearby ranges in one call, the gaps into a scratch
+        buffer; module doc)."""
         g = self.geom
         act = memoryview(buf.act.reshape(-1).view(np.uint8))
         scratch = memoryview(bytearray(MERGE_GAP))
         limit = CALL_BYTES if self.scale is None else SCALE_CALL_BYTES
-        pos = 0
+        pos = off * g.vec_bytes
         for shard, starts, ends, lpos in self._batch_extents(a, b):
             fd = it.maps.fd(shard)
             S, E = starts.tolist(), ends.tolist()
@@ -355,21 +396,21 @@ class OrderedLoader(BaseLoader):
                         n_rows = (np.asarray(E[i:j]) - np.asarray(S[i:j])) // g.vec_bytes
                         rows *= np.repeat(np.asarray(self.scale, np.float32)[lpos[i:j]], n_rows)[:, None]
                 pos, i = p, j
-        self._fill_indices(a, b, buf)
+        self._fill_indices(a, b, buf, off)
 
-    def _fill_indices(self, a: int, b: int, buf) -> None:
+    def _fill_indices(self, a: int, b: int, buf, off: int) -> None:
         ex = np.arange(a, b, dtype=np.int64)
         img, e = np.divmod(ex, self.geom.per_img)
         _, layer, patch, _ = self.geom.decode(img, e)
-        buf.image_i[: b - a], buf.patch_i[: b - a], buf.layer[: b - a] = img, patch, layer
-        buf.n = b - a
+        z = slice(off, off + b - a)
+        buf.image_i[z], buf.patch_i[z], buf.layer[z] = img, patch, layer
 
-    def _fill(self, it: Iteration, a: int, b: int, buf) -> None:
+    def _fill(self, it: Iteration, a: int, b: int, buf, off: int = 0) -> None:
         g, per, nT = self.geom, self.geom.per_img, self.geom.n_tokens
         ts, one = g.token_start, len(g.layer_idx) == 1
         li0 = g.layer_idx[0]
         stream = buf.act.nbytes >= kernels.STREAM_MIN_BYTES
-        pos, x = 0, a
+        pos, x = off, a
         while x < b:
             img, e0 = divmod(x, per)
             shard = int(np.searchsorted(self.shard_start, img, side="right")) - 1
@@ -400,4 +441,14 @@ class OrderedLoader(BaseLoader):
                     self._scale_rows(dst, np.full(t1 - t0, lp))
                     pos += t1 - t0
                 x += e1 - e0
-        self._fill_indices(a, b, buf)
+        self._fill_indices(a, b, buf, off)
+
+
+class _Job:
+    """A batch being copied in parts (OrderedLoader._copier)."""
+
+    __slots__ = ("k", "buf", "mapped", "cuts", "left")
+
+    def __init__(self, k: int, buf, mapped: bool, cuts: list[int]):
+        self.k, self.buf, self.mapped, self.cuts = k, buf, mapped, cuts
+        self.left = len(cuts) - 1

@@ -71,8 +71,8 @@ class LoaderStats:
     first_batch_s: float | None = None
     started: float | None = None
     thread_cpu_s: dict = dataclasses.field(default_factory=dict)  # CPU seconds per thread role
-    buffer_sets: int = 0  # batch buffer sets allocated (more than read_ahead + 2 per pass only
-    #                       when the consumer keeps batches: they are its memory then)
+    buffer_sets: int = 0  # batch buffer sets allocated (more than max(3, read_ahead + 1) per pass
+    #                       only when the consumer keeps batches: they are its memory then)
 
     @property
     def examples_per_s(self) -> float:
