@@ -299,6 +299,29 @@ def test_pool_spares_the_batch_a_loop_still_holds_while_next_runs():
     del held, kept
 
 
+def test_a_prefill_gives_up_when_the_loader_stops(monkeypatch):
+    """Faulting in a fresh batch buffer set can take ~100 ms on the project VM: a loader that
+    finishes or stops meanwhile must not wait for it. prefill(stop=...) looks at stop() between
+    pieces, leaves the rest untouched and gives the set up; without a stop it fills the set."""
+    import threading
+
+    from actcache.loaders import buffers
+    from actcache.loaders.buffers import BatchBuffers, BatchPool
+
+    monkeypatch.setattr(buffers, "STOP_CHECK_BYTES", 4096)
+    pool = BatchPool(lambda: BatchBuffers(1024, 16), 3, threading.Condition())  # 64 KiB of act
+    calls = []
+    pool.prefill(stop=lambda: calls.append(1) or len(calls) > 3)  # one check first, then 2 pieces
+    assert pool.n_owned == 0 and pool.free == [] and len(calls) == 4
+    pool.prefill(stop=lambda: True)  # stopped already: nothing allocated
+    assert pool.n_owned == 0 and pool.n_allocated == 1
+    pool.prefill(stop=lambda: False)
+    assert pool.n_owned == 1 and len(pool.free) == 1
+    a = np.full(3 * 4096, 7, np.uint8)  # touching writes a zero into each page
+    assert not buffers.prefault(a, stop=iter([False, True]).__next__)
+    assert a[0] == 0 and (a[4096:] == 7).all()  # the first piece touched, the rest left
+
+
 @pytest.mark.parametrize("kind", ["shuffled", "ordered"])
 def test_a_batch_is_never_free_for_reuse_while_it_is_being_handed_out(cache, monkeypatch, kind):
     """A gather thread may look for a free set at any moment, in particular just after next()

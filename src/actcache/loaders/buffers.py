@@ -481,10 +481,15 @@ FIELDS = ("act", "image_i", "patch_i", "layer")
 
 
 MADV_POPULATE_WRITE = 23
+# prefault(stop=...) looks at stop() after each piece this large: fresh memory can fault in at
+# ~0.5 GB/s on the project VM (free page reporting), so a whole 50 MB batch buffer may take
+# ~100 ms, and a loader that has finished (or was stopped) should not wait for that to end.
+STOP_CHECK_BYTES = 4 * 2**20
 
 
-def prefault(a: np.ndarray, chunk: int = HUGE) -> None:
-    """Fault in (zero-filled) the pages of a fresh writable array, without the GIL.
+def prefault(a: np.ndarray, chunk: int = HUGE, stop: Callable[[], bool] | None = None) -> bool:
+    """Fault in (zero-filled) the pages of a fresh writable array, without the GIL; -> False
+    when ``stop()`` turned true between two STOP_CHECK_BYTES pieces (the rest is left untouched).
 
     With the C kernel: by writing to them (kernels.touch). Page faults lock only their memory
     area, while madvise(MADV_POPULATE_WRITE) holds the process's mmap lock, and any thread that
@@ -494,14 +499,22 @@ def prefault(a: np.ndarray, chunk: int = HUGE) -> None:
     first batch's plan 80-160 ms against ~10 ms). Without the kernel: one madvise per ``chunk``."""
     from actcache.loaders import kernels
 
+    if stop is not None and a.flags.c_contiguous:
+        flat = a.reshape(-1).view(np.uint8)
+        for i in range(0, flat.nbytes, STOP_CHECK_BYTES):
+            if stop():
+                return False
+            prefault(flat[i : i + STOP_CHECK_BYTES], chunk)
+        return True
     if kernels.touch(a):
-        return
+        return True
     if _madvise is not None and a.nbytes >= 4 * PAGE:
         lo, hi = _page_span(a.ctypes.data, 0, a.nbytes, inner=True)
         steps = range(lo, hi, chunk)
         if hi > lo and all(_madvise(s, min(chunk, hi - s), MADV_POPULATE_WRITE) == 0 for s in steps):
-            return
+            return True
     a.reshape(-1)[:: max(1, PAGE // a.itemsize)] = 0
+    return True
 
 
 def _refcounts(arrays: list[np.ndarray]) -> list[int]:
@@ -598,18 +611,22 @@ class BatchPool:
         self.lent = still
         return len(still) == self.n_owned
 
-    def prefill(self) -> None:
+    def prefill(self, stop: Callable[[], bool] | None = None) -> None:
         """Allocate one more set ahead of use and fault its memory in (call WITHOUT ``cond``
         held; gather threads do this while the first runs are being read, so first touch of
-        fresh memory, slow on this kind of VM, is off the critical path)."""
+        fresh memory, slow on this kind of VM, is off the critical path). ``stop()`` true (the
+        loader is done or stopping): give up the set half-way (prefault) rather than make the
+        loader's end wait for it."""
         with self.cond:
-            if self.n_owned >= self.max_sets:
+            if self.n_owned >= self.max_sets or (stop is not None and stop()):
                 return
             self.n_owned += 1
             self.n_allocated += 1
         b = self._new()
-        for a in b.arrays():
-            prefault(a)
+        if not all(prefault(a, stop=stop) for a in b.arrays()):
+            with self.cond:
+                self.n_owned -= 1
+            return
         with self.cond:
             self.free.append(b)
             self.cond.notify_all()
