@@ -664,6 +664,17 @@ def main() -> None:
         "rows count the pause between the epochs (before, their clock started after the second epoch's first "
         "batch), so they read lower than earlier runs of this section for the same code.",
         "",
+        "Fresh batch buffers in a first pass (2026-11-24 21:00): the ordered loader's copy threads now fill "
+        "each batch together, a part each, in 3 batch buffer sets instead of one batch each in 4 (one set "
+        "less to fault in at ~0.5-1.5 GB/s), and a set still being faulted in when a loader finishes is "
+        "given up (before, the end of a short pass could wait ~20-45 ms for a copy thread faulting in a set "
+        "that no batch needed). One layer of the 4-layer cache, this script's worker, 7 alternating rounds "
+        "against the code before: 'ordered' 8.0 -> 10.3 GB/s, the pause before an 'ordered 2nd epoch' "
+        "8.6 -> 6.6 ms. The shuffled loader's plan of the first batch also got cheaper (each run's span "
+        "worked out once, vectorised; no np.unique, whose first call imports numpy.ma): first batch 63 -> "
+        "57 ms in 12 alternating rounds. The warm rows below were measured after these changes, the cold "
+        "rows before them.",
+        "",
     ]
     for run in stored:
         groups: dict = {}  # modes grouped by the run that measured them (see --modes)
