@@ -42,7 +42,8 @@ WORKER = textwrap.dedent(
     rank = t.ctx.rank
     torch.save({k: s.state_dict() for k, s in t.trained.items()}, os.path.join(out, f"rank{rank}.pt"))
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
-        json.dump({"rank": rank, "world_size": t.ctx.world_size, "images": sorted(seen)}, fh)
+        json.dump({"rank": rank, "world_size": t.ctx.world_size, "images": sorted(seen),
+                   "group_left": not torch.distributed.is_initialized()}, fh)
     """
 )
 
@@ -76,6 +77,7 @@ def test_two_process_ddp_keeps_ranks_identical_on_disjoint_data(tmp_path):
 
     info = [json.load(open(out / f"rank{r}.json")) for r in (0, 1)]
     assert [i["world_size"] for i in info] == [2, 2]
+    assert [i["group_left"] for i in info] == [True, True]  # run() left the group it joined
     imgs0, imgs1 = set(info[0]["images"]), set(info[1]["images"])
     assert imgs0 and imgs1 and not imgs0 & imgs1  # each rank reads its own partition
     assert imgs0 | imgs1 <= set(range(180))  # the held-out images (last 10%) are never trained on

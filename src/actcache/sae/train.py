@@ -218,23 +218,27 @@ class GroupTrainer:
     def run(self) -> list[str]:
         """Train every unfinished SAE of the group; returns their run directories."""
         cache = self._open_cache()
-        ddp.init(self.ctx, self.device)
-        dirs = [(r, run_dir(self.runs_to, self.md.hash, r)) for r in self.runs]
-        pending = [(r, d) for r, d in dirs if not os.path.exists(os.path.join(d, DONE_FILE))]
-        for r, d in dirs:
-            if (r, d) not in pending:
-                log.info("SAE %s is done (%s); skipped", r.sae_id, os.path.join(d, DONE_FILE))
+        joined = ddp.init(self.ctx, self.device)  # a group the caller joined stays theirs
+        try:
+            dirs = [(r, run_dir(self.runs_to, self.md.hash, r)) for r in self.runs]
+            pending = [(r, d) for r, d in dirs if not os.path.exists(os.path.join(d, DONE_FILE))]
+            for r, d in dirs:
+                if (r, d) not in pending:
+                    log.info("SAE %s is done (%s); skipped", r.sae_id, os.path.join(d, DONE_FILE))
 
-        def write_run_jsons():
-            for r, d in pending:
-                with _writing("run.json", d):
-                    self._write_run_json(r, d)
-                    ckpt.clean_temps(d)
+            def write_run_jsons():
+                for r, d in pending:
+                    with _writing("run.json", d):
+                        self._write_run_json(r, d)
+                        ckpt.clean_temps(d)
 
-        ddp.on_main(self.ctx, self.device, "run.json", write_run_jsons)
-        for start, members in self._passes(pending):
-            self._train_pass(cache, start, members)
-        return [d for _, d in dirs]
+            ddp.on_main(self.ctx, self.device, "run.json", write_run_jsons)
+            for start, members in self._passes(pending):
+                self._train_pass(cache, start, members)
+            return [d for _, d in dirs]
+        finally:
+            if joined:
+                ddp.shutdown(self.ctx)
 
     def _loader(self, cache, start: int):
         from actcache.loaders import ShuffledLoader
