@@ -665,8 +665,9 @@ def main() -> None:
         "batch), so they read lower than earlier runs of this section for the same code.",
         "",
         "Fresh batch buffers in a first pass (2026-11-24 21:00): the ordered loader's copy threads now fill "
-        "each batch together, a part each, in 3 batch buffer sets instead of one batch each in 4 (one set "
-        "less to fault in at ~0.5-1.5 GB/s), and a set still being faulted in when a loader finishes is "
+        "each batch the readers found cached together, a part each, in 3 batch buffer sets instead of one "
+        "batch each in 4 (one set less to fault in at ~0.5-1.5 GB/s; a batch still to be read from disk "
+        "stays with one thread: split, it read cold-primed at 0.754 against 0.807 x ref), and a set still being faulted in when a loader finishes is "
         "given up (before, the end of a short pass could wait ~20-45 ms for a copy thread faulting in a set "
         "that no batch needed). One layer of the 4-layer cache, this script's worker, 7 alternating rounds "
         "against the code before: 'ordered' 8.0 -> 10.3 GB/s, the pause before an 'ordered 2nd epoch' "

@@ -215,14 +215,15 @@ def test_crash_timeout_and_ctrl_c(cache, tmp_path, sigint_raises):
 @pytest.mark.parametrize("io", ["read", "mmap"])
 @pytest.mark.parametrize("patches,layer,batch_size", [("image", 7, 40), ("image", "all", 29), ("all", 3, 64)])
 def test_copy_threads_share_each_batch_in_parts(cache, monkeypatch, io, patches, layer, batch_size):
-    """Every copy thread copies a part of the same batch (cut on image boundaries; the batches
-    themselves start inside images): the batches and their scaling are those of one copy."""
+    """Every copy thread copies a part of the same cached batch (cut on image boundaries; the
+    batches themselves start inside images): the batches and their scaling are those of one
+    copy. (A batch still to be read from disk is read by one thread.)"""
     from actcache.loaders import ordered
 
     monkeypatch.setattr(ordered, "MIN_PART_ROWS", 5)
     path = cache[0]
     ds = IndexedDataset(path, patches, layer)
-    want = expected(ds)
+    want = expected(ds)  # (reads every shard: cached batches are the ones split)
     for scale_norm in (False, True):
         parts = []
         ld = OrderedLoader(

@@ -75,13 +75,16 @@ IOV_MAX = 1024
 # noise. Requesting every batch strictly in order was slower on the 4-layer cache (2.2 GB/s):
 # later batches gain from parallel requests.
 FIRST_ALONE = True
-# Every copy thread works on the same batch, a part each (>= MIN_PART_ROWS examples, cut on image
-# boundaries), rather than a batch each: a batch is ready in half the time, and 3 batch buffer
-# sets keep both threads busy where a batch each needed 4 (read_ahead + 2), which a fresh process
-# must fault in (slow on the project VM: see BatchPool.handover). One layer of the 4-layer bench
-# cache, warm, a fresh process per round, 3 series of 6-8 alternating rounds (medians): first
-# pass 9.8 / 10.9 / 10.0 -> 12.1 / 12.9 / 11.1 GB/s, first batch 18-23 -> 13-17 ms, second pass
-# 14.1 / 15.0 / 14.6 -> 14.0 / 13.6 / 14.6 GB/s; 1-layer cache: the same within the noise.
+# Every copy thread works on the same cached batch, a part each (>= MIN_PART_ROWS examples, cut
+# on image boundaries), rather than a batch each: a batch is ready in half the time, and 3 batch
+# buffer sets keep both threads busy where a batch each needed 4 (read_ahead + 2), which a fresh
+# process must fault in (slow on the project VM: see BatchPool.handover). One layer of the 4-layer
+# bench cache, warm, a fresh process per round, 3 series of 6-8 alternating rounds (medians):
+# first pass 9.8 / 10.9 / 10.0 -> 12.1 / 12.9 / 11.1 GB/s, first batch 18-23 -> 13-17 ms, second
+# pass 14.1 / 15.0 / 14.6 -> 14.0 / 13.6 / 14.6 GB/s; 1-layer cache: the same within the noise.
+# A batch whose bytes the readers did not find cached is still read by one thread: split, the
+# 1-layer cache read cold (cold-primed: bench_loaders) ran at 0.754 x ref against 0.807 (6
+# alternating rounds, lower in each).
 MIN_PART_ROWS = 2048
 
 
@@ -174,7 +177,7 @@ class OrderedLoader(BaseLoader):
         it.next_read = it.next_copy = it.frontier = 0
         it.parts = collections.deque()  # (job, part) of a batch another copy thread started
         it.first_requested = False  # batch 0's reads have been requested (see FIRST_ALONE)
-        it.resident = {}  # batch -> whether its bytes are mapped (io="mmap", or "auto" found them cached)
+        it.resident = {}  # batch -> (mapped: io="mmap", or "auto" found them cached; cached: all in the page cache)
         it.done = set()
         it.released_img = self.ex_start // self.geom.per_img
         it.held = 0  # bytes of the images read ahead and not released yet
@@ -241,7 +244,7 @@ class OrderedLoader(BaseLoader):
                 self.stats.read_bytes += nbytes
                 it.held += nbytes
                 self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, it.held)
-                it.resident[k] = mapped
+                it.resident[k] = (mapped, cached)
                 it.cond.notify_all()
 
     def _copier(self, it: Iteration, name: str) -> None:
@@ -273,7 +276,10 @@ class OrderedLoader(BaseLoader):
                 it.rt.wait(ready)
                 if "job" not in got:
                     it.next_copy += 1
-                    job = _Job(got["k"], got["buf"], it.resident.pop(got["k"]), self._cuts(*self.batch_range(got["k"])))
+                    mapped, cached = it.resident.pop(got["k"])
+                    a, b = self.batch_range(got["k"])
+                    # a batch still to be read from disk stays with one thread (see MIN_PART_ROWS)
+                    job = _Job(got["k"], got["buf"], mapped, self._cuts(a, b) if cached else [a, b])
                     if len(job.cuts) > 2:
                         it.parts.extend((job, p) for p in range(1, len(job.cuts) - 1))
                         it.cond.notify_all()
