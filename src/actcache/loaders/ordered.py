@@ -7,8 +7,9 @@ Example ``i`` of the loader is example ``i`` of :class:`~actcache.loaders.indexe
 (restricted to images [start_img, end_img)); batches span shard boundaries with no gap or
 duplicate; batches are yielded in order whatever the thread timing. Reader threads start the
 reads of the next batches (``read_ahead + 2`` batches ahead; the first batch's alone, before any
-other's: FIRST_ALONE) and the copy threads fill each batch together, a part each (MIN_PART_ROWS),
-into ``max(3, read_ahead + 1)`` reused batch buffer sets:
+other's: FIRST_ALONE) and the copy threads fill each batch already cached together, a part each
+(MIN_PART_ROWS; one to be read from disk, one thread), into ``max(3, read_ahead + 1)`` reused
+batch buffer sets:
 
 ``io="auto"`` (default): each batch as ``io="read"`` below, except that when the readers find
 its bytes already in the page cache and the loader reads at least half of each image (the
