@@ -31,12 +31,12 @@
 /* Software prefetch of the rows ahead of the one being copied (prefetchnta). A row of up to
  * SMALL_ROW bytes is prefetched whole, PREFETCH_SPAN bytes of rows ahead; of a larger row only its
  * first HEAD_BYTES, HEAD_AHEAD rows ahead: once a row's first lines are asked for, the hardware
- * prefetcher follows the rest of it. Measured on the project VM (2 threads gathering 48 MiB batches
- * of random rows out of a 4.3 GB huge-page mapping, each variant built from this file and
- * alternated in one process, 2 runs): against no prefetch, x1.26 at 768-byte rows, x1.15-1.36 at
- * 1536, x1.19-1.20 at 2048, x1.14 at 3072, x1.19-1.20 at 4096, x1.14-1.15 at 6144, x1.04 at 16 KiB.
- * Prefetching whole rows ~24 KiB ahead instead did as well up to 2 KiB rows and worse above (x1.05
- * at 3072, x0.92 at 16 KiB). The macros can be overridden (-DHEAD_BYTES=...) to measure others. */
+ * prefetcher follows the rest of it. Measured on the project VM by scripts/bench_kernel.py (2
+ * threads gathering 48 MiB batches of random rows out of a 4 GiB huge-page mapping; variants built
+ * from this file, alternated in one process; BENCHMARKS.md, "Copy kernel"), against no prefetch:
+ * x1.27-1.33 at 768-1536-byte rows, x1.09-1.15 at 3072 (d=768 float32), x1.12-1.24 at 4-6 KiB,
+ * x1.03-1.05 at 16 KiB. Whole rows ~24 KiB ahead did as well up to 2 KiB rows and worse above
+ * (x1.03-1.05 at 3072, x0.91-0.93 at 16 KiB). The macros can be overridden (-DHEAD_BYTES=...). */
 #ifndef SMALL_ROW
 #define SMALL_ROW 2048
 #endif
