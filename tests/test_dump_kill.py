@@ -144,3 +144,40 @@ def test_two_dumps_of_the_same_range_at_once(tmp_path, setup):
     (path,) = hash_dirs(dump_to)
     assert shard_files(path) == ref_shards and not temp_files(path)
     gather(path)
+
+
+def test_shared_memory_of_killed_workers_is_removed_and_live_segments_stay(tmp_path):
+    """A worker SIGKILLed between making a batch's segment file and unlinking it leaves the file
+    (seen once in CI: torch_<pid>_<random>_13 after a kill of this module's test). The next dump
+    removes such files: creator dead, mapped and opened by nobody. Live ones stay."""
+    import mmap
+
+    from actcache.dump import remove_dead_segments
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    dead = child.pid
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    names = {
+        "leaked": f"torch_{dead}_1234_13",
+        "open": f"torch_{dead}_1234_14",  # still open in this process
+        "mapped": f"torch_{dead}_1234_15",  # mapped here, its file descriptor closed
+        "live creator": f"torch_{os.getpid()}_1234_16",
+        "not torch's": f"other_{dead}_1234_17",
+    }
+    for name in names.values():
+        (shm / name).write_bytes(b"x" * 4096)
+    fd = os.open(shm / names["open"], os.O_RDONLY)
+    with open(shm / names["mapped"], "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    try:
+        assert remove_dead_segments(str(shm)) == [names["leaked"]]
+        assert sorted(p.name for p in shm.iterdir()) == sorted(n for k, n in names.items() if k != "leaked")
+        assert remove_dead_segments(str(shm)) == []  # nothing more to remove
+    finally:
+        os.close(fd)
+        m.close()
+    # once nobody holds them, the dead creator's files go as well
+    assert sorted(remove_dead_segments(str(shm))) == sorted([names["open"], names["mapped"]])
+    assert remove_dead_segments(str(tmp_path / "missing")) == []

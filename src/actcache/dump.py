@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -196,6 +197,69 @@ def _remove_failed_segments(shm_dir: str = "/dev/shm") -> None:
             os.unlink(os.path.join(shm_dir, name))
 
 
+_SEGMENT = re.compile(r"torch_(\d+)_\d+_\d+$")
+
+
+def remove_dead_segments(shm_dir: str = "/dev/shm") -> list[str]:
+    """Remove torch shared-memory files that a killed process left behind; returns their names.
+
+    An image-loading worker makes each batch's segment as a file ``torch_<pid>_<random>_<n>`` and,
+    with torch's default sharing strategy, unlinks it right after: a worker killed in between
+    (SIGKILL of the job, e.g. Slurm's after a time limit) leaves the file, and its memory, in
+    /dev/shm for good. Removed here: files of this user whose creating process no longer runs and
+    that no process this user can see has mapped or open (so a live segment, e.g. one of torch's
+    "file_system" strategy, stays)."""
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return []
+    from actcache.fsutil import pid_alive
+
+    dead = []
+    for name in names:
+        m = _SEGMENT.match(name)
+        if m is None or pid_alive(int(m.group(1))):
+            continue
+        try:
+            if os.stat(os.path.join(shm_dir, name)).st_uid != os.getuid():
+                continue
+        except OSError:
+            continue
+        dead.append(name)
+    if not dead:
+        return []
+    used = _segments_in_use(shm_dir)
+    removed = []
+    for name in dead:
+        if name in used:
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(shm_dir, name))
+            removed.append(name)
+    return removed
+
+
+def _segments_in_use(shm_dir: str) -> set[str]:
+    """Names of the files in shm_dir that a visible process has mapped or open."""
+    used = set()
+    prefix = shm_dir.rstrip("/") + "/"
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/maps") as fd:
+                for line in fd:
+                    at = line.find(prefix)
+                    if at >= 0:
+                        used.add(line[at + len(prefix) :].split()[0])
+            fd_dir = f"/proc/{pid}/fd"
+            for f in os.listdir(fd_dir):
+                target = os.readlink(os.path.join(fd_dir, f))
+                if target.startswith(prefix):
+                    used.add(target[len(prefix) :].split()[0])
+        except OSError:  # gone, or another user's
+            continue
+    return used
+
+
 class _Batches(torch.utils.data.Sampler):
     def __init__(self, plan):
         self.plan = plan
@@ -310,6 +374,9 @@ def dump_shards(
             raise _setup_error(err, f"creating {os.path.join(dump_to, md.hash)}") from err
         if stale:
             log.info("removed %d temporary file(s) of killed writers: %s", len(stale), ", ".join(stale))
+        shm = remove_dead_segments()
+        if shm:
+            log.info("removed %d shared-memory file(s) of killed image-loading workers from /dev/shm", len(shm))
         ds = open_dataset(exp.data, listing_cache=listing_cache)
         if len(ds) != md.n_imgs:
             raise DumpError(

@@ -79,7 +79,7 @@ def remove_stale_temps(directory: str, only_dead_writers: bool = True, max_age_s
             host, _, rest = name.rsplit(TMP_MARK, 1)[1].partition("-")
             pid_part = rest.split("-", 1)[0]
             if host == me:
-                if pid_part.isdigit() and _pid_alive(int(pid_part)):
+                if pid_part.isdigit() and pid_alive(int(pid_part)):
                     continue
             else:
                 try:
@@ -94,7 +94,8 @@ def remove_stale_temps(directory: str, only_dead_writers: bool = True, max_age_s
     return removed
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host runs (a zombie does not)."""
     if pid == os.getpid():
         return True
     try:
