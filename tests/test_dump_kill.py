@@ -165,9 +165,13 @@ def test_shared_memory_of_killed_workers_is_removed_and_live_segments_stay(tmp_p
         "mapped": f"torch_{dead}_1234_15",  # mapped here, its file descriptor closed
         "live creator": f"torch_{os.getpid()}_1234_16",
         "not torch's": f"other_{dead}_1234_17",
+        "just made": f"torch_{dead}_1234_18",  # too new to judge (another pid namespace may be making it)
     }
-    for name in names.values():
+    old = time.time() - 10
+    for key, name in names.items():
         (shm / name).write_bytes(b"x" * 4096)
+        if key != "just made":
+            os.utime(shm / name, (old, old))
     fd = os.open(shm / names["open"], os.O_RDONLY)
     with open(shm / names["mapped"], "rb") as f:
         m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
@@ -178,6 +182,7 @@ def test_shared_memory_of_killed_workers_is_removed_and_live_segments_stay(tmp_p
     finally:
         os.close(fd)
         m.close()
-    # once nobody holds them, the dead creator's files go as well
+    # once nobody holds them, the dead creator's files go as well; a fresh one once it is old enough
     assert sorted(remove_dead_segments(str(shm))) == sorted([names["open"], names["mapped"]])
+    assert remove_dead_segments(str(shm), min_age_s=0) == [names["just made"]]
     assert remove_dead_segments(str(tmp_path / "missing")) == []

@@ -200,7 +200,7 @@ def _remove_failed_segments(shm_dir: str = "/dev/shm") -> None:
 _SEGMENT = re.compile(r"torch_(\d+)_\d+_\d+$")
 
 
-def remove_dead_segments(shm_dir: str = "/dev/shm") -> list[str]:
+def remove_dead_segments(shm_dir: str = "/dev/shm", min_age_s: float = 1.0) -> list[str]:
     """Remove torch shared-memory files that a killed process left behind; returns their names.
 
     An image-loading worker makes each batch's segment as a file ``torch_<pid>_<random>_<n>`` and,
@@ -208,7 +208,8 @@ def remove_dead_segments(shm_dir: str = "/dev/shm") -> list[str]:
     (SIGKILL of the job, e.g. Slurm's after a time limit) leaves the file, and its memory, in
     /dev/shm for good. Removed here: files of this user whose creating process no longer runs and
     that no process this user can see has mapped or open (so a live segment, e.g. one of torch's
-    "file_system" strategy, stays)."""
+    "file_system" strategy, stays), and that are at least ``min_age_s`` old (a process in another
+    pid namespace sharing /dev/shm may be between making and unlinking one: microseconds)."""
     try:
         names = os.listdir(shm_dir)
     except OSError:
@@ -221,11 +222,11 @@ def remove_dead_segments(shm_dir: str = "/dev/shm") -> list[str]:
         if m is None or pid_alive(int(m.group(1))):
             continue
         try:
-            if os.stat(os.path.join(shm_dir, name)).st_uid != os.getuid():
-                continue
+            st = os.stat(os.path.join(shm_dir, name))
         except OSError:
             continue
-        dead.append(name)
+        if st.st_uid == os.getuid() and time.time() - st.st_mtime >= min_age_s:
+            dead.append(name)
     if not dead:
         return []
     used = _segments_in_use(shm_dir)
