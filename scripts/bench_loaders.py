@@ -673,8 +673,22 @@ def main() -> None:
         "against the code before: 'ordered' 8.0 -> 10.3 GB/s, the pause before an 'ordered 2nd epoch' "
         "8.6 -> 6.6 ms. The shuffled loader's plan of the first batch also got cheaper (each run's span "
         "worked out once, vectorised; no np.unique, whose first call imports numpy.ma): first batch 63 -> "
-        "57 ms in 12 alternating rounds. The warm rows below were measured after these changes, the cold "
-        "rows before them.",
+        "57 ms in 12 alternating rounds.",
+        "",
+        "Copy kernel prefetch (2026-11-24 22:20): the C kernel's software prefetch of the next random rows "
+        "had been compiled out (gcc judged the helper const and dropped its calls; the module held no prefetch "
+        "instruction). It is now inlined, and rows over 2 KiB have only their first 512 bytes prefetched, 2 "
+        "rows ahead. The gather alone, 3 KiB rows: x1.09-1.15 against no prefetch (section 'Copy kernel' "
+        "below, `scripts/bench_kernel.py`). In the shuffled loader, 1-layer cache, epochs 2-4 of one process, "
+        "3 alternating runs against the code before: the kernel's own time 9.4-10.0 -> 11.0-11.5 GB per "
+        "CPU-second. Warm rows of this table against those of 21:00 (5 rounds each): 1-layer shuffled 0.624 -> "
+        "0.692 x ref2 (6.47 -> 7.63 GB/cpu-s), its 2nd epoch 0.754 -> 0.793; 4-layer shuffled 0.478 -> 0.546 "
+        "x ref2, its 2nd epoch 0.680 -> 0.673 (within the noise). The ordered loader copies whole images "
+        "(600 KB blocks), which the hardware prefetcher follows anyway. Cold, the loaders wait on the disk: "
+        "the cold rows, measured again after the change, agree with the previous run (16:36 / 16:51) within "
+        "the disk's swings (one layer of four, x ref layer: ordered 1.008 -> 0.987 cold, 0.98 -> 1.021 "
+        "cold-primed; shuffled 0.822 -> 0.817, 0.81 -> 0.809). All rows below were measured after these "
+        "changes.",
         "",
     ]
     for run in stored:
