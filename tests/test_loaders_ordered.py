@@ -113,11 +113,13 @@ def test_read_mode_reads_few_large_pieces_and_reports_truncation(tmp_path, monke
 
 
 @pytest.mark.parametrize("layers,layer,maps", [((5,), 5, True), ((3, 5), "all", True), ((3, 5), 5, False)])
-def test_auto_io_reads_what_is_not_cached_and_maps_what_is(tmp_path, monkeypatch, layers, layer, maps):
+def test_auto_io_reads_what_is_not_cached_and_tries_both_ways_for_what_is(tmp_path, monkeypatch, layers, layer, maps):
     """io="auto" (the default): a batch whose bytes are not in the page cache is read with
-    preadv (as io="read"); once they are cached, it is copied out of the mappings (as io="mmap"),
-    unless the loader reads a small part of each image (one layer of two): that stays preadv.
-    The same batches either way."""
+    preadv (as io="read"); once they are cached, it is copied out of the mappings (as io="mmap")
+    or read, whichever cost less CPU per byte lately: the first cached batch is mapped, and once
+    its cost is known the next one is read (ordered._PathCost). A loader reading a small part of
+    each image (one layer of two, 128-byte ranges: below MAP_MIN_RANGE) always reads. The same
+    batches every way."""
     path, md, acts = make_cache(tmp_path, n_imgs=12, layers=layers, n_patches=4, d=8, imgs_per_shard=6)
     want = expected(IndexedDataset(path, "image", layer))  # (reads every shard)
     files = [os.path.join(path, f"acts00000{i}.bin") for i in range(2)]
@@ -134,17 +136,49 @@ def test_auto_io_reads_what_is_not_cached_and_maps_what_is(tmp_path, monkeypatch
             name,
             lambda self, *args, real=real, name=name: used.append(name) or real(self, *args),
         )
-    ld = OrderedLoader(path, batch_size=48, layer=layer, patches="image", read_ahead=1, n_readers=1)
-    assert ld.io == "auto"
+    per = len(layers) * 4 if layer == "all" else 4
+    ld = OrderedLoader(path, batch_size=per * 2, layer=layer, patches="image", read_ahead=1, n_readers=1)
+    assert ld.io == "auto" and len(ld) == 6 and ld.may_map == maps
     cold = concat(ld)[1]
     assert used[0] == "_read_fill"  # batch 0 was not cached
     used.clear()
-    warm = concat(ld)[1]  # the first pass left every byte cached
-    assert used == ["_fill" if maps else "_read_fill"] * len(ld)
-    for c, w, x in zip(cold, warm, want, strict=True):
+    ld = OrderedLoader(path, batch_size=per * 2, layer=layer, patches="image", read_ahead=1, n_readers=1)
+    warm = concat(ld)[1]  # the first pass left every byte cached; a new loader knows no costs yet
+    assert len(used) == len(ld)
+    if maps:
+        # batches 0-2 are chosen before batch 0 is copied (the reader runs read_ahead + 2 ahead);
+        # batch 3's choice waits for batch 0's consumer, so batch 0's cost is known by then
+        assert used[0] == "_fill" and "_read_fill" in used[3:]
+        assert all(c is not None for c in ld.path_cost.cost.values())
+    else:
+        assert used == ["_read_fill"] * len(ld)
+    third = concat(ld)[1]
+    for c, w, t, x in zip(cold, warm, third, want, strict=True):
         np.testing.assert_array_equal(c, x)
         np.testing.assert_array_equal(w, x)
+        np.testing.assert_array_equal(t, x)
     assert not ld._it and not loader_threads()
+
+
+def test_cached_batches_go_the_cheaper_way_and_the_other_is_tried_now_and_then():
+    from actcache.loaders.ordered import EXPLORE_EVERY, _PathCost
+
+    pc = _PathCost()
+    assert pc.choose() is True  # nothing known: map the first
+    assert pc.choose() is True  # still nothing known (its copy has not finished)
+    pc.record(True, 2.0, 1000)
+    assert pc.choose() is False  # now the other way, to learn its cost
+    pc.record(False, 1.0, 1000)
+    picks = [pc.choose() for _ in range(4 * EXPLORE_EVERY)]
+    assert picks.count(True) == 4  # the dearer way: every EXPLORE_EVERY-th choice
+    assert all(p is True for i, p in enumerate(picks, start=pc.n - len(picks) + 1) if i % EXPLORE_EVERY == 0)
+    for _ in range(8):  # mapping gets cheaper (e.g. the page cache now holds 2 MiB folios)
+        pc.record(True, 0.5, 1000)
+    assert pc.cost[True] < pc.cost[False]
+    picks = [pc.choose() for _ in range(2 * EXPLORE_EVERY)]
+    assert picks.count(False) == 2 and picks.count(True) == 2 * EXPLORE_EVERY - 2
+    pc.record(False, 1.0, 0)  # an empty batch teaches nothing
+    assert pc.cost[False] == 1.0 / 1000
 
 
 @pytest.mark.parametrize("world_size,n_workers", [(1, 1), (2, 1), (3, 1), (2, 2), (8, 1)])

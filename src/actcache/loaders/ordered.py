@@ -11,18 +11,31 @@ other's: FIRST_ALONE) and the copy threads fill each batch already cached togeth
 (MIN_PART_ROWS; one to be read from disk, one thread), into ``max(3, read_ahead + 1)`` reused
 batch buffer sets:
 
-``io="auto"`` (default): each batch as ``io="read"`` below, except that when the readers find
-its bytes already in the page cache and the loader reads at least half of each image (the
-mapping is then of 2 MiB pages and costs almost nothing), it is copied as with ``io="mmap"``.
-Measured on the project VM (fresh process per pass, 1-layer 4.3 GB cache, medians of 7 warm /
-5 cold alternating rounds, x ref): warm auto 0.82, read 0.70, mmap 0.74; cold auto 1.74, read
-1.17, mmap 0.79 (cold figures are bimodal: see BENCHMARKS.md). Reading one layer of several
-maps 4 KiB pages, whose set-up cost more than the copy saved (one layer of four, warm: 0.33
-mapped against 0.56 read): that stays ``io="read"``. (Zen-5 VM, one layer of four, 3 passes in
-a process: io="mmap" ran at 17-19 GB/s in one series and 9-10 GB/s in another an hour later,
-read at 15-16 GB/s in both; mapping it huge was 3.8 GB/s.) Where the kernel cannot tell what
-is cached (no RWF_NOWAIT, e.g. tmpfs), "auto" reads: measured on a tmpfs copy of the 1-layer
-cache, a warm pass read at 14-16 GB/s, mmap at 7-11 GB/s (tmpfs maps 4 KiB pages).
+``io="auto"`` (default): a batch whose bytes are not in the page cache yet is read as with
+``io="read"`` below. One the readers find cached is copied as with ``io="mmap"`` or read,
+whichever has cost less CPU per byte lately (EXPLORE_EVERY, _PathCost): which one wins depends
+on the folios the page cache holds the bytes in, which the loader cannot see. Mapped 2 MiB at a
+time (large folios, e.g. after ``cat`` of the shards or right after they were written), mapping
+costs almost nothing and the copy uses the C kernel's non-temporal stores; in small folios (e.g.
+after the loader's own cold pass: the kernel's WILLNEED reads make no 2 MiB folio) every 4 KiB
+page must be mapped, and preadv wins. Measured on the project VM:
+- 1-layer 4.3 GB cache, fresh process per pass, medians of 7 warm / 5 cold alternating rounds
+  (x ref), on the VM the loaders were first tuned on: warm auto 0.82, read 0.70, mmap 0.74;
+  cold auto 1.74, read 1.17, mmap 0.79 (cold figures are bimodal: see BENCHMARKS.md).
+- Zen-5 VM, 3 passes per process, warm after the loader's own cold pass (a third of the bytes
+  in 2 MiB folios; 2 and 3 alternating rounds): always mapping 11.3-13.6 GB/s first pass and
+  13.3-14.4 after, read 14.6-15.5 and 17.1-20.1, the cost-based choice 14.0 and 16.2-18.3
+  (reading ~95% of the batches); warm after ``cat``, 4 alternating rounds: always mapping 17.4-19.8
+  GB/s on a first pass, the cost-based choice 14.5-20.4 (median 19.2; mapping ~85-90% of the
+  batches), read 15.1-22.3.
+- One layer of four (~600 KB ranges, 4 KiB mappings, before the choice was cost-based: that
+  case was always read): warm after ``cat``, mmap 16.2 against read 14.1 GB/s in steady state (6
+  alternating rounds of bench_loaders' worker, higher in each), the same on a first pass (12.1 /
+  12.0); warm after the loader's own cold pass, mmap 7.2-8.9 against read 11.2-13.5 GB/s (3
+  rounds). Mapping it huge was 3.8 GB/s. Only ranges of MAP_MIN_RANGE or more are ever mapped.
+Where the kernel cannot tell what is cached (no RWF_NOWAIT, e.g. tmpfs), "auto" reads: measured
+on a tmpfs copy of the 1-layer cache, a warm pass read at 14-16 GB/s, mmap at 7-11 GB/s (tmpfs
+maps 4 KiB pages).
 
 ``io="read"``: readers ask the kernel to read the batches' byte ranges ahead
 (posix_fadvise WILLNEED: asynchronous, many requests in flight); a copy thread reads its batch's
@@ -48,6 +61,8 @@ from __future__ import annotations
 
 import collections
 import os
+import threading
+import time
 
 import numpy as np
 
@@ -87,6 +102,22 @@ FIRST_ALONE = True
 # 1-layer cache read cold (cold-primed: bench_loaders) ran at 0.754 x ref against 0.807 (6
 # alternating rounds, lower in each).
 MIN_PART_ROWS = 2048
+# io="auto", a batch whose bytes the readers found in the page cache: copied out of the mappings
+# or read with preadv, whichever cost less CPU per byte lately (_PathCost: the readers' mapping
+# plus the copy threads' copy, per batch, as moving averages; the first cached batch is mapped, the
+# second read, then the cheaper way, the other one every EXPLORE_EVERY-th batch to follow changes).
+# Which is cheaper depends on the page cache's folios, which the loader cannot see: on the project
+# VM, 1-layer cache, 3 passes per process, warm after cat of the shards (~90% in 2 MiB folios),
+# mapping was the faster (bench_loaders: auto 20.4 against read 17.4 GB/s); warm after the loader's
+# own cold pass (a third in 2 MiB folios), reading was (steady 17.1-20.1 against 13.3-14.4 GB/s,
+# first pass 14.6-15.5 against 11.3-13.6, 3 alternating rounds). Mapping one layer of several
+# (4 KiB pages) is tried only when each image's range of a layer is MAP_MIN_RANGE or more (one
+# layer's patch tokens: ~600 KB at d=768; a CLS vector alone, 3 KiB, is always read).
+EXPLORE_EVERY = 16
+MAP_MIN_RANGE = 64 * 2**10
+# Mapping is kept unless reading costs less than 1 / MAP_BIAS of it: per-batch costs are noisy,
+# and where mapping lost it lost by far (~1.5x CPU per byte after the loader's own cold pass).
+MAP_BIAS = 1.1
 
 
 class OrderedLoader(BaseLoader):
@@ -98,9 +129,9 @@ class OrderedLoader(BaseLoader):
     long; None: wait forever),
     scale_norm, rank / world_size / worker_id / n_workers, n_threads (copy threads), n_readers
     (default 4), read_ahead (batches prepared ahead of the consumer), evict (also drop released
-    bytes from the page cache), io ("auto", the default: per batch, "mmap" when its bytes are
-    cached and most of each image is read, else "read"; "read": preadv into the batch buffers;
-    "mmap": copies out of memory-mapped shards; see the module doc).
+    bytes from the page cache), io ("auto", the default: per batch, "read" when its bytes are
+    not cached yet, else "mmap" or "read", whichever has cost less CPU per byte lately; "read":
+    preadv into the batch buffers; "mmap": copies out of memory-mapped shards; see the module doc).
     """
 
     kind = "OrderedLoader"
@@ -155,6 +186,9 @@ class OrderedLoader(BaseLoader):
         self.start_img, self.end_img = start_img, end_img
         self.io = io
         self.n_readers = n_readers or 4  # several batches' reads in flight: measured 1.3-1.9x faster cold than 2
+        # io="auto": a cached batch may be mapped (see EXPLORE_EVERY); the costs outlive a pass
+        self.may_map = self.map_mode == "huge" or self.geom.n_tokens * self.geom.vec_bytes >= MAP_MIN_RANGE
+        self.path_cost = _PathCost()
         per = self.geom.per_img
         self.partition = Partition((end_img - start_img) * per, self.world, batch_size, drop_last)
         s, e = self.partition.part_range(self.world)
@@ -178,7 +212,9 @@ class OrderedLoader(BaseLoader):
         it.next_read = it.next_copy = it.frontier = 0
         it.parts = collections.deque()  # (job, part) of a batch another copy thread started
         it.first_requested = False  # batch 0's reads have been requested (see FIRST_ALONE)
-        it.resident = {}  # batch -> (mapped: io="mmap", or "auto" found them cached; cached: all in the page cache)
+        # batch -> (mapped: copied out of the mappings; cached: all in the page cache at request;
+        # CPU seconds the reader spent mapping it)
+        it.resident = {}
         it.done = set()
         it.released_img = self.ex_start // self.geom.per_img
         it.held = 0  # bytes of the images read ahead and not released yet
@@ -235,17 +271,19 @@ class OrderedLoader(BaseLoader):
                     with it.cond:
                         it.first_requested = True
                         it.cond.notify_all()
-            mapped = self.io == "mmap" or (self.io == "auto" and cached and self.map_mode == "huge")
+            mapped = self.io == "mmap" or (self.io == "auto" and cached and self.may_map and self.path_cost.choose())
+            t = time.thread_time()
             if mapped:  # the copy thread copies out of the mappings (see the module doc)
                 for shard, _, _, ext in spans:
                     it.maps.make_resident(shard, *ext)
+            mapping_s = time.thread_time() - t
             with it.cond:
                 it.rt.progressed()
                 nbytes = owned * self.geom.img_bytes
                 self.stats.read_bytes += nbytes
                 it.held += nbytes
                 self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, it.held)
-                it.resident[k] = (mapped, cached)
+                it.resident[k] = (mapped, cached, mapping_s)
                 it.cond.notify_all()
 
     def _copier(self, it: Iteration, name: str) -> None:
@@ -277,10 +315,11 @@ class OrderedLoader(BaseLoader):
                 it.rt.wait(ready)
                 if "job" not in got:
                     it.next_copy += 1
-                    mapped, cached = it.resident.pop(got["k"])
+                    mapped, cached, mapping_s = it.resident.pop(got["k"])
                     a, b = self.batch_range(got["k"])
                     # a batch still to be read from disk stays with one thread (see MIN_PART_ROWS)
                     job = _Job(got["k"], got["buf"], mapped, self._cuts(a, b) if cached else [a, b])
+                    job.cost = mapping_s if cached and self.io == "auto" else None  # see EXPLORE_EVERY
                     if len(job.cuts) > 2:
                         it.parts.extend((job, p) for p in range(1, len(job.cuts) - 1))
                         it.cond.notify_all()
@@ -291,14 +330,19 @@ class OrderedLoader(BaseLoader):
             a, b = job.cuts[part], job.cuts[part + 1]
             it.rt.status(name, f"copying batch {k} (part {part + 1} of {len(job.cuts) - 1})")
             self._hook("gather", batch=k)
+            t = time.thread_time()
             if job.mapped:
                 self._fill(it, a, b, buf, a - a0)
             else:
                 self._read_fill(it, a, b, buf, a - a0)
             with it.cond:
+                if job.cost is not None:
+                    job.cost += time.thread_time() - t
                 job.left -= 1
                 if job.left:
                     continue  # the thread copying the last part publishes the batch
+            if job.cost is not None:
+                self.path_cost.record(job.mapped, job.cost, (job.cuts[-1] - a0) * self.geom.vec_bytes)
             buf.n, buf.key = job.cuts[-1] - a0, (0, k)
             with it.cond:
                 it.ready[k] = buf
@@ -455,8 +499,41 @@ class OrderedLoader(BaseLoader):
 class _Job:
     """A batch being copied in parts (OrderedLoader._copier)."""
 
-    __slots__ = ("k", "buf", "mapped", "cuts", "left")
+    __slots__ = ("k", "buf", "mapped", "cuts", "left", "cost")
 
     def __init__(self, k: int, buf, mapped: bool, cuts: list[int]):
         self.k, self.buf, self.mapped, self.cuts = k, buf, mapped, cuts
         self.left = len(cuts) - 1
+        self.cost = None  # io="auto", a cached batch: CPU seconds spent mapping and copying it
+
+
+class _PathCost:
+    """io="auto": which way to copy a batch found in the page cache (see EXPLORE_EVERY). ``cost``:
+    moving averages of the CPU seconds per byte of each way (True: mapped, False: preadv)."""
+
+    def __init__(self):
+        self.cost: dict[bool, float | None] = {True: None, False: None}
+        self.samples = {True: 0, False: 0}
+        self.n = 0
+        self.lock = threading.Lock()
+
+    def choose(self) -> bool:
+        """Whether to map the next cached batch."""
+        with self.lock:
+            self.n += 1
+            mapped, read = self.cost[True], self.cost[False]
+            if mapped is None or read is None:
+                return mapped is None
+            best = mapped <= read * MAP_BIAS
+            return not best if self.n % EXPLORE_EVERY == 0 else best
+
+    def record(self, mapped: bool, cpu_s: float, nbytes: int) -> None:
+        if nbytes <= 0:
+            return
+        x = cpu_s / nbytes
+        with self.lock:
+            # the mean of the first samples, then a moving average over ~10 (one batch's cost
+            # varies by +-30% on the project VM; the two ways differed by ~15% warm after cat)
+            self.samples[mapped] += 1
+            old = self.cost[mapped]
+            self.cost[mapped] = x if old is None else old + max(0.1, 1 / self.samples[mapped]) * (x - old)
