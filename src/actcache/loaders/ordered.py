@@ -103,16 +103,12 @@ FIRST_ALONE = True
 # alternating rounds, lower in each).
 MIN_PART_ROWS = 2048
 # io="auto", a batch whose bytes the readers found in the page cache: copied out of the mappings
-# or read with preadv, whichever cost less CPU per byte lately (_PathCost: the readers' mapping
-# plus the copy threads' copy, per batch, as moving averages; the first cached batch is mapped, the
-# second read, then the cheaper way, the other one every EXPLORE_EVERY-th batch to follow changes).
-# Which is cheaper depends on the page cache's folios, which the loader cannot see: on the project
-# VM, 1-layer cache, 3 passes per process, warm after cat of the shards (~90% in 2 MiB folios),
-# mapping was the faster (bench_loaders: auto 20.4 against read 17.4 GB/s); warm after the loader's
-# own cold pass (a third in 2 MiB folios), reading was (steady 17.1-20.1 against 13.3-14.4 GB/s,
-# first pass 14.6-15.5 against 11.3-13.6, 3 alternating rounds). Mapping one layer of several
-# (4 KiB pages) is tried only when each image's range of a layer is MAP_MIN_RANGE or more (one
-# layer's patch tokens: ~600 KB at d=768; a CLS vector alone, 3 KiB, is always read).
+# or read with preadv, whichever cost less CPU per byte lately (_PathCost: the reader's mapping
+# plus the copy threads' copy, per batch; measured in the module doc). The first cached batch is
+# mapped, the next read once the first's cost is known, then the cheaper way, and the other one
+# every EXPLORE_EVERY-th batch to follow changes. One layer of several (4 KiB mappings) is mapped
+# only when each image's range of a layer is MAP_MIN_RANGE or more (one layer's patch tokens:
+# ~600 KB at d=768; a CLS vector alone, 3 KiB, is always read).
 EXPLORE_EVERY = 16
 MAP_MIN_RANGE = 64 * 2**10
 # Mapping is kept unless reading costs less than 1 / MAP_BIAS of it: per-batch costs are noisy,
