@@ -681,14 +681,26 @@ def main() -> None:
         "rows ahead. The gather alone, 3 KiB rows: x1.09-1.15 against no prefetch (section 'Copy kernel' "
         "below, `scripts/bench_kernel.py`). In the shuffled loader, 1-layer cache, epochs 2-4 of one process, "
         "3 alternating runs against the code before: the kernel's own time 9.4-10.0 -> 11.0-11.5 GB per "
-        "CPU-second. Warm rows of this table against those of 21:00 (5 rounds each): 1-layer shuffled 0.624 -> "
+        "CPU-second. Warm rows of the run of 22:24 against those of 21:00 (5 rounds each): 1-layer shuffled 0.624 -> "
         "0.692 x ref2 (6.47 -> 7.63 GB/cpu-s), its 2nd epoch 0.754 -> 0.793; 4-layer shuffled 0.478 -> 0.546 "
         "x ref2, its 2nd epoch 0.680 -> 0.673 (within the noise). The ordered loader copies whole images "
         "(600 KB blocks), which the hardware prefetcher follows anyway. Cold, the loaders wait on the disk: "
         "the cold rows, measured again after the change, agree with the previous run (16:36 / 16:51) within "
         "the disk's swings (one layer of four, x ref layer: ordered 1.008 -> 0.987 cold, 0.98 -> 1.021 "
-        "cold-primed; shuffled 0.822 -> 0.817, 0.81 -> 0.809). All rows below were measured after these "
-        "changes.",
+        "cold-primed; shuffled 0.822 -> 0.817, 0.81 -> 0.809).",
+        "",
+        "Ordered io='auto' chooses per cached batch (2026-11-24 23:30): a batch whose bytes the readers find in "
+        "the page cache is now mapped or read with preadv, whichever has cost less CPU per byte lately (the "
+        "other way every 16th batch), where it was always mapped (whole images) or always read (one layer of "
+        "several). Which wins depends on the page cache's folios: warm after a plain sequential read (this "
+        "table's warm state, ~90% in 2 MiB folios) mapping does; warm after the loader's own cold pass (its "
+        "WILLNEED reads make small folios) reading does, by far (1-layer cache, 3 passes per process: always "
+        "mapping 13.3-14.4 GB/s from the second pass on, read 17.1-20.1, the choice 16.2-18.3; see the "
+        "ordered loader's module doc). That second state is not in this table. Warm rows of 23:44 against "
+        "those of 22:24: 1-layer ordered 0.735 -> 0.749 x ref; one layer of four: ordered 0.460 -> 0.501, its "
+        "2nd epoch 0.534 -> 0.608 (one layer of several is now mapped when that is cheaper). Warm rows "
+        "were measured after these changes; cold rows (23:01 / 23:13) before the last one, which changes "
+        "only batches found cached.",
         "",
     ]
     for run in stored:
