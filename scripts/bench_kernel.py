@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402
 
-from actcache.loaders.buffers import ShardMaps  # noqa: E402
+from actcache.loaders.buffers import ShardMaps, huge_empty  # noqa: E402
 
 SOURCE = os.path.join(benchlib.ROOT, "src", "actcache", "_native.c")
 ENTRY = r"""
@@ -148,8 +148,7 @@ def main() -> None:
     maps.make_resident(0, np.array([0]), np.array([size]))
     pmd = pmd_mapped_kib() * 1024 / size
     nbytes = args.batch_mib * 2**20
-    raw = [np.empty(nbytes + 4096, np.uint8) for _ in range(args.threads)]
-    dsts = [r[(-r.ctypes.data) % 4096 :][:nbytes] for r in raw]
+    dsts = [huge_empty((nbytes,), np.uint8) for _ in range(args.threads)]  # as the loaders' batch buffers
     for d in dsts:
         d[:] = 1  # fault the destinations in before any timing
     bases = np.array([src.ctypes.data], np.int64)
