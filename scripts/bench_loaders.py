@@ -12,8 +12,11 @@ patch-token ranges, ~600 KB each, one thread, one reused batch-sized buffer; col
 asks the kernel for them four batches ahead). Loaders count only the bytes of the layer they
 read. naive = torch DataLoader over IndexedDataset with a RandomSampler and 2 workers,
 time-boxed and extrapolated. Every measurement runs in a fresh
-subprocess (clean peak-RSS figure, no mapping kept open across a cold measurement). Warm: page
-cache filled just before; cold: page cache dropped right before each measurement; cold-late: the
+subprocess (clean peak-RSS figure, no mapping kept open across a cold measurement). Warm: the
+measuring process first reads the shards through until every page is in the page cache (rewarm:
+on the project VM a DAMON scheme pages out file pages read once and left for a while, even with
+memory free, so a cache read a minute earlier is partly gone; the table's "cached before, min" is
+the least share found cached before that read); cold: page cache dropped right before each measurement; cold-late: the
 same, then COLD_LATE_S idle before it starts (see the machine note: on this VM memory freed a
 second or more earlier has been handed back to the host, as it has before any real cold read);
 cold-primed: dropped, then the measuring process touches and frees as much memory as the cache
@@ -244,6 +247,19 @@ class MemSampler:
         return self.anon_peak - self.base_anon
 
 
+def rewarm(paths: list[str], tries: int = 3) -> dict:
+    """Warm measurements: read the files through until all their pages are in the page cache (at
+    most ``tries`` times), right before the measurement. -> the resident share found first
+    ("resident_before") and at the end ("resident")."""
+    before = frac = benchlib.resident_fraction(paths)
+    for _ in range(tries):
+        if frac is not None and frac >= 1.0:
+            break
+        benchlib.read_through(paths)
+        frac = benchlib.resident_fraction(paths)
+    return {"resident_before": before, "resident": frac}
+
+
 def run_loader(spec: dict) -> dict:
     import torch
 
@@ -263,18 +279,21 @@ def run_loader(spec: dict) -> dict:
             prime = np.empty(spec["prime_bytes"], np.uint8)
             prime[:: os.sysconf("SC_PAGE_SIZE")] = 1
             del prime
+    warm = {}
+    if not spec.get("cold"):  # warm: the files resident right now (module doc: DAMON pages them out)
+        warm = rewarm([f for f, _ in files])
     if kind in ("ref", "ref2"):
         c0 = cpu_s()
         out = ref_read(files, 1, 8 * 2**20) if kind == "ref" else ref_read(files, 2, 48 * 2**20)
         cpu = cpu_s() - c0  # (0 for a tiny --quick cache: below the clock's 10 ms tick)
         out["GB_per_cpu_s"] = sum(size for _, size in files) / 1e9 / cpu if cpu > 0 else None
-        return out
+        return {**out, **warm}
     if kind == "ref layer":
         c0 = cpu_s()
         out = ref_layer(path, B * D * 4, bool(spec.get("cold")))
         cpu = cpu_s() - c0
         out["GB_per_cpu_s"] = out["MBps"] * out["seconds"] / 1e3 / cpu if cpu > 0 else None
-        return out
+        return {**out, **warm}
     if kind.startswith("ordered"):
         loader = OrderedLoader(path, batch_size=B, patches="image", layer=LAYER, **spec.get("options", {}))
     elif kind.startswith("shuffled"):
@@ -347,7 +366,7 @@ def run_loader(spec: dict) -> dict:
         key = np.concatenate(imgs) * (T - 1) + np.concatenate(patches)
         seen = np.bincount(key, minlength=n_imgs * (T - 1))
         out["exactly_once"] = bool((seen == 1).all())
-    return out
+    return {**out, **warm}
 
 
 def measure(spec: dict, mode: str | bool, files: list[str]) -> dict:
@@ -446,6 +465,9 @@ def summarize(run: dict) -> list[dict]:
                 row["GB/cpu-s"] = med("GB_per_cpu_s")
                 row["cpu x ref2"] = row["GB/cpu-s"] / ref2_eff
             row["MB/s by round"] = ", ".join(f"{m['MBps']:,.0f}" for m in ms)  # cold figures swing (host cache)
+            before = [m["resident_before"] for m in ms if m.get("resident_before") is not None]
+            if mode == "warm" and before:  # what DAMON had paged out since the last read (rewarm)
+                row["cached before, min"] = min(before)
             if not kind.startswith("ref"):
                 row.update(
                     {
@@ -701,6 +723,18 @@ def main() -> None:
         "2nd epoch 0.534 -> 0.608 (one layer of several is now mapped when that is cheaper). Warm rows "
         "were measured after these changes; cold rows (23:01 / 23:13) before the last one, which changes "
         "only batches found cached.",
+        "",
+        "Warm means cached now (2026-11-25 00:30): this VM runs a DAMON scheme (kdamond, action pageout, file "
+        "pages only) that evicts page-cache memory its sampling saw used at most once per 5 s for 60 s, "
+        "whatever memory is free. The 4-layer cache, read with `cat` and left alone ~4 minutes, was 0.9% "
+        "resident; read through 4 times in a row, it was 98.9% resident 10 s later, 94.7% after 40 s and 79% "
+        "after 60 s. So each warm measurement now first reads the shards through until mincore finds every "
+        "page cached (rewarm; 'cached before, min' = the least share found before that read). Within a run, "
+        "measurements follow each other closely and 99.0-100% was still cached; the first measurement after "
+        "a pause was not (the 4-layer ref of round 0 at 23:47 ran at 4.9 GB/s against 21.6-26.8 in the other "
+        "rounds). The warm rows of 00:30 are the first with rewarm. Against those of 23:44, with no loader "
+        "change in between: ref2 19.0 -> 21.7 GB/s (1 layer), the loaders' rounds within the spread of "
+        "before, so ratios to ref2 fell (1-layer shuffled 0.73 -> 0.61, its 2nd epoch 0.75 -> 0.74).",
         "",
     ]
     for run in stored:

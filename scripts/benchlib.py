@@ -15,6 +15,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_MD = os.path.join(ROOT, "BENCHMARKS.md")
@@ -46,8 +47,10 @@ def machine() -> str:
             gpu = ", GPU " + out.stdout.strip().splitlines()[0]
     except (OSError, subprocess.SubprocessError):
         pass
+    damon = damon_pageout()
     return (
         f"{platform.node()}: {os.cpu_count()} cores ({cpu}), {mem:.0f} GiB RAM{gpu}, Python {platform.python_version()}"
+        + (f"; {damon}" if damon else "")
     )
 
 
@@ -134,6 +137,78 @@ def record(name: str, title: str, body: str, path: str = BENCH_MD, when: float |
         os.unlink(lock)
     except FileNotFoundError:
         pass
+
+
+def resident_fraction(paths: list[str]) -> float | None:
+    """The share of the files' pages in the page cache (mincore on a read-only mapping; no I/O),
+    or None where mincore is not available."""
+    import ctypes
+    import mmap
+
+    import numpy as np
+
+    try:
+        mincore = ctypes.CDLL(None, use_errno=True).mincore
+    except (OSError, AttributeError):
+        return None
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    page = os.sysconf("SC_PAGE_SIZE")
+    have = total = 0
+    for p in paths:
+        size = os.path.getsize(p)
+        if size == 0:
+            continue
+        with open(p, "rb") as fh, mmap.mmap(fh.fileno(), size, prot=mmap.PROT_READ) as mm:
+            a = np.frombuffer(mm, np.uint8)
+            vec = np.zeros(-(-size // page), np.uint8)
+            ok = mincore(a.ctypes.data, size, vec.ctypes.data) == 0
+            del a
+        if not ok:
+            return None
+        have += int((vec & 1).sum())
+        total += len(vec)
+    return have / total if total else 1.0
+
+
+def read_through(paths: list[str], chunk: int = 8 * 2**20) -> float:
+    """Read the files once, sequentially (chunk-sized reads into one reused buffer); -> seconds.
+    Brings back into the page cache what the kernel dropped (see warm_note)."""
+    import numpy as np
+
+    buf = memoryview(np.empty(chunk, np.uint8))
+    t0 = time.perf_counter()
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            while os.readv(fd, [buf]) > 0:
+                pass
+        finally:
+            os.close(fd)
+    return time.perf_counter() - t0
+
+
+def damon_pageout() -> str | None:
+    """A description of a DAMON scheme that pages out file pages left unused (proactive reclaim,
+    as on the project's Firecracker VMs), or None. Such a scheme evicts "warm" cache files that
+    a benchmark has not read for a while, whatever memory is free."""
+    root = "/sys/kernel/mm/damon/admin/kdamonds"
+    try:
+        for k in sorted(os.listdir(root)):
+            if not k.isdigit() or open(f"{root}/{k}/state").read().strip() != "on":
+                continue
+            ctx = f"{root}/{k}/contexts"
+            for c in (x for x in os.listdir(ctx) if x.isdigit()):
+                attrs = f"{ctx}/{c}/monitoring_attrs/intervals"
+                aggr_s = int(open(f"{attrs}/aggr_us").read()) / 1e6
+                sch = f"{ctx}/{c}/schemes"
+                for s in (x for x in os.listdir(sch) if x.isdigit()):
+                    if open(f"{sch}/{s}/action").read().strip() != "pageout":
+                        continue
+                    age = int(open(f"{sch}/{s}/access_pattern/age/min").read())
+                    return f"DAMON pages out memory unused for ~{age * aggr_s:g} s"
+    except OSError:
+        return None
+    return None
 
 
 def drop_caches(paths: list[str]) -> str:
