@@ -60,20 +60,6 @@ def files_of(path: str) -> list[str]:
     return [os.path.join(path, shard_name(i)) for i in range(md.n_shards)]
 
 
-def raw_read(files: list[str], chunk: int = 8 * 2**20) -> tuple[float, int]:
-    buf = bytearray(chunk)
-    n = 0
-    t0 = time.perf_counter()
-    for f in files:
-        with open(f, "rb", buffering=0) as fd:
-            while True:
-                k = fd.readinto(buf)
-                if not k:
-                    break
-                n += k
-    return time.perf_counter() - t0, n
-
-
 def deep_verify(path: str) -> tuple[float, int]:
     t0 = time.perf_counter()
     rep = check_dir(path, deep=True)
@@ -99,8 +85,8 @@ def main() -> None:
                 if mode == "cold":
                     benchlib.drop_caches(files)
                 else:
-                    raw_read(files)  # make it warm
-                dt, n = raw_read(files) if which == "ref" else deep_verify(path)
+                    benchlib.read_through(files)  # make it warm
+                dt, n = benchlib.read_through(files) if which == "ref" else deep_verify(path)
                 (refs if which == "ref" else vers).append(n / dt / 1e9)
         ref, ver = statistics.median(refs), statistics.median(vers)
         rows.append(

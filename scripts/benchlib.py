@@ -170,21 +170,18 @@ def resident_fraction(paths: list[str]) -> float | None:
     return have / total if total else 1.0
 
 
-def read_through(paths: list[str], chunk: int = 8 * 2**20) -> float:
-    """Read the files once, sequentially (chunk-sized reads into one reused buffer); -> seconds.
-    Brings back into the page cache what the kernel dropped (see warm_note)."""
-    import numpy as np
-
-    buf = memoryview(np.empty(chunk, np.uint8))
+def read_through(paths: list[str], chunk: int = 8 * 2**20) -> tuple[float, int]:
+    """Read the files once, sequentially, with chunk-sized reads into one reused buffer: a plain
+    read's speed, and what brings back into the page cache the pages the kernel dropped (see
+    damon_pageout). -> (seconds, bytes read)."""
+    buf = bytearray(chunk)
+    n = 0
     t0 = time.perf_counter()
     for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            while os.readv(fd, [buf]) > 0:
-                pass
-        finally:
-            os.close(fd)
-    return time.perf_counter() - t0
+        with open(p, "rb", buffering=0) as fh:
+            while k := fh.readinto(buf):
+                n += k
+    return time.perf_counter() - t0, n
 
 
 def damon_pageout() -> str | None:
@@ -192,21 +189,26 @@ def damon_pageout() -> str | None:
     as on the project's Firecracker VMs), or None. Such a scheme evicts "warm" cache files that
     a benchmark has not read for a while, whatever memory is free."""
     root = "/sys/kernel/mm/damon/admin/kdamonds"
+
+    def value(path: str) -> str:
+        with open(path) as fh:
+            return fh.read().strip()
+
+    def numbered(path: str) -> list[str]:
+        return sorted(x for x in os.listdir(path) if x.isdigit())
+
     try:
-        for k in sorted(os.listdir(root)):
-            if not k.isdigit() or open(f"{root}/{k}/state").read().strip() != "on":
+        for k in numbered(root):
+            if value(f"{root}/{k}/state") != "on":
                 continue
-            ctx = f"{root}/{k}/contexts"
-            for c in (x for x in os.listdir(ctx) if x.isdigit()):
-                attrs = f"{ctx}/{c}/monitoring_attrs/intervals"
-                aggr_s = int(open(f"{attrs}/aggr_us").read()) / 1e6
-                sch = f"{ctx}/{c}/schemes"
-                for s in (x for x in os.listdir(sch) if x.isdigit()):
-                    if open(f"{sch}/{s}/action").read().strip() != "pageout":
-                        continue
-                    age = int(open(f"{sch}/{s}/access_pattern/age/min").read())
-                    return f"DAMON pages out memory unused for ~{age * aggr_s:g} s"
-    except OSError:
+            for c in numbered(f"{root}/{k}/contexts"):
+                ctx = f"{root}/{k}/contexts/{c}"
+                aggr_s = int(value(f"{ctx}/monitoring_attrs/intervals/aggr_us")) / 1e6
+                for sc in numbered(f"{ctx}/schemes"):
+                    if value(f"{ctx}/schemes/{sc}/action") == "pageout":
+                        age = int(value(f"{ctx}/schemes/{sc}/access_pattern/age/min"))
+                        return f"DAMON pages out memory unused for ~{age * aggr_s:g} s"
+    except (OSError, ValueError):
         return None
     return None
 
