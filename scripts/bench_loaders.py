@@ -13,10 +13,13 @@ asks the kernel for them four batches ahead). Loaders count only the bytes of th
 read. naive = torch DataLoader over IndexedDataset with a RandomSampler and 2 workers,
 time-boxed and extrapolated. Every measurement runs in a fresh
 subprocess (clean peak-RSS figure, no mapping kept open across a cold measurement). Warm: the
-measuring process first reads the shards through until every page is in the page cache (rewarm:
-on the project VM a DAMON scheme pages out file pages read once and left for a while, even with
-memory free, so a cache read a minute earlier is partly gone; the table's "cached before, min" is
-the least share found cached before that read); cold: page cache dropped right before each measurement; cold-late: the
+measuring process first makes sure every page of the shards is in the page cache, read in by plain
+sequential reads (rewarm: on the project VM a DAMON scheme pages out file pages read once and left
+for a while, even with memory free, so a cache read a minute earlier is partly gone; the table's
+"cached before, min" is the least share found cached before; where much was gone, or where the page
+cache holds the shards in small folios, which the loaders copy out of ~1.4x slower, the shards are
+dropped and read through again whole; "2 MiB folios, min" is the least share held in 2 MiB folios
+when measured); cold: page cache dropped right before each measurement; cold-late: the
 same, then COLD_LATE_S idle before it starts (see the machine note: on this VM memory freed a
 second or more earlier has been handed back to the host, as it has before any real cold read);
 cold-primed: dropped, then the measuring process touches and frees as much memory as the cache
@@ -57,6 +60,8 @@ VARIANTS = {  # extra loader configurations measured beside the default ones
 MODES = ("warm", "cold", "cold-late", "cold-primed")
 COLD_LATE_S = 4.0  # idle after drop_caches in mode cold-late
 PRIME_EXTRA = 2**30  # cold-primed: memory touched and freed = the cache's size + this
+REWARM_WHOLE = 0.95  # warm: with less than this share still cached, read the files again whole
+REWARM_HUGE = 0.9  # ... or with less than this share in 2 MiB page-cache folios
 TARGETS = {  # (loader, mode) -> [(reference, minimum ratio)]; cold-late and cold-primed have cold's
     ("shuffled", "warm"): [("ref", 0.30), ("ref2", 0.90)],
     ("shuffled", "cold"): [("ref", 0.80)],
@@ -248,16 +253,28 @@ class MemSampler:
 
 
 def rewarm(paths: list[str], tries: int = 3) -> dict:
-    """Warm measurements: read the files through until all their pages are in the page cache (at
-    most ``tries`` times), right before the measurement. -> the resident share found first
-    ("resident_before") and at the end ("resident")."""
+    """Warm measurements: bring the files back to the warm state the run started from, all of
+    their pages in the page cache, read in by plain sequential reads, right before the measurement.
+    The files are dropped and read through once if less than REWARM_WHOLE of them is still
+    cached, or if less than REWARM_HUGE is held in 2 MiB folios (benchlib.huge_share: reads that
+    only fill holes, or random ones, leave small folios, out of which the loaders copy ~1.4x
+    slower, so the state would depend on what DAMON took or what read the files last); then
+    holes are filled (at most ``tries`` reads through) until every page is cached. -> the
+    resident share found first ("resident_before") and at the end ("resident"), whether the files
+    were read again whole ("reread"), and the share in 2 MiB folios at the end ("huge_share")."""
     before = frac = benchlib.resident_fraction(paths)
+    huge = benchlib.huge_share(paths) if frac == 1.0 else None  # (maps only: nothing left to read)
+    reread = frac is not None and (frac < REWARM_WHOLE or (huge is not None and huge < REWARM_HUGE))
+    if reread:
+        benchlib.evict(paths)
+        benchlib.read_through(paths)
+        frac = benchlib.resident_fraction(paths)
     for _ in range(tries):
         if frac is not None and frac >= 1.0:
             break
         benchlib.read_through(paths)
         frac = benchlib.resident_fraction(paths)
-    return {"resident_before": before, "resident": frac}
+    return {"resident_before": before, "resident": frac, "reread": reread, "huge_share": benchlib.huge_share(paths)}
 
 
 def run_loader(spec: dict) -> dict:
@@ -468,6 +485,9 @@ def summarize(run: dict) -> list[dict]:
             before = [m["resident_before"] for m in ms if m.get("resident_before") is not None]
             if mode == "warm" and before:  # what DAMON had paged out since the last read (rewarm)
                 row["cached before, min"] = min(before)
+            huge = [m["huge_share"] for m in ms if m.get("huge_share") is not None]
+            if mode == "warm" and huge:  # the page cache's folios when measured (rewarm)
+                row["2 MiB folios, min"] = min(huge)
             if not kind.startswith("ref"):
                 row.update(
                     {
@@ -735,6 +755,28 @@ def main() -> None:
         "rounds). The warm rows of 00:30 are the first with rewarm. Against those of 23:44, with no loader "
         "change in between: ref2 19.0 -> 21.7 GB/s (1 layer), the loaders' rounds within the spread of "
         "before, so ratios to ref2 fell (1-layer shuffled 0.73 -> 0.61, its 2nd epoch 0.75 -> 0.74).",
+        "",
+        "Warm also means large folios (2026-11-25 01:27): the loaders copy out of a warm page cache faster "
+        "when it holds the shards in 2 MiB folios, which a mapping then maps 2 MiB at a time. A plain "
+        "sequential read of files not cached at all leaves ~95% of them that way (benchlib.huge_share: the "
+        "growth of FilePmdMapped while the shards are mapped with MADV_HUGEPAGE and MADV_POPULATE_READ); "
+        "reads that only refill what DAMON took, or reads at scattered offsets, leave small folios. Measured "
+        "on the 1-layer cache: steady shuffled epochs (one process) took 0.375 s with 44% of it in 2 MiB "
+        "folios, 0.267 s with 97%; bench workers (5 alternating rounds) with 44%: shuffled 0.453 x ref2, its "
+        "2nd epoch 0.551, ordered 0.771 x ref2; right after the shards were read again whole (94.6%): 0.661, "
+        "0.815 and 1.019. No preadv pattern the shuffled loader could use for cold runs leaves 2 MiB folios "
+        "reliably (one shard read in 48 MiB runs at random offsets by 4 threads, share in 2 MiB folios: one "
+        "shared descriptor 0.60-0.69, a descriptor per run 0.25, one per thread 0.40-0.44, with "
+        "POSIX_FADV_SEQUENTIAL 0.06-0.09, 8 or 48 MiB reads 0.10-0.60), and MADV_COLLAPSE is refused (EINVAL) "
+        "on these file mappings, so a cache read cold with preadv keeps its small folios until it is read "
+        "again from disk. So rewarm now drops the shards and reads them through again whole when less than "
+        "95% is still cached or less than 90% is in 2 MiB folios (column '2 MiB folios, min': the least "
+        "share over the rounds, when measured). The warm rows of 01:27 are the first measured this way. "
+        "Against those of 00:30, which were in the same state (cached 0.99-1.0, read in whole at the start "
+        "of the run), with no loader change in between: 1-layer shuffled 0.614 -> 0.605 x ref2, its 2nd "
+        "epoch 0.741 -> 0.733, ordered 0.698 -> 0.651 x ref; one layer of four: shuffled 0.516 -> 0.499 x "
+        "ref2, ordered 0.494 -> 0.401 x ref with two slow rounds (7.9 and 8.7 GB/s against 11.2-12.9; "
+        "ordered io=mmap 0.518 -> 0.516).",
         "",
     ]
     for run in stored:

@@ -107,7 +107,13 @@ class ShardMaps:
     preadv's own copy, made as the data arrives, paid little (see the shuffled loader). But
     preadv at a random offset fills the page cache with small folios (~half of them end up
     mapped 2 MiB at a time, against all with "fault"), so a later warm pass over the same pages
-    gathers ~1.4x slower (measured: 0.33-0.45 s against 0.24-0.29 s per 4.3 GB epoch).
+    gathers ~1.4x slower (measured: 0.33-0.45 s against 0.24-0.29 s per 4.3 GB epoch). Tried and
+    not taken (2026-11-25, 1-layer bench cache, page cache dropped 4 s before, 3 alternating
+    fresh runs of 3 epochs): the fault path followed by a one-byte read of every page in the
+    reader thread, so that the first touch falls there. It kept 2 MiB folios (92%, against 57-60%
+    for "read") but the first epoch took 4.7-5.5 s against 2.7-3.7 s, for later epochs of
+    0.23-0.30 s against 0.26-0.34 s. No pattern of preadv calls leaves 2 MiB folios reliably
+    (BENCHMARKS.md, "Warm also means large folios").
     """
 
     def __init__(
