@@ -139,11 +139,33 @@ def record(name: str, title: str, body: str, path: str = BENCH_MD, when: float |
         pass
 
 
+def _per_file_mapping(paths: list[str], measure) -> float | None:
+    """Map each non-empty file read-only and sum ``measure(mm, address, size) -> (have, total)``
+    over them: -> have / total, or None as soon as one measure returns None."""
+    import mmap
+
+    import numpy as np
+
+    have = total = 0
+    for p in paths:
+        size = os.path.getsize(p)
+        if size == 0:
+            continue
+        with open(p, "rb") as fh, mmap.mmap(fh.fileno(), size, prot=mmap.PROT_READ) as mm:
+            a = np.frombuffer(mm, np.uint8)
+            got = measure(mm, a.ctypes.data, size)
+            del a
+        if got is None:
+            return None
+        have += got[0]
+        total += got[1]
+    return have / total if total else 1.0
+
+
 def resident_fraction(paths: list[str]) -> float | None:
     """The share of the files' pages in the page cache (mincore on a read-only mapping; no I/O),
     or None where mincore is not available."""
     import ctypes
-    import mmap
 
     import numpy as np
 
@@ -153,21 +175,14 @@ def resident_fraction(paths: list[str]) -> float | None:
         return None
     mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     page = os.sysconf("SC_PAGE_SIZE")
-    have = total = 0
-    for p in paths:
-        size = os.path.getsize(p)
-        if size == 0:
-            continue
-        with open(p, "rb") as fh, mmap.mmap(fh.fileno(), size, prot=mmap.PROT_READ) as mm:
-            a = np.frombuffer(mm, np.uint8)
-            vec = np.zeros(-(-size // page), np.uint8)
-            ok = mincore(a.ctypes.data, size, vec.ctypes.data) == 0
-            del a
-        if not ok:
+
+    def measure(mm, addr: int, size: int):
+        vec = np.zeros(-(-size // page), np.uint8)
+        if mincore(addr, size, vec.ctypes.data) != 0:
             return None
-        have += int((vec & 1).sum())
-        total += len(vec)
-    return have / total if total else 1.0
+        return int((vec & 1).sum()), len(vec)
+
+    return _per_file_mapping(paths, measure)
 
 
 def read_through(paths: list[str], chunk: int = 8 * 2**20) -> tuple[float, int]:
@@ -204,8 +219,6 @@ def huge_share(paths: list[str]) -> float | None:
     import ctypes
     import mmap
 
-    import numpy as np
-
     def pmd_kib() -> int | None:
         with open("/proc/self/smaps_rollup") as fh:
             for line in fh:
@@ -220,23 +233,15 @@ def huge_share(paths: list[str]) -> float | None:
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     if not hasattr(mmap, "MADV_HUGEPAGE") or pmd_kib() is None:
         return None
-    have = total = 0
-    for p in paths:
-        size = os.path.getsize(p)
-        if size == 0:
-            continue
-        with open(p, "rb") as fh, mmap.mmap(fh.fileno(), size, prot=mmap.PROT_READ) as mm:
-            mm.madvise(mmap.MADV_HUGEPAGE)
-            a = np.frombuffer(mm, np.uint8)
-            k0 = pmd_kib()
-            ok = madvise(a.ctypes.data, size, 22) == 0  # MADV_POPULATE_READ
-            k1 = pmd_kib()
-            del a
-        if not ok:
+
+    def measure(mm, addr: int, size: int):
+        mm.madvise(mmap.MADV_HUGEPAGE)
+        k0 = pmd_kib()
+        if madvise(addr, size, 22) != 0:  # MADV_POPULATE_READ
             return None
-        have += (k1 - k0) * 1024
-        total += size
-    return have / total if total else 1.0
+        return (pmd_kib() - k0) * 1024, size
+
+    return _per_file_mapping(paths, measure)
 
 
 def damon_pageout() -> str | None:
