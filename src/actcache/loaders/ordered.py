@@ -104,11 +104,17 @@ FIRST_ALONE = True
 MIN_PART_ROWS = 2048
 # io="auto", a batch whose bytes the readers found in the page cache: copied out of the mappings
 # or read with preadv, whichever cost less CPU per byte lately (_PathCost: the reader's mapping
-# plus the copy threads' copy, per batch; measured in the module doc). The first cached batch is
-# mapped, the next read once the first's cost is known, then the cheaper way, and the other one
-# every EXPLORE_EVERY-th batch to follow changes. One layer of several (4 KiB mappings) is mapped
-# only when each image's range of a layer is MAP_MIN_RANGE or more (one layer's patch tokens:
-# ~600 KB at d=768; a CLS vector alone, 3 KiB, is always read).
+# plus the copy threads' copy, per batch; measured in the module doc). Until both costs are
+# known cached batches are mapped, but for the second, which is read (again every
+# EXPLORE_EVERY-th while reading's cost is unknown); then the cheaper way, and the other one every
+# EXPLORE_EVERY-th batch to follow changes. Before 2026-11-25 every batch chosen until the first
+# read's cost came in was read, ~4 with the readers' look-ahead; one read instead made a warm
+# first pass over one layer of four 1.06-1.08x faster (medians of the ratio in 14 and 8
+# alternating rounds, bench_loaders' worker, a fresh process each) and the 1-layer cache 1.01x
+# (10 rounds); warm in small folios (reading the cheaper way) the batches chosen were the same.
+# One layer of several (4 KiB mappings) is mapped only when each image's range of a layer is
+# MAP_MIN_RANGE or more (one layer's patch tokens: ~600 KB at d=768; a CLS vector alone, 3 KiB,
+# is always read).
 EXPLORE_EVERY = 16
 MAP_MIN_RANGE = 64 * 2**10
 # Mapping is kept unless reading costs less than 1 / MAP_BIAS of it: per-batch costs are noisy,
@@ -518,8 +524,8 @@ class _PathCost:
         with self.lock:
             self.n += 1
             mapped, read = self.cost[True], self.cost[False]
-            if mapped is None or read is None:
-                return mapped is None
+            if mapped is None or read is None:  # learning: map (see EXPLORE_EVERY), read one batch
+                return not (read is None and self.n % EXPLORE_EVERY == 2)
             best = mapped <= read * MAP_BIAS
             return not best if self.n % EXPLORE_EVERY == 0 else best
 
