@@ -802,6 +802,17 @@ def main() -> None:
         "new loader's first epoch in a process that already ran one took 0.27-0.36 s, the same as in a "
         "fresh process (0.27-0.34 s), against ~0.26 s for a steady epoch of one loader.",
         "",
+        "Ordered io='auto' learns with one read (2026-11-25 02:08): until both ways' costs are known, cached "
+        "batches are mapped but for the second, which is read; before, every batch chosen until the first "
+        "read's cost came in was read (~4 with the readers' look-ahead). Paired A/B in fresh processes "
+        "(this script's worker, warm): one layer of four 1.078 and 1.061 x the old rule (medians of the "
+        "in-round ratio over 8 and 14 alternating rounds), 1-layer cache 1.009 (10 rounds). The warm and "
+        "warm-primed rows of 02:13 / 02:17 were measured after the change, on a noisier machine than the "
+        "runs before (one layer of four, warm-primed: ref layer 6.1-16.1 GB/s by round, ordered io=mmap "
+        "6.6-13.8), so the 4-layer ordered rows moved within their spread (warm 0.401 -> 0.455 x ref, "
+        "warm-primed 0.535 -> 0.427) and show neither the A/B's gain nor a loss; 1-layer warm: ordered "
+        "0.651 -> 0.712 x ref, shuffled 0.605 -> 0.673 x ref2 (no shuffled change), 2nd epoch 0.733 -> 0.739.",
+        "",
     ]
     for run in stored:
         groups: dict = {}  # modes grouped by the run that measured them (see --modes)
