@@ -117,9 +117,9 @@ def test_auto_io_reads_what_is_not_cached_and_tries_both_ways_for_what_is(tmp_pa
     """io="auto" (the default): a batch whose bytes are not in the page cache is read with
     preadv (as io="read"); once they are cached, it is copied out of the mappings (as io="mmap")
     or read, whichever cost less CPU per byte lately: until both costs are known the cached
-    batches are mapped but for the second, which is read (ordered._PathCost). A loader reading a small part of
-    each image (one layer of two, 128-byte ranges: below MAP_MIN_RANGE) always reads. The same
-    batches every way."""
+    batches are mapped but for the second, which is read (ordered._PathCost). A loader reading a
+    small part of each image (one layer of two, 128-byte ranges: below MAP_MIN_RANGE) always
+    reads. The same batches every way."""
     path, md, acts = make_cache(tmp_path, n_imgs=12, layers=layers, n_patches=4, d=8, imgs_per_shard=6)
     want = expected(IndexedDataset(path, "image", layer))  # (reads every shard)
     files = [os.path.join(path, f"acts00000{i}.bin") for i in range(2)]
