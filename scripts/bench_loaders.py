@@ -273,12 +273,16 @@ def rewarm(paths: list[str], tries: int = 3) -> dict:
         benchlib.evict(paths)
         benchlib.read_through(paths)
         frac = benchlib.resident_fraction(paths)
+    read = reread
     for _ in range(tries):
         if frac is not None and frac >= 1.0:
             break
         benchlib.read_through(paths)
         frac = benchlib.resident_fraction(paths)
-    return {"resident_before": before, "resident": frac, "reread": reread, "huge_share": benchlib.huge_share(paths)}
+        read = True
+    if read or huge is None:  # (the share found first still holds when nothing was read)
+        huge = benchlib.huge_share(paths)
+    return {"resident_before": before, "resident": frac, "reread": reread, "huge_share": huge}
 
 
 def run_loader(spec: dict) -> dict:
