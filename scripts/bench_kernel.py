@@ -3,17 +3,18 @@ and without software prefetch.
 
     python scripts/bench_kernel.py [--rows 768,1536,3072,4096,6144,16384] [--rounds 5] [--no-record]
 
-The shuffled loader spends ~80% of its CPU in this gather when the cache is warm, so the kernel's
-speed is most of the loader's. The script builds several variants of ``src/actcache/_native.c``
-with the C compiler Python was built with, differing only in the prefetch macros (SMALL_ROW,
-PREFETCH_SPAN, HEAD_BYTES, HEAD_AHEAD), plus a tiny C entry point each, loads them with ctypes,
-and times them alternately in one process (the speed of this VM's memory drifts by +-20% over
-minutes, so only ratios within a round mean anything):
+The shuffled loader spends ~70-80% of its CPU in this gather when the cache is warm, so the
+kernel's speed is most of the loader's. The script builds several variants of
+``src/actcache/_native.c`` with the C compiler Python was built with, differing only in the
+prefetch macros (PREFETCH_SPAN, PREFETCH_LOCALITY, WHOLE_MAX, HEAD_BYTES, MIN_AHEAD), plus a tiny
+C entry point each, loads them with ctypes, and times them alternately in one process (the speed
+of this VM's memory drifts by +-20% over minutes, so only ratios within a round mean anything):
 
-- ``none``: no prefetch, the reference (what the module shipped until gcc's dropping of the
-  prefetch helper was found, see _native.c);
-- ``shipped``: the macros as committed;
-- ``whole``: every row prefetched whole, ~24 KiB of rows ahead (the earlier code's intent);
+- ``none``: no prefetch, the reference;
+- ``before``: the scheme shipped until 2026-11-25 (prefetchnta; rows up to 2 KiB whole, 8 KiB
+  of rows ahead; of a larger row its first 512 bytes, 2 rows ahead);
+- ``nta``: the shipped span (whole rows, 24 KiB of rows ahead) with the non-temporal hint;
+- ``shipped``: the macros as committed (whole rows into L2, prefetcht1);
 - ``seq``: the shipped kernel copying the same number of consecutive rows (a sequential read:
   the ceiling of a copy on this machine).
 
@@ -60,10 +61,22 @@ void act_bench_gather(const char *const *bases, const int64_t *srcs, const int64
 }
 """
 VARIANTS = {
-    "none": ["-DSMALL_ROW=0", "-DHEAD_BYTES=0"],
+    "none": ["-DPREFETCH_SPAN=0"],
+    "before": ["-DWHOLE_MAX=2048", "-DPREFETCH_SPAN=8192", "-DPREFETCH_LOCALITY=0", "-DHEAD_BYTES=512"],
+    "nta": ["-DPREFETCH_LOCALITY=0"],
     "shipped": [],
-    "whole": ["-DSMALL_ROW=1073741824", "-DPREFETCH_SPAN=24576"],
 }
+
+
+# The run before the prefetch changed, on another host (Zen-5 VM, 2026-11-24 22:28 UTC), with
+# ``before`` then shipped and ``nta`` then called ``whole``: kept because the choice of hint was
+# measured on one host only.
+EARLIER = (
+    "Earlier run, Zen-5 VM (family 26), 2026-11-24 22:28 UTC, `before` then shipped, whole rows 24 KiB ahead "
+    "non-temporally then called `whole` (x none): 768-byte rows before 1.29, nta 1.27; 1,536: 1.27, 1.15; "
+    "3,072: 1.09, 1.03; 6,144: 1.19, 0.95; 16,384: 1.05, 0.93; a sequential copy 1.22-1.53 (random rows "
+    "without prefetch 17-24 GB/s, sequential 24-29). The prefetch into L2 was not measured on that host."
+)
 
 
 def build(tmp: str) -> dict:
@@ -181,10 +194,12 @@ def main() -> None:
         f"{size / 2**30:.1f} GiB page-cache file mapped with 2 MiB pages ({pmd:.0%} of it PMD-mapped in this run) into "
         f"its own destination with non-temporal stores: the shuffled loader's warm gather. Variants of "
         f"src/actcache/_native.c, built by this script and alternated in one process: `none` = no prefetch "
-        f"(the reference), `shipped` = the committed prefetch (whole rows up to 2 KiB, 8 KiB of rows ahead; the "
-        f"first 512 bytes of a larger row, 2 rows ahead), `whole` = whole rows ~24 KiB ahead; `seq` = the shipped "
-        f"kernel copying consecutive rows (a sequential copy). GB/s: medians of {args.rounds} rounds; x none: median "
-        f"over rounds of the ratio within the round.\n\n" + benchlib.table(rows_out)
+        f"(the reference), `before` = the prefetch shipped until 2026-11-25 (prefetchnta: whole rows up to 2 KiB, "
+        f"8 KiB of rows ahead; the first 512 bytes of a larger row, 2 rows ahead), `nta` = whole rows 24 KiB "
+        f"ahead, non-temporal, `shipped` = the committed prefetch (whole rows up to 16 KiB into L2 with "
+        f"prefetcht1, 24 KiB of rows ahead, 2-16 rows); `seq` = the shipped kernel copying consecutive rows (a "
+        f"sequential copy). GB/s: medians of {args.rounds} rounds; x none: median "
+        f"over rounds of the ratio within the round.\n\n" + benchlib.table(rows_out) + "\n" + EARLIER
     )
     if not args.no_record:
         benchlib.record("kernel", "Copy kernel: random-row gather with and without prefetch", body)

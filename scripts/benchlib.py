@@ -27,16 +27,33 @@ HEADER = (
 )
 
 
+# AMD family 0x19 / 0x1a models by generation (the VM's "model name" says only "AMD EPYC", and
+# the project VM has been a Zen 4 and a Zen 5 host on different days, with different memory speeds)
+_AMD_ZEN = {25: "Zen 3", 26: "Zen 5"}
+
+
 def machine() -> str:
     cpu = "unknown CPU"
+    info = {}
     try:
         with open("/proc/cpuinfo") as fd:
             for line in fd:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "cpu family", "model", "vendor_id") and key not in info:
+                    info[key] = value.strip()
+                if not line.strip():
                     break
     except OSError:
         pass
+    if "model name" in info:
+        cpu = info["model name"]
+        if "cpu family" in info and "model" in info:
+            cpu += f" family {info['cpu family']} model {info['model']}"
+            fam, model = int(info["cpu family"]), int(info["model"])
+            if info.get("vendor_id") == "AuthenticAMD" and fam in _AMD_ZEN:
+                gen = "Zen 4" if fam == 25 and (0x10 <= model <= 0x1F or 0x60 <= model <= 0xAF) else _AMD_ZEN[fam]
+                cpu += f", {gen}"
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     gpu = ""
     try:

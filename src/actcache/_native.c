@@ -28,26 +28,38 @@
 #define ACT_X86 1
 #endif
 
-/* Software prefetch of the rows ahead of the one being copied (prefetchnta). A row of up to
- * SMALL_ROW bytes is prefetched whole, PREFETCH_SPAN bytes of rows ahead; of a larger row only its
- * first HEAD_BYTES, HEAD_AHEAD rows ahead: once a row's first lines are asked for, the hardware
- * prefetcher follows the rest of it. Measured on the project VM by scripts/bench_kernel.py (2
- * threads gathering 48 MiB batches of random rows out of a 4 GiB huge-page mapping; variants built
- * from this file, alternated in one process; BENCHMARKS.md, "Copy kernel"), against no prefetch:
- * x1.27-1.33 at 768-1536-byte rows, x1.09-1.15 at 3072 (d=768 float32), x1.12-1.24 at 4-6 KiB,
- * x1.03-1.05 at 16 KiB. Whole rows ~24 KiB ahead did as well up to 2 KiB rows and worse above
- * (x1.03-1.05 at 3072, x0.91-0.93 at 16 KiB). The macros can be overridden (-DHEAD_BYTES=...). */
-#ifndef SMALL_ROW
-#define SMALL_ROW 2048
-#endif
+/* Software prefetch of the rows ahead of the one being copied: whole rows, PREFETCH_SPAN bytes of
+ * rows ahead (at least MIN_AHEAD rows, at most MAX_AHEAD), into the L2 cache (prefetcht1,
+ * PREFETCH_LOCALITY 2). Measured by scripts/bench_kernel.py (2 threads gathering 48 MiB batches of
+ * random rows out of a 4 GiB huge-page mapping; variants built from this file, alternated in one
+ * process; BENCHMARKS.md, "Copy kernel"). On the Zen-4 project VM (2026-11-25), against no
+ * prefetch: x1.63 at 768-byte rows, x1.83 at 1536, x1.68 at 3072 (d=768 float32), x1.40 at 4 KiB,
+ * x1.37 at 6 KiB, x1.16 at 16 KiB. The scheme before it (prefetchnta; whole rows up to 2 KiB, 8 KiB
+ * of rows ahead, else a row's first 512 bytes 2 rows ahead, the rest left to the hardware
+ * prefetcher): x1.35, 1.23, 1.18, 1.22, 1.17, 1.03; the same span as now with prefetchnta: x1.38,
+ * 1.18, 1.11, 1.00, 0.96, 0.90; into L1 (prefetcht0) no better than none (3072). On the Zen-5 VM
+ * (2026-11-24) the scheme before had measured x1.09 at 3072, whole rows with prefetchnta x1.03;
+ * prefetcht1 was not measured there. Rows over WHOLE_MAX bytes (the ordered loader's whole
+ * images, ~600 KB) have only their first HEAD_BYTES prefetched (prefetchnta, as before),
+ * MIN_AHEAD rows ahead: whole, they would flush the L2 cache, and the hardware prefetcher follows
+ * a long row anyway. The macros can be overridden (-DPREFETCH_SPAN=0 turns prefetching off). */
 #ifndef PREFETCH_SPAN
-#define PREFETCH_SPAN (8 << 10)
+#define PREFETCH_SPAN (24 << 10)
+#endif
+#ifndef PREFETCH_LOCALITY
+#define PREFETCH_LOCALITY 2
+#endif
+#ifndef MIN_AHEAD
+#define MIN_AHEAD 2
+#endif
+#ifndef MAX_AHEAD
+#define MAX_AHEAD 16
+#endif
+#ifndef WHOLE_MAX
+#define WHOLE_MAX (16 << 10)
 #endif
 #ifndef HEAD_BYTES
 #define HEAD_BYTES 512
-#endif
-#ifndef HEAD_AHEAD
-#define HEAD_AHEAD 2
 #endif
 
 /* The prefetch helpers must be inlined before GCC's interprocedural passes see them: on their own
@@ -59,12 +71,17 @@
 #define ALWAYS_INLINE inline
 #endif
 
-static ALWAYS_INLINE void prefetch_bytes(const char *p, Py_ssize_t nbytes) {
+/* prefetch nbytes at p into L2 (whole rows) or, for the head of a long row, non-temporally */
+static ALWAYS_INLINE void prefetch_bytes(const char *p, Py_ssize_t nbytes, int head_only) {
 #if defined(__GNUC__) || defined(__clang__)
-    for (Py_ssize_t o = 0; o < nbytes; o += 64) __builtin_prefetch(p + o, 0, 0);
+    if (head_only)
+        for (Py_ssize_t o = 0; o < nbytes; o += 64) __builtin_prefetch(p + o, 0, 0);
+    else
+        for (Py_ssize_t o = 0; o < nbytes; o += 64) __builtin_prefetch(p + o, 0, PREFETCH_LOCALITY);
 #else
     (void)p;
     (void)nbytes;
+    (void)head_only;
 #endif
 }
 
@@ -90,27 +107,31 @@ typedef struct {
     float scale;
     int scaled;
     Py_ssize_t ahead, head; /* prefetch: row i + ahead, its first head bytes (set_prefetch) */
+    int head_only;          /* head < piece: a long row's head, non-temporally */
 } job_t;
 
 static inline const char *row_src(const job_t *j, Py_ssize_t i) {
     return j->bases[j->srcs ? j->srcs[i] : 0] + j->rows[i] * j->stride;
 }
 
-/* How far ahead, and how much of each row, the copy loops prefetch (see SMALL_ROW). */
+/* How far ahead the copy loops prefetch, and how much of each row (see PREFETCH_SPAN). */
 static void set_prefetch(job_t *j) {
-    if (j->piece <= SMALL_ROW) {
+    if (PREFETCH_SPAN <= 0) {
+        j->head = j->ahead = 0;
+    } else if (j->piece <= WHOLE_MAX) {
         j->head = j->piece;
         j->ahead = j->piece > 0 ? PREFETCH_SPAN / j->piece : 0;
-        if (j->ahead < 2) j->ahead = 2;
-        if (j->ahead > 16) j->ahead = 16;
+        if (j->ahead < MIN_AHEAD) j->ahead = MIN_AHEAD;
+        if (j->ahead > MAX_AHEAD) j->ahead = MAX_AHEAD;
     } else {
         j->head = HEAD_BYTES;
-        j->ahead = HEAD_AHEAD;
+        j->ahead = MIN_AHEAD;
     }
+    j->head_only = j->head < j->piece;
 }
 
 static ALWAYS_INLINE void prefetch_ahead(const job_t *j, Py_ssize_t i) {
-    if (i + j->ahead < j->n) prefetch_bytes(row_src(j, i + j->ahead), j->head);
+    if (i + j->ahead < j->n) prefetch_bytes(row_src(j, i + j->ahead), j->head, j->head_only);
 }
 
 /* ---- plain copies (any alignment, any size) ---------------------------------------------- */
