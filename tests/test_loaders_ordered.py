@@ -320,6 +320,56 @@ def test_prefetch_asks_only_for_ranges_not_cached(tmp_path, monkeypatch):
     maps.close()
 
 
+def test_random_mode_leaves_cached_ranges_to_the_copies_and_releases_per_stretch(tmp_path, monkeypatch):
+    """Mode "random" (one layer of several): ranges found cached are not populated (the copies
+    map them as they touch them), ranges not cached are; release(whole=True) widens the ranges to
+    2 MiB blocks and unmaps each stretch of touching blocks with one call, not one per range."""
+    from actcache.loaders import buffers
+    from actcache.loaders.buffers import HUGE, MADV_DONTNEED, MADV_POPULATE_READ, ShardMaps
+
+    name, size = "acts000000.bin", 8 * HUGE
+    data = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+    with open(tmp_path / name, "wb") as f:
+        f.write(data.tobytes())
+        f.flush()
+        os.fsync(f.fileno())  # clean pages: posix_fadvise DONTNEED can drop them below
+    with open(tmp_path / name, "rb") as f:
+        f.read()  # cached
+    calls = []
+    real = buffers._madvise
+
+    def spy(addr, n, advice):
+        calls.append((advice, addr, n))
+        return real(addr, n, advice)
+
+    monkeypatch.setattr(buffers, "_madvise", spy)
+    maps = ShardMaps(str(tmp_path), [name], [size], mode="random")
+    kib = 1024
+    starts = np.arange(4, dtype=np.int64) * 2400 * kib  # ~600 KB ranges 2.4 MB apart: one layer of four
+    starts = np.r_[starts, 15 * HUGE // 2]  # and one far from them
+    ends = starts + 600 * kib
+    assert maps.make_resident(0, starts, ends) == 0
+    assert [c for c in calls if c[0] == MADV_POPULATE_READ] == []  # cached: left to the copies
+    arr = maps.array(0)
+    for s, e in zip(starts, ends, strict=True):
+        assert np.array_equal(arr[s:e], data[s:e])
+    os.posix_fadvise(maps.fd(0), 0, 0, os.POSIX_FADV_DONTNEED)  # evicted (what the mapping does not hold)
+    maps.release(0, starts, ends, whole=True)
+    dontneed = [(a, n) for advice, a, n in calls if advice == MADV_DONTNEED]
+    assert len(dontneed) == 2, dontneed  # the four touching stretches as one, the far range alone
+    addr = arr.ctypes.data
+    for a, n in dontneed:
+        assert (a % HUGE == 0 or a == addr) and ((a + n) % HUGE == 0 or a + n >= addr + size)
+    for s, e in zip(starts, ends, strict=True):
+        assert any(a <= addr + s and addr + e <= a + n for a, n in dontneed)
+    os.posix_fadvise(maps.fd(0), 0, 0, os.POSIX_FADV_DONTNEED)
+    calls.clear()
+    maps.make_resident(0, starts[:2], ends[:2])
+    assert len([c for c in calls if c[0] == MADV_POPULATE_READ]) == 2  # not cached: populated (and read)
+    assert np.array_equal(arr[starts[1] : ends[1]], data[starts[1] : ends[1]])
+    maps.close()
+
+
 @pytest.mark.parametrize("io", ["auto", "read"])
 def test_first_batch_is_requested_before_any_other(tmp_path, io):
     """The readers ask for the first batch's byte ranges before any later batch's (their requests
