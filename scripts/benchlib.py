@@ -27,9 +27,14 @@ HEADER = (
 )
 
 
-# AMD family 0x19 / 0x1a models by generation (the VM's "model name" says only "AMD EPYC", and
-# the project VM has been a Zen 4 and a Zen 5 host on different days, with different memory speeds)
-_AMD_ZEN = {25: "Zen 3", 26: "Zen 5"}
+def _amd_generation(family: int, model: int) -> str | None:
+    """Zen generation of an AMD CPU family/model (the VM's "model name" says only "AMD EPYC", and
+    the project VM has been a Zen-4 and a Zen-5 host on different days, with different memory)."""
+    if family == 26:
+        return "Zen 5"
+    if family == 25:
+        return "Zen 4" if 0x10 <= model <= 0x1F or 0x60 <= model <= 0xAF else "Zen 3"
+    return None
 
 
 def machine() -> str:
@@ -50,9 +55,8 @@ def machine() -> str:
         cpu = info["model name"]
         if "cpu family" in info and "model" in info:
             cpu += f" family {info['cpu family']} model {info['model']}"
-            fam, model = int(info["cpu family"]), int(info["model"])
-            if info.get("vendor_id") == "AuthenticAMD" and fam in _AMD_ZEN:
-                gen = "Zen 4" if fam == 25 and (0x10 <= model <= 0x1F or 0x60 <= model <= 0xAF) else _AMD_ZEN[fam]
+            gen = _amd_generation(int(info["cpu family"]), int(info["model"]))
+            if info.get("vendor_id") == "AuthenticAMD" and gen:
                 cpu += f", {gen}"
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     gpu = ""

@@ -71,7 +71,7 @@
 #define ALWAYS_INLINE inline
 #endif
 
-/* prefetch nbytes at p into L2 (whole rows) or, for the head of a long row, non-temporally */
+/* Prefetch nbytes at p: into L2 (a whole row) or, the head of a long row, non-temporally. */
 static ALWAYS_INLINE void prefetch_bytes(const char *p, Py_ssize_t nbytes, int head_only) {
 #if defined(__GNUC__) || defined(__clang__)
     if (head_only)
@@ -107,7 +107,6 @@ typedef struct {
     float scale;
     int scaled;
     Py_ssize_t ahead, head; /* prefetch: row i + ahead, its first head bytes (set_prefetch) */
-    int head_only;          /* head < piece: a long row's head, non-temporally */
 } job_t;
 
 static inline const char *row_src(const job_t *j, Py_ssize_t i) {
@@ -127,11 +126,10 @@ static void set_prefetch(job_t *j) {
         j->head = HEAD_BYTES;
         j->ahead = MIN_AHEAD;
     }
-    j->head_only = j->head < j->piece;
 }
 
 static ALWAYS_INLINE void prefetch_ahead(const job_t *j, Py_ssize_t i) {
-    if (i + j->ahead < j->n) prefetch_bytes(row_src(j, i + j->ahead), j->head, j->head_only);
+    if (i + j->ahead < j->n) prefetch_bytes(row_src(j, i + j->ahead), j->head, j->head < j->piece);
 }
 
 /* ---- plain copies (any alignment, any size) ---------------------------------------------- */

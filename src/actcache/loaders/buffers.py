@@ -63,15 +63,15 @@ except (OSError, AttributeError):  # pragma: no cover - non-Linux
     _madvise = _mincore = None
 
 
-def _page_span(addr: int, start: int, end: int, inner: bool, unit: int = PAGE) -> tuple[int, int]:
-    """``unit``-aligned [a, b) address span of bytes [start, end): covering (inner=False) or inside."""
+def _page_span(addr: int, start: int, end: int, inner: bool) -> tuple[int, int]:
+    """Page-aligned [a, b) address span of bytes [start, end): covering (inner=False) or inside."""
     lo, hi = addr + start, addr + end
     if inner:
-        lo = -(-lo // unit) * unit
-        hi = hi // unit * unit
+        lo = -(-lo // PAGE) * PAGE
+        hi = hi // PAGE * PAGE
     else:
-        lo = lo // unit * unit
-        hi = -(-hi // unit) * unit
+        lo = lo // PAGE * PAGE
+        hi = -(-hi // PAGE) * PAGE
     return lo, hi
 
 
