@@ -67,10 +67,11 @@ BENCHMARKS.md. Since 2026-11-24 that machine is a Zen-5 VM whose page cache -> b
     a run's blocks are unmapped as soon as no run uses them (MADV_DONTNEED; with ``evict=True``
     its bytes are also dropped from the page cache, for shared nodes); batch buffers add 3
     batches, or up to ``max(3, read_ahead + 1)`` for a consumer slower than the loader. Nothing
-    else grows with the dataset. Held runs stay mapped until released, which also keeps them from
-    proactive reclaim that pages out unmapped file pages only (the project VM's DAMON scheme: of
-    256 MB read once and left alone, 9% was gone after 45 s and 74% after 120 s; of 256 MB kept
-    mapped, none).
+    else grows with the dataset. Held runs stay mapped until released (one layer of several: from
+    the first batch that copies from them, when the readers found them cached; buffers.py), which
+    also keeps them from proactive reclaim that pages out unmapped file pages only (the project
+    VM's DAMON scheme: of 256 MB read once and left alone, 9% was gone after 45 s and 74% after
+    120 s; of 256 MB kept mapped, none).
 
     Mixing: each batch takes a planned share from every held run and, within a run, the same
     count (+-1) from each of its images (plan.py), so it mixes about buffer_bytes /
