@@ -6,9 +6,11 @@ batches with and without it."""
 from __future__ import annotations
 
 import importlib
+import os
 import platform
 import shutil
 import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -158,12 +160,64 @@ def test_index_rows_refuses_what_does_not_fit(native):
         kernels.index_rows(z, np.array([0, 3]), [0], [0], [0], None, np.arange(4), g)
 
 
-def test_without_the_kernel_copy_blocks_declines(monkeypatch):
+def test_without_the_kernel_copy_blocks_and_probe_decline(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "_native", None)
     assert kernels.native_info() == {"native": False, "isa": None}
     out = np.zeros((2, 4), np.float32)
     assert kernels.copy_blocks(np.ones(64, np.uint8), np.array([0, 1]), out, stride=16) is False
     assert not out.any()
+    (tmp_path / "f").write_bytes(b"x" * 8192)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        assert kernels.probe(fd, np.array([0]), np.array([10]), advise=False) is None
+    finally:
+        os.close(fd)
+
+
+def _wait_until(what, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not what():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_probe_counts_ranges_not_cached_and_asks_for_them(native, tmp_path):
+    """probe: ranges whose first or last byte is not in the page cache are counted, and with
+    advise asked for (they then come in without anyone reading them); cached ones are not."""
+    path = tmp_path / "shard.bin"
+    page = os.sysconf("SC_PAGE_SIZE")
+    data = np.random.default_rng(1).integers(0, 255, 64 * page, dtype=np.uint8)
+    with open(path, "wb") as f:
+        f.write(data.tobytes())
+        f.flush()
+        os.fsync(f.fileno())  # clean pages: posix_fadvise DONTNEED can drop them
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.read(fd, data.nbytes)  # all cached
+        starts = np.array([0, 10 * page + 5, 40 * page], np.int64)
+        ends = np.array([3 * page, 20 * page, 41 * page], np.int64)
+        assert kernels.probe(fd, starts, ends, advise=False) == 0
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if kernels.probe(fd, starts, ends, advise=False) == 0:
+            pytest.fail("posix_fadvise DONTNEED left the pages cached: the filesystem of tmp_path ignores it")
+        assert kernels.probe(fd, starts, ends, advise=False) == 3  # a probe alone reads nothing in
+        # only the last page of the second range evicted: that range alone is missing
+        with open(path, "rb") as f:
+            f.read()
+        os.posix_fadvise(fd, 19 * page, page, os.POSIX_FADV_DONTNEED)
+        assert kernels.probe(fd, starts, ends, advise=False) == 1
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert kernels.probe(fd, starts, ends, advise=True) == 3
+        assert _wait_until(lambda: kernels.probe(fd, starts, ends, advise=False) == 0)  # read ahead
+        assert kernels.probe(fd, starts[:0], ends[:0], advise=True) == 0
+        with pytest.raises(ValueError, match="3 starts but 2 ends"):
+            kernels.probe(fd, starts, ends[:2], advise=False)
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError):  # a closed descriptor
+        kernels.probe(fd, starts, ends, advise=False)
 
 
 @pytest.fixture(scope="module")

@@ -289,10 +289,20 @@ def test_scale_norm(tmp_path):
         assert abs(np.linalg.norm(act, axis=1).mean() - 4.0) < 0.05
 
 
-def test_prefetch_asks_only_for_ranges_not_cached(tmp_path, monkeypatch):
+@pytest.mark.parametrize("native", [True, False])
+def test_prefetch_asks_only_for_ranges_not_cached(tmp_path, monkeypatch, native):
     """Readers skip posix_fadvise for ranges already in the page cache (a probe of their first
-    and last byte that must not block); evicted ones are asked for."""
+    and last byte that must not block); evicted ones are asked for. With the C kernel the
+    probes and requests are made in C (kernels.probe), without it from Python."""
+    from actcache.loaders import kernels
     from actcache.loaders.buffers import ShardMaps
+
+    if native:
+        import actcache._native as mod
+
+        monkeypatch.setattr(kernels, "_native", mod)
+    else:
+        monkeypatch.setattr(kernels, "_native", None)
 
     path, md, acts = make_cache(tmp_path, n_imgs=8, layers=(3,), n_patches=4, d=1024, imgs_per_shard=8)
     name = "acts000000.bin"
@@ -312,11 +322,19 @@ def test_prefetch_asks_only_for_ranges_not_cached(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "posix_fadvise", spy)
     assert size == 8 * 5 * 1024 * 4
     starts, ends = np.array([0, 2**16]), np.array([2**14, 2**16 + 2**14])
-    maps.prefetch(0, starts, ends)
+    assert maps.prefetch(0, starts, ends) is True
     assert asked == []
     real(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # evicted (nothing maps it)
-    maps.prefetch(0, starts, ends)
-    assert asked == [(0, 2**14), (2**16, 2**14)]
+    assert kernels.probe(fd, starts, ends, advise=False) in (None, 2)
+    assert maps.prefetch(0, starts, ends) is False
+    if native:  # asked for in C: the ranges come in without being read
+        deadline = time.monotonic() + 10
+        while kernels.probe(fd, starts, ends, advise=False) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert kernels.probe(fd, starts, ends, advise=False) == 0
+    else:
+        assert asked == [(0, 2**14), (2**16, 2**14)]
+    assert maps.prefetch(0, starts, ends) is True
     maps.close()
 
 

@@ -5,7 +5,8 @@ and the index work around them.
 (optionally times a float32 factor, per row or for all; the shuffled loader), ``copy_blocks``
 equal-size strided blocks (the ordered loader's io="mmap"), ``balanced_order`` and
 ``index_rows`` lay out a run's example order and a batch's rows (the shuffle plan and the
-shuffled loader's index), ``touch`` faults fresh memory in. Each uses the C kernel
+shuffled loader's index), ``touch`` faults fresh memory in, ``probe`` tells which byte ranges of
+a file are in the page cache. Each uses the C kernel
 ``actcache._native`` when it was built (the normal install compiles it; see setup.py) and numpy
 otherwise, with the same results; the C copies prefetch the next random rows and, for batches
 larger than the CPU cache, write with non-temporal stores (a cached store first reads the line it
@@ -119,6 +120,21 @@ def touch(a: np.ndarray) -> bool:
         return False
     _native.touch(address(a), a.nbytes, 4096)
     return True
+
+
+def probe(fd: int, starts: np.ndarray, ends: np.ndarray, advise: bool) -> int | None:
+    """How many of the byte ranges ``[starts[i], ends[i])`` of open file ``fd`` are not cached
+    (their first or last byte is not in the page cache); with ``advise``, each of those is asked
+    for (posix_fadvise WILLNEED). None where it cannot tell: no C kernel, or no RWF_NOWAIT here
+    (the caller then probes from Python, or not at all). One call, without the GIL."""
+    if _native is None:
+        return None
+    starts = np.ascontiguousarray(starts, np.int64)
+    ends = np.ascontiguousarray(ends, np.int64)
+    if starts.shape != ends.shape:
+        raise ValueError(f"probe: {len(starts)} starts but {len(ends)} ends")
+    got = _native.probe(fd, address(starts), address(ends), len(starts), advise)
+    return None if got < 0 else got
 
 
 def index_rows(
