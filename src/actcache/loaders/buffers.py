@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from actcache.errors import LoaderError
+from actcache.loaders import kernels
 
 PAGE = mmap.PAGESIZE
 HUGE = 2 * 2**20  # x86-64 PMD size
@@ -221,8 +222,6 @@ class ShardMaps:
         first epoch x1.23 (10 runs; the second x0.99: the layer fits the buffer, so its runs are
         probed during the first), ordered io=auto x1.20 every pass (8); 1-layer ordered x1.10 /
         x1.04 (10); cold, no change (4)."""
-        from actcache.loaders import kernels
-
         fd = self.fd(shard)
         if self._nowait_ok:  # in C when built: one call for all the ranges (see _native.c, probe)
             missing = kernels.probe(fd, *_merged_arrays(starts, ends, gap), advise=True)
@@ -541,8 +540,6 @@ def prefault(a: np.ndarray, chunk: int = HUGE, stop: Callable[[], bool] | None =
     for it; zeroing fresh memory is slow on this kind of VM (0.3-1.5 GB/s when the host has
     to back it), so populating two 50 MB batch buffers slowed the first plan ~10x (measured: the
     first batch's plan 80-160 ms against ~10 ms). Without the kernel: one madvise per ``chunk``."""
-    from actcache.loaders import kernels
-
     if stop is not None and a.flags.c_contiguous:
         flat = a.reshape(-1).view(np.uint8)
         for i in range(0, flat.nbytes, STOP_CHECK_BYTES):
