@@ -46,7 +46,7 @@ class Iteration:
         g = loader.geom
         rows = max(1, min(loader.batch_size, loader.n_examples))  # no bigger than one epoch
         spare, loader._spare_sets = loader._spare_sets, []
-        self.pool = BatchPool(lambda: BatchBuffers(rows, g.D), max_sets, self.cond, spare)
+        self.pool = BatchPool(lambda huge: BatchBuffers(rows, g.D, huge), max_sets, self.cond, spare)
         self.maps = ShardMaps(
             loader.cache.path,
             [s.name for s in loader.cache.shards],

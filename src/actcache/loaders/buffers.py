@@ -35,6 +35,7 @@ import mmap
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -528,6 +529,24 @@ MADV_POPULATE_WRITE = 23
 # ~0.5 GB/s on the project VM (free page reporting), so a whole 50 MB batch buffer may take
 # ~100 ms, and a loader that has finished (or was stopped) should not wait for that to end.
 STOP_CHECK_BYTES = 4 * 2**20
+# Batch buffer sets start on 2 MiB pages (huge_empty): copies into them run faster than into
+# 4 KiB pages (steady epochs x1.04-1.07 on the project VM). But where a VM host must back the
+# memory again (the project VM's free page reporting hands free 2 MiB blocks back to the host),
+# a 2 MiB page faults in at 0.45-0.9 GB/s, slower than 4 KiB pages (~1.9 GB/s: the kernel takes
+# those from smaller free blocks, which it does not report), and three fresh 50 MB sets then
+# cost a first epoch 150-330 ms of CPU. So the pool times each STOP_CHECK_BYTES piece of a set
+# it prefills (thread CPU time: host faults count as the guest's CPU); once one is slower than
+# this, the rest of that set and the next sets go on 4 KiB pages. Warm bench caches, fresh
+# processes started 4 s apart (the host has taken the freed memory back), alternating rounds
+# against the pool without this: 4-layer shuffled first epoch x1.37 (10 rounds; second x0.92),
+# ordered first pass x1.46 (6; second x0.99), 1-layer shuffled x1.24 (6; second x1.02). Started
+# back to back (memory still backed: no piece is slow), no change (x0.99, 10 rounds).
+HUGE_FAULT_MIN_BPS = 2e9
+# ... and a set on 4 KiB pages is replaced by one on 2 MiB pages once it has been used this many
+# times (ski rental: by then its slower copies have cost about what one slow 2 MiB set costs to
+# fault in, 55-110 ms of CPU; 4-layer bench cache, slow state: steady epochs x0.92 with small
+# sets, ~0.6 ms of CPU per 50 MB batch; 1-layer: x1.02, no loss), so a long run loses nothing.
+SMALL_SET_USES = 128
 
 
 def prefault(a: np.ndarray, chunk: int = HUGE, stop: Callable[[], bool] | None = None) -> bool:
@@ -562,15 +581,17 @@ def _refcounts(arrays: list[np.ndarray]) -> list[int]:
     return [sys.getrefcount(a) for a in arrays]
 
 
-def huge_empty(shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
+def huge_empty(shape: tuple[int, ...], dtype=np.float32, huge: bool = True) -> np.ndarray:
     """An uninitialised array in anonymous memory advised to use transparent huge pages (fewer
-    TLB misses when copying into it, faster first touch); plain np.empty where unsupported."""
+    TLB misses when copying into it, faster first touch where the memory is backed); plain
+    np.empty where unsupported. ``huge=False``: the same, on 4 KiB pages (MADV_NOHUGEPAGE, also
+    where THP is "always"; see HUGE_FAULT_MIN_BPS for when that is worth it)."""
     nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
     if nbytes < 4 * HUGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return np.empty(shape, dtype)
     mm = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
-        mm.madvise(mmap.MADV_HUGEPAGE)
+        mm.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE)
     except OSError:
         pass
     raw = np.frombuffer(mm, np.uint8)
@@ -581,8 +602,10 @@ def huge_empty(shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
 class BatchBuffers:
     """One batch's numpy arrays: act (B, D) float32, image_i / patch_i / layer (B,) int64."""
 
-    def __init__(self, batch_size: int, d: int):
-        self.act = huge_empty((batch_size, d), np.float32)
+    def __init__(self, batch_size: int, d: int, huge: bool = True):
+        self.act = huge_empty((batch_size, d), np.float32, huge)
+        self.huge = huge  # act on 2 MiB pages (False: 4 KiB, see HUGE_FAULT_MIN_BPS)
+        self.uses = 0  # batches copied into it while on 4 KiB pages (see SMALL_SET_USES)
         self.image_i = np.empty(batch_size, np.int64)
         self.patch_i = np.empty(batch_size, np.int64)
         self.layer = np.empty(batch_size, np.int64)
@@ -610,9 +633,10 @@ class BatchPool:
     """At most ``max_sets`` reusable BatchBuffers owned by the loader (see the module docstring)."""
 
     def __init__(
-        self, make: Callable[[], BatchBuffers], max_sets: int, cond: threading.Condition, spare: list | None = None
+        self, make: Callable[[bool], BatchBuffers], max_sets: int, cond: threading.Condition, spare: list | None = None
     ):
-        self.make, self.max_sets, self.cond = make, max_sets, cond
+        self.make, self.max_sets, self.cond = make, max_sets, cond  # make(huge): a new set
+        self.huge = True  # new sets on 2 MiB pages (False once they fault in slowly: HUGE_FAULT_MIN_BPS)
         self.free: list[BatchBuffers] = []
         # sets left by the loader's previous iteration (see handover): the consumer may still hold
         # some of them, so they start as lent and are taken once their arrays are unreferenced
@@ -626,7 +650,14 @@ class BatchPool:
         if not self.free and self.lent:
             self.all_lent()  # moves the sets the consumer let go of to the free list
         if self.free:
-            return self.free.pop()
+            b = self.free.pop()
+            if not b.huge:
+                b.uses += 1
+                if b.uses > SMALL_SET_USES:  # it has cost what a set on 2 MiB pages would: replace it
+                    self.huge = True
+                    self.n_allocated += 1
+                    return self._new()
+            return b
         if self.n_owned < self.max_sets and grow:
             self.n_owned += 1
             self.n_allocated += 1
@@ -641,7 +672,7 @@ class BatchPool:
         return None
 
     def _new(self) -> BatchBuffers:
-        return self.make()
+        return self.make(self.huge)
 
     def all_lent(self) -> bool:
         """Whether every set owned is lent to the consumer and still used by it (call with
@@ -663,14 +694,39 @@ class BatchPool:
                 return
             self.n_owned += 1
             self.n_allocated += 1
-        b = self._new()
-        if not all(prefault(a, stop=stop) for a in b.arrays()):
+            b = self._new()
+        if not self._fault_in(b, stop):
             with self.cond:
                 self.n_owned -= 1
             return
         with self.cond:
             self.free.append(b)
             self.cond.notify_all()
+
+    def _fault_in(self, b: BatchBuffers, stop: Callable[[], bool] | None) -> bool:
+        """prefault every array of a fresh set, STOP_CHECK_BYTES at a time; once a piece of a set
+        on 2 MiB pages faults in slower than HUGE_FAULT_MIN_BPS, the rest of that set goes on
+        with 4 KiB pages, and so do the next sets (``self.huge``). (Every piece is timed: the
+        first may come from memory freed just before, the next from memory the host let go.)
+        False when ``stop()`` turned true (see prefault)."""
+        for a in b.arrays():
+            flat = a.reshape(-1).view(np.uint8)
+            timed = b.huge and a is b.act and _madvise is not None and flat.ctypes.data % HUGE == 0
+            for i in range(0, flat.nbytes, STOP_CHECK_BYTES):
+                if stop is not None and stop():
+                    return False
+                piece = flat[i : i + STOP_CHECK_BYTES]
+                c0 = time.thread_time()
+                prefault(piece)
+                dt = time.thread_time() - c0
+                rest = flat[i + STOP_CHECK_BYTES :]
+                if timed and rest.nbytes and dt > 0 and piece.nbytes / dt < HUGE_FAULT_MIN_BPS:
+                    timed = False
+                    if _madvise(rest.ctypes.data, rest.nbytes, mmap.MADV_NOHUGEPAGE) == 0:
+                        b.huge = False
+                        with self.cond:
+                            self.huge = False
+        return True
 
     def give_back(self, b: BatchBuffers) -> None:
         """A set the consumer never saw (or that is known free) goes straight back."""

@@ -39,7 +39,9 @@ BENCHMARKS.md. Since 2026-11-24 that machine is a Zen-5 VM whose page cache -> b
     next in line hold (pin) the blocks they share with older runs before those let go of them
     (PIN_SHARED). Fresh batch buffers are faulted in by writing to them (kernels.touch), not with
     MADV_POPULATE_WRITE, which holds the process's mmap lock while the host backs the memory and
-    stalled every numpy allocation of the planner (first batch's plan 80-160 -> ~20 ms).
+    stalled every numpy allocation of the planner (first batch's plan 80-160 -> ~20 ms); where
+    2 MiB pages fault in slower than 4 KiB ones (the host backing them again), the sets go on
+    4 KiB pages until they have been used enough for 2 MiB ones to pay (buffers.HUGE_FAULT_MIN_BPS).
 
     Cold, reading through that fault path costs more than it reads: the gather threads then
     spent 4-8 CPU-s per 4.3 GB epoch copying out of pages just read that way, against ~0.5 s
