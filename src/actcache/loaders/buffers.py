@@ -530,7 +530,7 @@ MADV_POPULATE_WRITE = 23
 # ~100 ms, and a loader that has finished (or was stopped) should not wait for that to end.
 STOP_CHECK_BYTES = 4 * 2**20
 # Batch buffer sets start on 2 MiB pages (huge_empty): copies into them run faster than into
-# 4 KiB pages (steady epochs x1.04-1.07 on the project VM). But where a VM host must back the
+# 4 KiB pages (steady epochs x1.04-1.09 on the project VM). But where a VM host must back the
 # memory again (the project VM's free page reporting hands free 2 MiB blocks back to the host),
 # a 2 MiB page faults in at 0.45-0.9 GB/s, slower than 4 KiB pages (~1.9 GB/s: the kernel takes
 # those from smaller free blocks, which it does not report), and three fresh 50 MB sets then
