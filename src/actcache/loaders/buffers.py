@@ -549,9 +549,16 @@ HUGE_FAULT_MIN_BPS = 2e9
 SMALL_SET_USES = 128
 
 
-def prefault(a: np.ndarray, chunk: int = HUGE, stop: Callable[[], bool] | None = None) -> bool:
+def prefault(
+    a: np.ndarray,
+    chunk: int = HUGE,
+    stop: Callable[[], bool] | None = None,
+    watch: Callable[[int, np.ndarray, float], None] | None = None,
+) -> bool:
     """Fault in (zero-filled) the pages of a fresh writable array, without the GIL; -> False
     when ``stop()`` turned true between two STOP_CHECK_BYTES pieces (the rest is left untouched).
+    ``watch(nbytes, rest, seconds)``, if given, is called after each piece with its size, the
+    part of the array still untouched and the thread CPU time the piece took.
 
     With the C kernel: by writing to them (kernels.touch). Page faults lock only their memory
     area, while madvise(MADV_POPULATE_WRITE) holds the process's mmap lock, and any thread that
@@ -559,12 +566,16 @@ def prefault(a: np.ndarray, chunk: int = HUGE, stop: Callable[[], bool] | None =
     for it; zeroing fresh memory is slow on this kind of VM (0.3-1.5 GB/s when the host has
     to back it), so populating two 50 MB batch buffers slowed the first plan ~10x (measured: the
     first batch's plan 80-160 ms against ~10 ms). Without the kernel: one madvise per ``chunk``."""
-    if stop is not None and a.flags.c_contiguous:
+    if (stop is not None or watch is not None) and a.flags.c_contiguous:
         flat = a.reshape(-1).view(np.uint8)
         for i in range(0, flat.nbytes, STOP_CHECK_BYTES):
-            if stop():
+            if stop is not None and stop():
                 return False
-            prefault(flat[i : i + STOP_CHECK_BYTES], chunk)
+            piece = flat[i : i + STOP_CHECK_BYTES]
+            c0 = time.thread_time()
+            prefault(piece, chunk)
+            if watch is not None:
+                watch(piece.nbytes, flat[i + STOP_CHECK_BYTES :], time.thread_time() - c0)
         return True
     if kernels.touch(a):
         return True
@@ -704,29 +715,20 @@ class BatchPool:
             self.cond.notify_all()
 
     def _fault_in(self, b: BatchBuffers, stop: Callable[[], bool] | None) -> bool:
-        """prefault every array of a fresh set, STOP_CHECK_BYTES at a time; once a piece of a set
-        on 2 MiB pages faults in slower than HUGE_FAULT_MIN_BPS, the rest of that set goes on
-        with 4 KiB pages, and so do the next sets (``self.huge``). (Every piece is timed: the
-        first may come from memory freed just before, the next from memory the host let go.)
-        False when ``stop()`` turned true (see prefault)."""
-        for a in b.arrays():
-            flat = a.reshape(-1).view(np.uint8)
-            timed = b.huge and a is b.act and _madvise is not None and flat.ctypes.data % HUGE == 0
-            for i in range(0, flat.nbytes, STOP_CHECK_BYTES):
-                if stop is not None and stop():
-                    return False
-                piece = flat[i : i + STOP_CHECK_BYTES]
-                c0 = time.thread_time()
-                prefault(piece)
-                dt = time.thread_time() - c0
-                rest = flat[i + STOP_CHECK_BYTES :]
-                if timed and rest.nbytes and dt > 0 and piece.nbytes / dt < HUGE_FAULT_MIN_BPS:
-                    timed = False
-                    if _madvise(rest.ctypes.data, rest.nbytes, mmap.MADV_NOHUGEPAGE) == 0:
-                        b.huge = False
-                        with self.cond:
-                            self.huge = False
-        return True
+        """prefault every array of a fresh set; once a piece of a set on 2 MiB pages faults in
+        slower than HUGE_FAULT_MIN_BPS, the rest of that set goes on with 4 KiB pages, and so do
+        the next sets (``self.huge``). (Every piece is timed: the first may come from memory freed
+        just before, the next from memory the host let go.) False when ``stop()`` turned true."""
+
+        def watch(nbytes: int, rest: np.ndarray, dt: float) -> None:
+            if b.huge and rest.nbytes and dt > 0 and nbytes / dt < HUGE_FAULT_MIN_BPS:
+                if _madvise(rest.ctypes.data, rest.nbytes, mmap.MADV_NOHUGEPAGE) == 0:
+                    b.huge = False
+                    with self.cond:
+                        self.huge = False
+
+        timed = b.huge and _madvise is not None and b.act.ctypes.data % HUGE == 0
+        return all(prefault(a, stop=stop, watch=watch if timed and a is b.act else None) for a in b.arrays())
 
     def give_back(self, b: BatchBuffers) -> None:
         """A set the consumer never saw (or that is known free) goes straight back."""
