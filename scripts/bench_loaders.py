@@ -492,6 +492,11 @@ def summarize(run: dict) -> list[dict]:
                 row["GB/cpu-s"] = med("GB_per_cpu_s")
                 row["cpu x ref2"] = row["GB/cpu-s"] / ref2_eff
             row["MB/s by round"] = ", ".join(f"{m['MBps']:,.0f}" for m in ms)  # cold figures swing (host cache)
+            if not mode.startswith("warm") and kind != "ref":  # forward rounds (even) against reversed ones
+                ratios = [m["MBps"] / r["MBps"] for m, r in zip(ms, kinds["ref"], strict=False)]
+                if len(ratios) > 1:
+                    fwd, rev = statistics.median(ratios[0::2]), statistics.median(ratios[1::2])
+                    row["x ref fwd / rev"] = f"{fwd:.3f} / {rev:.3f}"
             before = [m["resident_before"] for m in ms if m.get("resident_before") is not None]
             if mode.startswith("warm") and before:  # what DAMON had paged out since the last read (rewarm)
                 row["cached before, min"] = min(before)
@@ -643,6 +648,9 @@ def main() -> None:
         "read 4x as many bytes as they count there, in large sequential reads; ref layer shows what reading "
         "only the layer's ranges costs the disk. "
         "MB/s: median of alternating rounds; x ref, x ref2: median over rounds of the ratio within the round; "
+        "x ref fwd / rev (cold modes): the same median over the forward rounds (the 1st, 3rd, ...: ref measured "
+        "first) and over the reversed ones (ref measured last, right after ref2), because cold ref's speed "
+        "depends on its place in the round (paragraph of 2026-11-25 ~08:30); "
         "each measurement in a fresh process; cold = page cache dropped right before; cold-late = dropped, "
         f"then {COLD_LATE_S:g} s idle before the measurement starts; cold-primed = dropped, then the measuring "
         "process touches and frees as much memory as the cache plus 1 GiB right before it starts (see below); "
