@@ -467,9 +467,14 @@ def _median(ms: list[dict], key: str):
     return statistics.median(m[key] for m in ms) if ms and ms[0].get(key) is not None else None
 
 
+def _ratios(ms: list[dict], refs: list[dict]) -> list[float]:
+    """The ratio within each round (same page-cache and host-cache state), in round order."""
+    return [m["MBps"] / r["MBps"] for m, r in zip(ms, refs, strict=False)]
+
+
 def _ratio(ms: list[dict], refs: list[dict]) -> float:
-    """Median over rounds of the ratio within a round (same page-cache and host-cache state)."""
-    return statistics.median(m["MBps"] / r["MBps"] for m, r in zip(ms, refs, strict=False))
+    """Median over rounds of the ratio within a round."""
+    return statistics.median(_ratios(ms, refs))
 
 
 def summarize(run: dict) -> list[dict]:
@@ -493,7 +498,7 @@ def summarize(run: dict) -> list[dict]:
                 row["cpu x ref2"] = row["GB/cpu-s"] / ref2_eff
             row["MB/s by round"] = ", ".join(f"{m['MBps']:,.0f}" for m in ms)  # cold figures swing (host cache)
             if not mode.startswith("warm") and kind != "ref":  # forward rounds (even) against reversed ones
-                ratios = [m["MBps"] / r["MBps"] for m, r in zip(ms, kinds["ref"], strict=False)]
+                ratios = _ratios(ms, kinds["ref"])
                 if len(ratios) > 1:
                     fwd, rev = statistics.median(ratios[0::2]), statistics.median(ratios[1::2])
                     row["x ref fwd / rev"] = f"{fwd:.3f} / {rev:.3f}"

@@ -572,10 +572,12 @@ def prefault(
             if stop is not None and stop():
                 return False
             piece = flat[i : i + STOP_CHECK_BYTES]
+            if watch is None:
+                prefault(piece, chunk)
+                continue
             c0 = time.thread_time()
             prefault(piece, chunk)
-            if watch is not None:
-                watch(piece.nbytes, flat[i + STOP_CHECK_BYTES :], time.thread_time() - c0)
+            watch(piece.nbytes, flat[i + STOP_CHECK_BYTES :], time.thread_time() - c0)
         return True
     if kernels.touch(a):
         return True
