@@ -702,6 +702,25 @@ def main() -> None:
         "either 0.8-0.9 or 1.6-1.8 GB/s by round and the loader at 1.15-1.30 GB/s in every round (cold-late "
         "1.293 x ref, cold-primed 0.854; on the 4-layer cache 1.013 x ref, 0.824 x ref layer).",
         "",
+        "Cold-read path (2026-11-25 ~11:00, Zen-4 host; nothing changed): the 'shuffled cold_read=fault' "
+        "rows beat the default cold (1-layer 1.050 against 0.674 x ref) because of their place in the round, "
+        "not because the fault path reads faster. What decides a cold epoch on this VM is whether the "
+        "page-cache memory a read lands in is still backed by the host. Memory freed within the last ~2 s is; "
+        "memory free for longer has been reported, and the first touch of each of its 4 KiB pages costs "
+        "~6.4 us of CPU (~0.65 GB/s) in whichever thread makes it: one byte per page of a 2 MiB block just "
+        "populated took 90-200 us in backed memory and 3.2-3.4 ms in reported memory, and a read of the whole "
+        "4.3 GB cache reached reported memory after 2.5-3.5 GB. The fault path takes 2 MiB folios, which come "
+        "from the large free blocks that get reported, and its first touch falls in the gather threads after "
+        "the fill; preadv takes small folios from smaller free blocks, which are not reported, and touches "
+        "them in reader threads that wait on the disk anyway. Fresh processes one after another, 1-layer "
+        "cache: 'fault' after a 'fault' run (whose 4.3 GB of 2 MiB folios the drop had just freed) 1.8-2.0 s, "
+        "the gathers' copy 0.66 CPU-s; after a 'read' run 4.0-4.5 s, the copy 3.56 CPU-s; 'read' 2.2-2.9 s "
+        "either way. In this script the fault variant follows 'shuffled io=read' (freeing its 3.2 GB arena) "
+        "or itself. Tried and not taken: a per-run choice, the fault path while a one-byte sample of 32 pages "
+        "of each run read that way costs under 2 us a page (0.2-0.8 us in backed memory, 3-33 us in reported "
+        "memory) and preadv for the next 16 runs after a slower one: 8 alternating fresh rounds against "
+        "'read', first epoch x0.937, second x1.097 (from the 2 MiB folios).",
+        "",
         "Change of 2026-11-25 ~08:30 (Zen-4 host; the tables were measured after it, 08:38-09:15): batch "
         "buffer sets go on 4 KiB pages while 2 MiB pages fault in slowly (buffers.HUGE_FAULT_MIN_BPS). The pool "
         "times each 4 MiB piece of a set it prefills in thread CPU time (host faults count as the guest's CPU); "
