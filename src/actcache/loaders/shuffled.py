@@ -55,12 +55,13 @@ BENCHMARKS.md. Since 2026-11-24 that machine is a Zen-5 VM whose page cache -> b
     mapped. 1-layer bench cache, one epoch in a fresh process, alternating rounds, page cache
     dropped 1-4 s before: 1.6-3.0 s against 2.6-5.8 s. Dropped right before (memory still
     backed), the two are close and "fault" is often faster (bench_loaders' cold against
-    cold-late rows; why: BENCHMARKS.md, 'Cold-read path'; a per-run choice between the two, by
-    sampling the first touch of each run read through the fault path, measured x0.94 and was not
-    taken). The price of "read": preadv at a random offset fills the page cache with
-    smaller folios, of which only ~half then map 2 MiB at a time, so a later warm epoch over
-    those same pages took 0.33-0.45 s against 0.24-0.29 s. ``cold_read="fault"`` keeps the
-    fault path, for a cache that fits in memory and is read for many epochs. (Not measured here:
+    cold-late rows). Which one wins depends on the free memory the pages land in (BENCHMARKS.md,
+    'Cold-read path'); choosing per run, by timing the first touch of a sample of each run read
+    through the fault path, measured x0.94 against "read" and was not taken. The price of
+    "read": preadv at a random offset fills the page cache with smaller folios, of which only
+    ~half then map 2 MiB at a time, so a later warm epoch over those same pages took 0.33-0.45 s
+    against 0.24-0.29 s. ``cold_read="fault"`` keeps the fault path, for a cache that fits in
+    memory and is read for many epochs. (Not measured here:
     on a cluster's network filesystem, GPFS or Lustre, large sequential reads are also what the
     client's prefetching is built for, which page faults through a mapping are not.)
 
