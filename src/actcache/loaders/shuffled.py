@@ -61,9 +61,9 @@ BENCHMARKS.md. Since 2026-11-24 that machine is a Zen-5 VM whose page cache -> b
     "read": preadv at a random offset fills the page cache with smaller folios, of which only
     ~half then map 2 MiB at a time, so a later warm epoch over those same pages took 0.33-0.45 s
     against 0.24-0.29 s. ``cold_read="fault"`` keeps the fault path, for a cache that fits in
-    memory and is read for many epochs. (Not measured here:
-    on a cluster's network filesystem, GPFS or Lustre, large sequential reads are also what the
-    client's prefetching is built for, which page faults through a mapping are not.)
+    memory and is read for many epochs. (Not measured here: on a cluster's network filesystem,
+    GPFS or Lustre, large sequential reads are also what the client's prefetching is built for,
+    which page faults through a mapping are not.)
 
     Memory: the plan holds at most ``buffer_bytes`` of runs (a run is charged the 2 MiB blocks its
     mapping spans; runs are cut on 2 MiB boundaries of the files, through images where needed, so
