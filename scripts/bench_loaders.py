@@ -674,7 +674,32 @@ def main() -> None:
         "ref2's: warm, both are CPU-bound, so it predicts the wall-clock ratio on an idle machine and "
         "does not depend on what else runs (other jobs shared these 2 cores: see the load average).",
         "",
-        "Machine on 2026-11-25 from ~03:00 UTC (every row of the tables below): the project VM came back on "
+        "Machine on 2026-11-26 (every row of the tables below; the code is that of the 2026-11-25 tables): the "
+        "project VM came back on an Intel Xeon host (cpu family 6 model 207), with the same guest setup (2 vCPUs, "
+        "free page reporting at order 11; no DAMON scheme was running). Warm, ref ran at 6.2-7.8 GB/s and ref2 "
+        "at 7.8-9.5; cold, ref at 0.8-1.5 GB/s. Every target of the loader issue is met on both caches but one: "
+        "warm shuffled on one layer of four, 0.787 x ref2 (rounds 0.73, 0.79, 0.72, 0.90, 1.04: first epochs of "
+        "0.161, 0.173, 0.191, 0.152, 0.128 s; its 2nd epoch 1.256 x ref2). The 1-layer cold shuffled row, which "
+        "missed on the Zen-4 host (0.674), measured 0.912 x ref here: the loader read at 1.10-1.19 GB/s in every "
+        "round (epoch 3.6-3.9 s, first batch 2.1-2.5 s, after the first 3.2 GB fill), ref at 1.1-1.5. "
+        "Where the warm first epoch on one layer of four goes (fresh process, 2 epochs, perf record at 5 kHz "
+        "split at the epoch boundary; /tmp/s33/trace.py and split.py, not in the repository): 351 ms of CPU "
+        "against 173 ms for the second epoch. The copy kernel took 165 ms against 133. Faulting in the three "
+        "fresh 50 MB batch buffer sets took ~85 ms: 53 ms prefilling, ~32 ms of faults inside the copy into the "
+        "set made on demand. The readers and the planner took ~40 ms against ~2 (they also prepare epoch 2 "
+        "during epoch 1); the rest was ~50 ms of Python and indexing against ~35. In those runs the sets went "
+        "on 4 KiB pages (buffers.HUGE_FAULT_MIN_BPS), as they should: measured alone in fresh processes, a 50 MB "
+        "set on 2 MiB pages faulted in at 4-6 GB/s when the host still backed the memory and at 0.7-0.9 GB/s "
+        "once it had been reported, and on 4 KiB pages at ~1.8 GB/s. The first batch came at 27-47 ms, "
+        "behind the prefill of two sets, and batches 1-3 took ~18 ms each against ~4 ms from batch 4 on. So, "
+        "as on the Zen-4 host, fresh memory is the largest one-time cost of a 1 GB first epoch on this VM. "
+        "Tried here and not taken (alternating fresh processes, medians): two buffer sets instead of three, "
+        "first epoch x0.96 and second x0.80 (8 rounds: the third set's faults saved are lost again to the "
+        "pipeline bubble); a 0.5 ms GIL switch interval instead of 5 ms, no change (x0.98-1.02, 10 rounds). "
+        "cachestat(2) in place of the per-range probes would save ~3 ms of CPU per 1 GB epoch (1,774 ranges "
+        "at 1.7-2.1 us against ~16 us per run of 70 ranges, one thread), ~1%: not done.",
+        "",
+        "Machine on 2026-11-25 from ~03:00 UTC (the tables of that day, since replaced): the project VM came back on "
         "another host, a Zen-4 EPYC (cpu family 25 model 17; the paragraphs dated before that, and the "
         "2026-11-24 machine note below, were measured on a Zen-5, family 26). Its memory behaves differently: one "
         "thread copies out of the page cache at 5-16 GB/s by round (ref; Zen-5 22-30), two threads into fresh "
@@ -684,7 +709,7 @@ def main() -> None:
         "on this host, and the loaders' random gathers weigh more against ref2.",
         "",
         "Changes of 2026-11-25 on the Zen-4 host (paired A/B, fresh processes in this script's warm state, "
-        "alternating; the tables were measured after both): (1) the copy kernel prefetches whole rows (up to "
+        "alternating; the tables of 2026-11-25 were measured after both): (1) the copy kernel prefetches whole rows (up to "
         "16 KiB) 24 KiB of rows ahead into L2 (prefetcht1) instead of a row's first 512 bytes non-temporally: "
         "the gather alone x1.68 against no prefetch where the old scheme ran x1.18 (3 KiB rows, section 'Copy "
         "kernel'); shuffled loader, 1-layer cache, 6 rounds: first epoch x1.22, second x1.22; one layer of four: "
@@ -694,7 +719,7 @@ def main() -> None:
         "with one madvise instead of one per image (1,774 calls per epoch, each flushing the other core's TLB "
         "by IPI: ~6% of the loader's CPU samples; now 24). One layer of four: shuffled first epoch x1.22 "
         "(first batch 53 -> 37 ms), steady epochs x1.14-1.22; ordered (io=auto) first pass x1.18, later passes "
-        "x1.17-1.29. After both (run of 03:52-04:39, replaced by the tables below) all targets were met but two. "
+        "x1.17-1.29. After both (run of 03:52-04:39, since replaced) all targets were met but two. "
         "Warm shuffled on one layer of four "
         "reached 0.768 x ref2 (its 2nd epoch 1.201): the first epoch of 1.07 GB took 0.118-0.205 s against "
         "0.081-0.106 s for a steady one, the difference being one-time costs (threads, the first fill of the "
@@ -721,7 +746,7 @@ def main() -> None:
         "memory) and preadv for the next 16 runs after a slower one: 8 alternating fresh rounds against "
         "'read', first epoch x0.937, second x1.097 (from the 2 MiB folios).",
         "",
-        "Change of 2026-11-25 ~08:30 (Zen-4 host; the tables were measured after it, 08:38-09:15): batch "
+        "Change of 2026-11-25 ~08:30 (Zen-4 host; measured after it 08:38-09:15, tables since replaced): batch "
         "buffer sets go on 4 KiB pages while 2 MiB pages fault in slowly (buffers.HUGE_FAULT_MIN_BPS). The pool "
         "times each 4 MiB piece of a set it prefills in thread CPU time (host faults count as the guest's CPU); "
         "once one runs below 2 GB/s (a 2 MiB page the host must back again: 0.45-0.9 GB/s, against ~1.9 for "
