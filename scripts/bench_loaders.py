@@ -561,7 +561,9 @@ def plot(runs: list[dict], out_png: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(runs), figsize=(7 * len(runs), 5), squeeze=False)
+    # one bar per row, ~0.17 inch each, so that the labels of five modes x ~12 rows do not overlap
+    n_rows = max((len(summarize(run)) for run in runs), default=1)
+    fig, axes = plt.subplots(1, len(runs), figsize=(8 * len(runs), 1.5 + 0.17 * n_rows), squeeze=False)
     for ax, run in zip(axes[0], runs, strict=True):
         rows = summarize(run)[::-1]
         hue = {"warm": "C0", "cold": "C1", "cold-late": "C3", "cold-primed": "C2", "warm-primed": "C4"}
@@ -570,7 +572,7 @@ def plot(runs: list[dict], out_png: str) -> None:
         ax.set_yticks(range(len(rows)), [f"{r['loader']} ({r['mode']})" for r in rows], fontsize=8)
         ax.set_xlabel("MB/s (bytes of the layer read; grey: raw-read references)")
         ax.set_title(
-            f"{run['n_layers']} recorded layer(s), {run['size_GB']:.1f} GB; blue warm, orange cold, "
+            f"{run['n_layers']} recorded layer(s), {run['size_GB']:.1f} GB\nblue warm, orange cold, "
             "red cold-late, green cold-primed, purple warm-primed",
             fontsize=10,
         )
