@@ -697,7 +697,9 @@ def main() -> None:
         "as on the Zen-4 host, fresh memory is the largest one-time cost of a 1 GB first epoch on this VM. "
         "Tried here and not taken (alternating fresh processes, medians): two buffer sets instead of three, "
         "first epoch x0.96 and second x0.80 (8 rounds: the third set's faults saved are lost again to the "
-        "pipeline bubble); a 0.5 ms GIL switch interval instead of 5 ms, no change (x0.98-1.02, 10 rounds). "
+        "pipeline bubble); only one set prefilled before the first batch instead of one per gather thread, "
+        "first epoch x0.96 (12 rounds; first batch 44 against 40 ms); a 0.5 ms GIL switch interval instead of "
+        "5 ms, no change (x0.98-1.02, 10 rounds). "
         "cachestat(2) in place of the per-range probes would save ~3 ms of CPU per 1 GB epoch (1,774 ranges "
         "at 1.7-2.1 us against ~16 us per run of 70 ranges, one thread), ~1%: not done.",
         "",
