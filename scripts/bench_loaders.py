@@ -561,11 +561,11 @@ def plot(runs: list[dict], out_png: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    tables = [summarize(run)[::-1] for run in runs]
     # one bar per row, ~0.17 inch each, so that the labels of five modes x ~12 rows do not overlap
-    n_rows = max((len(summarize(run)) for run in runs), default=1)
+    n_rows = max((len(rows) for rows in tables), default=1)
     fig, axes = plt.subplots(1, len(runs), figsize=(8 * len(runs), 1.5 + 0.17 * n_rows), squeeze=False)
-    for ax, run in zip(axes[0], runs, strict=True):
-        rows = summarize(run)[::-1]
+    for ax, run, rows in zip(axes[0], runs, tables, strict=True):
         hue = {"warm": "C0", "cold": "C1", "cold-late": "C3", "cold-primed": "C2", "warm-primed": "C4"}
         colors = ["0.6" if r["loader"].startswith("ref") else hue.get(r["mode"], "C1") for r in rows]
         ax.barh(range(len(rows)), [r["MB/s"] for r in rows], color=colors)
@@ -713,9 +713,9 @@ def main() -> None:
         "on this host, and the loaders' random gathers weigh more against ref2.",
         "",
         "Changes of 2026-11-25 on the Zen-4 host (paired A/B, fresh processes in this script's warm state, "
-        "alternating; the tables of 2026-11-25 were measured after both): (1) the copy kernel prefetches whole rows (up to "
-        "16 KiB) 24 KiB of rows ahead into L2 (prefetcht1) instead of a row's first 512 bytes non-temporally: "
-        "the gather alone x1.68 against no prefetch where the old scheme ran x1.18 (3 KiB rows, section 'Copy "
+        "alternating; the tables of 2026-11-25 were measured after both): (1) the copy kernel prefetches "
+        "whole rows (up to 16 KiB) 24 KiB of rows ahead into L2 (prefetcht1) instead of a row's first 512 "
+        "bytes non-temporally: the gather alone x1.68 against no prefetch where the old scheme ran x1.18 (3 KiB rows, section 'Copy "
         "kernel'); shuffled loader, 1-layer cache, 6 rounds: first epoch x1.22, second x1.22; one layer of four: "
         "first epoch x1.03, later ones x1.15-1.25. (2) One layer of several (ShardMaps mode 'random'): ranges "
         "the readers find cached are no longer populated (MADV_POPULATE_READ cost ~12 us per 600 KB range) but "
