@@ -13,9 +13,13 @@ of this VM's memory drifts by +-20% over minutes, so only ratios within a round 
 - ``none``: no prefetch, the reference;
 - ``before``: the scheme shipped until 2026-11-25 (prefetchnta; rows up to 2 KiB whole, 8 KiB
   of rows ahead; of a larger row its first 512 bytes, 2 rows ahead);
-- ``nta``: the shipped span (whole rows, 24 KiB of rows ahead) with the non-temporal hint;
-- ``shipped``: the macros as committed (whole rows into L2, prefetcht1);
-- ``seq``: the shipped kernel copying the same number of consecutive rows (a sequential read:
+- ``nta``: the whole-row span (whole rows, 24 KiB of rows ahead) with the non-temporal hint;
+- ``whole``: the committed macros, scheme 0 (whole rows into L2, prefetcht1; called ``shipped``
+  before 2026-11-26, when it was the only scheme);
+- ``heads``: the committed macros, scheme 1 (a row's first 256 bytes, 4 rows ahead, into L3 with
+  prefetcht2); the shuffled loader times both on its own copies and keeps the faster
+  (kernels.PrefetchChooser);
+- ``seq``: the ``whole`` kernel copying the same number of consecutive rows (a sequential read:
   the ceiling of a copy on this machine).
 
 Source: a file of ``--source-gib`` (made once under ``--dir``, read into the page cache) mapped
@@ -48,10 +52,14 @@ from actcache.loaders.buffers import ShardMaps, huge_empty  # noqa: E402
 SOURCE = os.path.join(benchlib.ROOT, "src", "actcache", "_native.c")
 ENTRY = r"""
 #include "%s"
+#ifndef BENCH_SCHEME
+#define BENCH_SCHEME 0
+#endif
 void act_bench_gather(const char *const *bases, const int64_t *srcs, const int64_t *rows, long long n,
                       long long stride, long long piece, char *dst) {
     job_t j;
     memset(&j, 0, sizeof j);
+    j.scheme = BENCH_SCHEME;
     j.bases = bases; j.srcs = srcs; j.rows = rows; j.n = n; j.stride = stride; j.piece = piece;
     j.dst = dst; j.scale = 1.0f;
 #ifdef ACT_X86
@@ -64,15 +72,18 @@ VARIANTS = {
     "none": ["-DPREFETCH_SPAN=0"],
     "before": ["-DWHOLE_MAX=2048", "-DPREFETCH_SPAN=8192", "-DPREFETCH_LOCALITY=0", "-DHEAD_BYTES=512"],
     "nta": ["-DPREFETCH_LOCALITY=0"],
-    "shipped": [],
+    "whole": [],
+    "heads": ["-DBENCH_SCHEME=1"],
 }
 
 
-# The run before the prefetch changed, on another host (Zen-5 VM, 2026-11-24 22:28 UTC), with
-# ``before`` then shipped and ``nta`` then called ``whole``: kept because the choice of hint was
-# measured on one host only.
+# Earlier runs on other hosts, kept because which scheme is faster depends on the CPU.
 EARLIER = (
-    "Earlier run, Zen-5 VM (family 26), 2026-11-24 22:28 UTC, `before` then shipped, whole rows 24 KiB ahead "
+    "Earlier run, Zen-4 VM (family 25 model 17), 2026-11-25 03:21 UTC, before `heads` existed (`whole` then "
+    "called `shipped`), x none by row bytes 768 / 1,536 / 2,048 / 3,072 / 4,096 / 6,144 / 16,384: whole 1.63, "
+    "1.83, 1.73, 1.68, 1.40, 1.37, 1.16; before 1.35, 1.23, 1.11, 1.18, 1.22, 1.17, 1.03; nta 1.39, 1.18, 1.22, "
+    "1.11, 1.00, 0.97, 0.90; seq 2.78, 2.71, 2.35, 2.35, 1.92, 1.79, 1.51 (none 8.3-17.0 GB/s). "
+    "Earlier still, Zen-5 VM (family 26), 2026-11-24 22:28 UTC, `before` then shipped, whole rows 24 KiB ahead "
     "non-temporally then called `whole` (x none): 768-byte rows before 1.29, nta 1.27; 1,536: 1.27, 1.15; "
     "3,072: 1.09, 1.03; 6,144: 1.19, 0.95; 16,384: 1.05, 0.93; a sequential copy 1.22-1.53 (random rows "
     "without prefetch 17-24 GB/s, sequential 24-29). The prefetch into L2 was not measured on that host."
@@ -174,7 +185,7 @@ def main() -> None:
             jobs = [(np.zeros(n, np.int64), rng.integers(0, size // piece, n)) for _ in range(8)]
             seq = [(np.zeros(n, np.int64), (np.arange(n, dtype=np.int64) + k * n) % (size // piece)) for k in range(8)]
 
-            cases = {**{k: (f, jobs) for k, f in fns.items()}, "seq": (fns["shipped"], seq)}
+            cases = {**{k: (f, jobs) for k, f in fns.items()}, "seq": (fns["whole"], seq)}
             measure(*cases["none"], bases, dsts, piece, 4)  # warm-up
             got = {k: [] for k in cases}
             for rnd in range(args.rounds):
@@ -196,8 +207,10 @@ def main() -> None:
         f"src/actcache/_native.c, built by this script and alternated in one process: `none` = no prefetch "
         f"(the reference), `before` = the prefetch shipped until 2026-11-25 (prefetchnta: whole rows up to 2 KiB, "
         f"8 KiB of rows ahead; the first 512 bytes of a larger row, 2 rows ahead), `nta` = whole rows 24 KiB "
-        f"ahead, non-temporal, `shipped` = the committed prefetch (whole rows up to 16 KiB into L2 with "
-        f"prefetcht1, 24 KiB of rows ahead, 2-16 rows); `seq` = the shipped kernel copying consecutive rows (a "
+        f"ahead, non-temporal, `whole` = the committed scheme 0 (whole rows up to 16 KiB into L2 with "
+        f"prefetcht1, 24 KiB of rows ahead, 2-16 rows; `shipped` in earlier runs), `heads` = the committed "
+        f"scheme 1 (a row's first 256 bytes, 4 rows ahead, into L3 with prefetcht2; the shuffled loader times "
+        f"both and keeps the faster); `seq` = the `whole` kernel copying consecutive rows (a "
         f"sequential copy). GB/s: medians of {args.rounds} rounds; x none: median "
         f"over rounds of the ratio within the round.\n\n" + benchlib.table(rows_out) + "\n" + EARLIER
     )

@@ -385,6 +385,8 @@ def run_loader(spec: dict) -> dict:
         out["extrapolated_epoch_s"] = len(loader.dataset) / (n / dt)
     if kind.startswith("shuffled"):
         out["wait_s"] = loader.stats.wait_s
+        out["prefetch"] = loader.stats.prefetch  # the copy kernel's scheme the loader chose
+        out["prefetch_GBps"] = loader.stats.prefetch_GBps
         n_imgs = loader.metadata.n_imgs
         out["entropy_image"] = float(np.mean([entropy(x, n_imgs) for x in imgs]))
         out["entropy_patch"] = float(np.mean([entropy(x, T - 1) for x in patches]))

@@ -48,7 +48,10 @@ def test_the_copy_loops_prefetch_rows(native):
     objdump = shutil.which("objdump")
     assert objdump, "objdump (binutils, installed with gcc) is needed to inspect the built kernel"
     text = subprocess.run([objdump, "-d", native.__file__], capture_output=True, text=True, check=True).stdout
-    assert text.count("prefetchnta") >= 1, f"{native.__file__} has no prefetch instruction"
+    # both schemes (kernels.PREFETCH_SCHEMES): whole rows into L2 (t1), row heads into L3 (t2),
+    # and the first bytes of long rows (nta)
+    for insn in ("prefetchnta", "prefetcht1", "prefetcht2"):
+        assert text.count(insn) >= 1, f"{native.__file__} has no {insn} instruction"
 
 
 def aligned(shape, dtype=np.float32, offset=0):
@@ -76,6 +79,54 @@ def test_take_equals_numpy(native, d, stream, offset):
     per = rng.uniform(0.5, 2, 333).astype(np.float32)
     kernels.take_multi([src], one, rows, out, stream=stream, scales=per)
     np.testing.assert_array_equal(out, src[rows] * per[:, None])
+
+
+@pytest.mark.parametrize("d", [768, 1024, 40, 3])  # rows longer and shorter than a prefetched head
+@pytest.mark.parametrize("stream", [False, True])
+def test_both_prefetch_schemes_copy_the_same_rows(native, d, stream):
+    """The prefetch scheme changes only the speed: whole rows, row heads and numpy agree."""
+    rng = np.random.default_rng(d)
+    sources = [rng.standard_normal((m, d), dtype=np.float32) for m in (700, 90)]
+    srcs = rng.integers(0, 2, 1000)
+    rows = np.array([rng.integers(0, len(sources[s])) for s in srcs])
+    want = np.stack([sources[s][r] for s, r in zip(srcs, rows, strict=True)])
+    for scheme in range(len(kernels.PREFETCH_SCHEMES)):
+        out = aligned((1000, d))
+        kernels.take_multi(sources, srcs, rows, out, stream=stream, prefetch=scheme)
+        np.testing.assert_array_equal(out, want)
+        kernels.take_multi(sources, srcs, rows, out, stream=stream, prefetch=scheme, scale=0.5)
+        np.testing.assert_array_equal(out, want * np.float32(0.5))
+    with pytest.raises(ValueError, match="prefetch must be 0 .whole rows. or 1 .row heads., not 2"):
+        kernels.take_multi(sources, srcs, rows, aligned((1000, d)), prefetch=2)
+
+
+def test_prefetch_chooser_tries_both_then_keeps_the_faster_and_looks_again():
+    ch = kernels.PrefetchChooser()
+    assert ch.describe() is None
+    picks = []
+    for _ in range(2 * ch.TRIAL_COPIES):  # trials alternate; "heads" copies twice as fast
+        k = ch.pick()
+        picks.append(k)
+        ch.record(k, 10**9, 0.5 if k == 1 else 1.0)
+    assert picks.count(0) == picks.count(1) == ch.TRIAL_COPIES
+    assert ch.describe() == "heads" and ch.rates() == pytest.approx([1e9, 2e9])
+    later = [ch.pick() for _ in range(4 * ch.RECHECK_EVERY)]
+    assert later.count(0) == 4 and later.count(1) == len(later) - 4  # one look at "whole" per RECHECK_EVERY
+    # "whole" has become faster (decayed averages): after a few rechecks it takes over
+    for _ in range(10):
+        ch.record(0, 10**9, 0.2)
+    assert ch.describe() == "whole"
+    # within SWITCH_BY of each other: no flapping
+    ch2 = kernels.PrefetchChooser()
+    for _ in range(ch2.TRIAL_COPIES):
+        ch2.record(0, 10**9, 1.0)
+        ch2.record(1, 10**9, 1.0 / 1.01)
+    assert ch2.describe() == "heads"
+    for _ in range(3):
+        ch2.record(0, 10**9, 1.0 / 1.02)  # faster now, but by less than SWITCH_BY
+    assert ch2.describe() == "heads"
+    fixed = kernels.PrefetchChooser(fixed=0)
+    assert {fixed.pick() for _ in range(50)} == {0} and fixed.describe() == "whole"
 
 
 def test_take_from_a_huge_page_buffer_into_one(native):

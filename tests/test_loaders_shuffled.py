@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from actcache.errors import BatchTimeoutError, ConfigError, LoaderError
-from actcache.loaders import ShuffledLoader
+from actcache.loaders import ShuffledLoader, kernels
 from actcache.stats import STATS_FILE
 from conftest import make_cache
 
@@ -114,6 +114,7 @@ def test_cls_without_cls_token_is_a_config_error(nocls):
         (dict(buffer_bytes=0), "buffer_bytes"),
         (dict(io="odirect"), "io"),
         (dict(cold_read="direct"), "cold_read='direct'.*read, fault"),
+        (dict(prefetch="fast"), "prefetch='fast'.*auto, whole, heads"),
         (dict(start_at=(1,)), "start_at"),
         (dict(end_at=("step", 3)), "end_at"),
         (dict(n_epochs=-1), "n_epochs"),
@@ -124,6 +125,28 @@ def test_cls_without_cls_token_is_a_config_error(nocls):
 def test_bad_options_name_the_option(cache, kw, match):
     with pytest.raises(ConfigError, match=match):
         ShuffledLoader(cache[0], **{"layer": 3, **kw})
+
+
+def test_the_prefetch_scheme_does_not_change_the_batches(cache):
+    """prefetch= only changes how the copy kernel asks for rows ahead: the batches are the same,
+    and stats.prefetch says which scheme was used ("auto" times both, then keeps one)."""
+    path, md, acts = cache
+    runs = {}
+    for pf in ("whole", "heads", "auto"):
+        ld = ShuffledLoader(path, batch_size=16, layer=3, seed=5, prefetch=pf, **SMALL)
+        runs[pf] = collect(ld)
+        if not kernels.native_info()["native"]:  # numpy copies: no scheme
+            assert ld.stats.prefetch is None and ld.stats.prefetch_GBps == {}
+        elif pf != "auto":
+            assert ld.stats.prefetch == pf
+        else:
+            assert set(ld.stats.prefetch_GBps) == {"whole", "heads"}  # both were timed
+    check_values(runs["auto"], md, acts)
+    for pf in ("whole", "heads"):
+        assert len(runs[pf]) == len(runs["auto"])
+        for a, b in zip(runs[pf], runs["auto"], strict=True):
+            for name in ("act", "image_i", "patch_i", "layer"):
+                np.testing.assert_array_equal(a[name], b[name])
 
 
 def test_populate_small_faults_a_fresh_array_in_and_keeps_to_its_bytes():

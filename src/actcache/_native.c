@@ -1,6 +1,7 @@
 /* actcache._native: the loaders' copy kernel (optional; the loaders fall back to numpy).
  *
- * gather_multi(bases, n_src, srcs, rows, stride, piece, dst, stream=False, scales=None, scale=1.0)
+ * gather_multi(bases, n_src, srcs, rows, stride, piece, dst, stream=False, scales=None, scale=1.0,
+ *              prefetch=0)
  *     for i in range(len(rows)):
  *         dst[i*piece : (i+1)*piece] = (bytes at bases[srcs[i]] + rows[i]*stride, piece of them)
  *     optionally times a float32 factor (``scale`` for all rows, or ``scales[i]`` per row).
@@ -67,6 +68,20 @@
 #ifndef HEAD_BYTES
 #define HEAD_BYTES 512
 #endif
+/* The second scheme, "heads" (prefetch=1 in gather_multi): only the first HEADS_BYTES of the row
+ * HEADS_AHEAD rows ahead, into L3 (prefetcht2); the hardware prefetcher brings in the rest of
+ * the row once the copy reaches it. On the Intel Xeon project VM (family 6 model 207,
+ * 2026-11-26, scripts/bench_kernel.py, BENCHMARKS.md "Copy kernel", x none): 768-byte rows 1.13
+ * against 0.97 for whole rows, 1,536: 1.15 / 1.03, 3,072: 1.13 / 1.00 (1.29 / 1.08 in a run
+ * before), 4,096: 1.22 / 1.00, 16,384: 1.02 / 0.89; on the Zen-4 VM whole rows won (3,072: 1.68
+ * against 1.18 for a 512-byte head). Which one a machine prefers is measured by the loader on
+ * its own copies (kernels.PrefetchChooser). */
+#ifndef HEADS_BYTES
+#define HEADS_BYTES 256
+#endif
+#ifndef HEADS_AHEAD
+#define HEADS_AHEAD 4
+#endif
 
 /* The prefetch helpers must be inlined before GCC's interprocedural passes see them: on their own
  * they have no visible side effect, GCC marks them const and drops every call. (That happened to
@@ -77,17 +92,23 @@
 #define ALWAYS_INLINE inline
 #endif
 
-/* Prefetch nbytes at p: into L2 (a whole row) or, the head of a long row, non-temporally. */
-static ALWAYS_INLINE void prefetch_bytes(const char *p, Py_ssize_t nbytes, int head_only) {
+/* How prefetch_bytes hints (the locality must be a constant). */
+enum { HINT_NTA = 0, HINT_L3 = 1, HINT_WHOLE = 2 };
+
+/* Prefetch nbytes at p: into L2 (HINT_WHOLE: a whole row), L3 (HINT_L3: the head of a row, the
+ * "heads" scheme) or non-temporally (HINT_NTA: the head of a long row). */
+static ALWAYS_INLINE void prefetch_bytes(const char *p, Py_ssize_t nbytes, int hint) {
 #if defined(__GNUC__) || defined(__clang__)
-    if (head_only)
+    if (hint == HINT_NTA)
         for (Py_ssize_t o = 0; o < nbytes; o += 64) __builtin_prefetch(p + o, 0, 0);
+    else if (hint == HINT_L3)
+        for (Py_ssize_t o = 0; o < nbytes; o += 64) __builtin_prefetch(p + o, 0, 1);
     else
         for (Py_ssize_t o = 0; o < nbytes; o += 64) __builtin_prefetch(p + o, 0, PREFETCH_LOCALITY);
 #else
     (void)p;
     (void)nbytes;
-    (void)head_only;
+    (void)hint;
 #endif
 }
 
@@ -113,6 +134,8 @@ typedef struct {
     float scale;
     int scaled;
     Py_ssize_t ahead, head; /* prefetch: row i + ahead, its first head bytes (set_prefetch) */
+    int scheme;             /* 0: whole rows (PREFETCH_SPAN), 1: heads (HEADS_BYTES) */
+    int hint;               /* HINT_*, set by set_prefetch */
 } job_t;
 
 static inline const char *row_src(const job_t *j, Py_ssize_t i) {
@@ -121,21 +144,35 @@ static inline const char *row_src(const job_t *j, Py_ssize_t i) {
 
 /* How far ahead the copy loops prefetch, and how much of each row (see PREFETCH_SPAN). */
 static void set_prefetch(job_t *j) {
+    j->hint = HINT_WHOLE;
     if (PREFETCH_SPAN <= 0) {
         j->head = j->ahead = 0;
+    } else if (j->scheme == 1) {
+        j->hint = HINT_L3;
+        j->head = j->piece < HEADS_BYTES ? j->piece : HEADS_BYTES;
+        j->ahead = HEADS_AHEAD;
     } else if (j->piece <= WHOLE_MAX) {
         j->head = j->piece;
         j->ahead = j->piece > 0 ? PREFETCH_SPAN / j->piece : 0;
         if (j->ahead < MIN_AHEAD) j->ahead = MIN_AHEAD;
         if (j->ahead > MAX_AHEAD) j->ahead = MAX_AHEAD;
     } else {
+        j->hint = HINT_NTA;
         j->head = HEAD_BYTES;
         j->ahead = MIN_AHEAD;
     }
 }
 
 static ALWAYS_INLINE void prefetch_ahead(const job_t *j, Py_ssize_t i) {
-    if (i + j->ahead < j->n) prefetch_bytes(row_src(j, i + j->ahead), j->head, j->head < j->piece);
+    if (i + j->ahead < j->n) {
+        const char *p = row_src(j, i + j->ahead);
+        if (j->hint == HINT_WHOLE)
+            prefetch_bytes(p, j->head, HINT_WHOLE);
+        else if (j->hint == HINT_L3)
+            prefetch_bytes(p, j->head, HINT_L3);
+        else
+            prefetch_bytes(p, j->head, HINT_NTA);
+    }
 }
 
 /* ---- plain copies (any alignment, any size) ---------------------------------------------- */
@@ -283,12 +320,13 @@ static int check_job(job_t *j, const char *who, Py_buffer *rows, PyObject *scale
     return 1;
 }
 
-/* gather_multi(bases, n_src, srcs, rows, stride, piece, dst, stream=False, scales=None, scale=1.0):
+/* gather_multi(bases, n_src, srcs, rows, stride, piece, dst, stream=False, scales=None, scale=1.0,
+ *              prefetch=0):
  * as gather, but row i comes from source srcs[i]: bases (int64 addresses) and n_src (int64 row counts)
- * have one entry per source. */
+ * have one entry per source. prefetch: 0 whole rows ahead, 1 row heads (see HEADS_BYTES). */
 static PyObject *gather_multi(PyObject *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"bases", "n_src", "srcs", "rows",   "stride", "piece",
-                            "dst",   "stream", "scales", "scale", NULL};
+    static char *names[] = {"bases", "n_src", "srcs", "rows",   "stride",   "piece",
+                            "dst",   "stream", "scales", "scale", "prefetch", NULL};
     unsigned long long dst_addr;
     Py_buffer bases = {0}, nsrc = {0}, srcs = {0}, rows = {0}, scales = {0};
     int stream = 0;
@@ -296,9 +334,16 @@ static PyObject *gather_multi(PyObject *self, PyObject *args, PyObject *kw) {
     double scale = 1.0;
     job_t j;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*y*y*y*nnK|pOd", names, &bases, &nsrc, &srcs, &rows, &j.stride,
-                                     &j.piece, &dst_addr, &stream, &scales_obj, &scale))
+    j.scheme = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*y*y*y*nnK|pOdi", names, &bases, &nsrc, &srcs, &rows, &j.stride,
+                                     &j.piece, &dst_addr, &stream, &scales_obj, &scale, &j.scheme))
         return NULL;
+    if (j.scheme != 0 && j.scheme != 1) {
+        PyErr_Format(PyExc_ValueError, "gather_multi: prefetch must be 0 (whole rows) or 1 (row heads), not %d",
+                     j.scheme);
+        RELEASE(&bases, &nsrc, &srcs, &rows);
+        return NULL;
+    }
     PyObject *result = NULL;
     if (!check_job(&j, "gather_multi", &rows, scales_obj, &scales, scale)) goto done;
     Py_ssize_t k = bases.len / 8;

@@ -18,6 +18,7 @@ overwrites). Measured on the project VM: see BENCHMARKS.md (loaders).
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 
@@ -31,6 +32,75 @@ if os.environ.get("ACTCACHE_NATIVE", "1") == "0":
 # Batches at least this large are written with non-temporal stores: they do not fit in the CPU
 # cache anyway, and the consumer reads them later. Smaller ones stay cached for the consumer.
 STREAM_MIN_BYTES = 16 * 2**20
+
+
+# The C kernel's two prefetch schemes (gather_multi's ``prefetch``, an index into this tuple):
+# whole rows into L2 some rows ahead, or only their first bytes into L3. Which is faster depends
+# on the CPU (_native.c, 3 KiB rows against no prefetch: whole rows x1.68 against x1.18 for heads
+# on a Zen-4 VM, heads x1.13-1.29 against x1.00-1.08 on an Intel Xeon VM), so the shuffled loader
+# measures both on its own copies (PrefetchChooser).
+PREFETCH_SCHEMES = ("whole", "heads")
+
+
+class PrefetchChooser:
+    """Picks the copy kernel's prefetch scheme by timing both on the caller's own copies.
+
+    ``pick()`` says which scheme the next copy uses, ``record(scheme, nbytes, cpu_s)`` what it
+    cost (the copying thread's CPU time). The first copies alternate between the schemes; once
+    each has had TRIAL_COPIES, the one that copied more bytes per CPU-second is used, and every
+    RECHECK_EVERY-th copy tries the other one again (decayed averages: a scheme that has become
+    faster, e.g. after the first epoch's one-time page faults, takes over by a margin of SWITCH_BY).
+    ``fixed``: always that scheme (an index into PREFETCH_SCHEMES). Thread-safe; the copies'
+    results do not depend on the scheme."""
+
+    TRIAL_COPIES = 6
+    RECHECK_EVERY = 32
+    SWITCH_BY = 1.03
+    DECAY = 0.8  # weight of a scheme's past when it records one more copy
+
+    def __init__(self, fixed: int | None = None):
+        self.fixed = fixed
+        self._lock = threading.Lock()
+        self._bytes = [0.0] * len(PREFETCH_SCHEMES)
+        self._cpu = [0.0] * len(PREFETCH_SCHEMES)
+        self._n = [0] * len(PREFETCH_SCHEMES)
+        self._count = 0
+        self.choice: int | None = fixed
+
+    def pick(self) -> int:
+        if self.fixed is not None:
+            return self.fixed
+        with self._lock:
+            self._count += 1
+            if min(self._n) < self.TRIAL_COPIES:  # still trying: the one with fewer copies
+                return min(range(len(self._n)), key=lambda k: (self._n[k], k))
+            if self._count % self.RECHECK_EVERY == 0:
+                return 1 - self.choice
+            return self.choice
+
+    def record(self, scheme: int, nbytes: int, cpu_s: float) -> None:
+        if self.fixed is not None or cpu_s <= 0:
+            return
+        with self._lock:
+            trial = min(self._n) < self.TRIAL_COPIES
+            k = 1.0 if trial else self.DECAY  # plain sums while trying, decayed afterwards
+            self._bytes[scheme] = self._bytes[scheme] * k + nbytes
+            self._cpu[scheme] = self._cpu[scheme] * k + cpu_s
+            self._n[scheme] += 1
+            if min(self._n) < self.TRIAL_COPIES:
+                return
+            rate = self.rates()
+            best = max(range(len(rate)), key=lambda i: rate[i])
+            if self.choice is None or (best != self.choice and rate[best] > rate[self.choice] * self.SWITCH_BY):
+                self.choice = best
+
+    def rates(self) -> list[float]:
+        """Bytes per CPU-second measured for each scheme (0 where none yet)."""
+        return [b / c if c > 0 else 0.0 for b, c in zip(self._bytes, self._cpu, strict=True)]
+
+    def describe(self) -> str | None:
+        """The scheme in use, or None while still trying (or without the C kernel)."""
+        return None if self.choice is None else PREFETCH_SCHEMES[self.choice]
 
 
 def native_info() -> dict:
@@ -71,7 +141,9 @@ def copy_blocks(
     return True
 
 
-def _gather(addresses, counts, srcs, rows, stride: int, piece: int, out, stream: bool, scale, scales) -> None:
+def _gather(
+    addresses, counts, srcs, rows, stride: int, piece: int, out, stream: bool, scale, scales, prefetch: int = 0
+) -> None:
     """The C kernel's gather_multi, arguments as it wants them."""
     _native.gather_multi(
         np.asarray(addresses, np.int64),
@@ -84,6 +156,7 @@ def _gather(addresses, counts, srcs, rows, stride: int, piece: int, out, stream:
         stream,
         None if scales is None else np.ascontiguousarray(scales, np.float32),
         1.0 if scale is None else float(scale),
+        prefetch,
     )
 
 
@@ -205,17 +278,19 @@ def take_multi(
     scales: np.ndarray | None = None,
     addresses: np.ndarray | None = None,
     counts: np.ndarray | None = None,
+    prefetch: int = 0,
 ) -> None:
     """``out[i] = sources[srcs[i]][rows[i]]`` (times ``scale`` or ``scales[i]``) for C-contiguous
     2-D sources of one width and dtype (the shards' (rows, D) views, or arena slots). Bad sources
     or rows raise IndexError. ``addresses`` / ``counts``: the sources' addresses and row counts
-    (int64), if the caller keeps them."""
+    (int64), if the caller keeps them. ``prefetch``: the C kernel's prefetch scheme, an index
+    into PREFETCH_SCHEMES (the result is the same; only the speed differs)."""
     if _native is not None:
         if addresses is None:
             addresses = np.array([address(s) for s in sources], np.int64)
             counts = np.array([s.shape[0] for s in sources], np.int64)
         piece = sources[0].strides[0]
-        _gather(addresses, counts, srcs, rows, piece, piece, out, stream, scale, scales)
+        _gather(addresses, counts, srcs, rows, piece, piece, out, stream, scale, scales, prefetch)
         return
     if len(sources) == 1:
         np.take(sources[0], rows, axis=0, out=out, mode="clip")  # rows valid by construction

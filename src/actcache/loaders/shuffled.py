@@ -49,6 +49,15 @@ BENCHMARKS.md. Since 2026-11-24 that machine is a Zen-5 VM whose page cache -> b
     one layer of four, warm, fresh processes, 14 alternating rounds: first epoch x0.96 (the
     gather threads' CPU 289 -> 256 ms).
 
+    The copy kernel prefetches the next random rows in one of two ways (kernels.PREFETCH_SCHEMES):
+    whole rows into L2, or only their first 256 bytes into L3, leaving the rest to the hardware
+    prefetcher. Which is faster depends on the CPU (the kernel alone, 3 KiB rows: whole rows x1.68
+    against x1.18 on a Zen-4 VM; row heads x1.13-1.29 against x1.00-1.08 on an Intel Xeon VM), so with
+    ``prefetch="auto"`` the loader times both on its own first copies (thread CPU per byte,
+    alternating) and keeps the faster one, looking at the other again every 32nd copy
+    (kernels.PrefetchChooser; ``stats.prefetch`` says which). Intel Xeon VM, one layer of four,
+    warm, 8 alternating rounds, "heads" against "whole": steady epochs x0.89, first x0.985.
+
     Cold, reading through that fault path costs more than it reads: the gather threads then
     spent 4-8 CPU-s per 4.3 GB epoch copying out of pages just read that way, against ~0.5 s
     when the pages had come in through preadv. The first CPU touch of page-cache memory is slow
@@ -184,6 +193,10 @@ class ShuffledLoader(BaseLoader):
             "fault" (through the huge-page mapping: the pages land in 2 MiB folios, which later
             warm passes over the same cached data gather from faster). See the module doc.
         evict: also drop used-up bytes from the page cache.
+        prefetch: how the copy kernel prefetches the next random rows: "whole" rows into L2,
+            only their "heads" into L3, or "auto" (the default): the loader times both on its
+            first copies and keeps the faster (kernels.PrefetchChooser; stats.prefetch says which).
+            The batches are the same either way.
     """
 
     kind = "ShuffledLoader"
@@ -216,6 +229,7 @@ class ShuffledLoader(BaseLoader):
         io: str = "mmap",
         cold_read: str = "read",
         evict: bool = False,
+        prefetch: str = "auto",
     ):
         check_number("buffer_bytes", buffer_bytes, 1, integer=True)
         check_number("seed", seed, integer=True)
@@ -229,6 +243,10 @@ class ShuffledLoader(BaseLoader):
             raise ConfigError(f"io={io!r} is not allowed; use one of {', '.join(IO_MODES)}")
         if cold_read not in COLD_READS:
             raise ConfigError(f"cold_read={cold_read!r} is not allowed; use one of {', '.join(COLD_READS)}")
+        if prefetch != "auto" and prefetch not in kernels.PREFETCH_SCHEMES:
+            raise ConfigError(
+                f"prefetch={prefetch!r} is not allowed; use one of auto, {', '.join(kernels.PREFETCH_SCHEMES)}"
+            )
         if not (isinstance(start_at, (tuple, list)) and len(start_at) == 2):
             raise ConfigError(f"start_at={start_at!r} must be (epoch, batch)")
         for v in start_at:
@@ -256,6 +274,11 @@ class ShuffledLoader(BaseLoader):
         self.buffer_bytes, self.seed, self.n_epochs = buffer_bytes, seed, n_epochs
         self.start_at, self.end_at = tuple(start_at), end_at
         self.deterministic, self.io, self.cold_read = deterministic, io, cold_read
+        self.prefetch = prefetch
+        fixed = None if prefetch == "auto" else kernels.PREFETCH_SCHEMES.index(prefetch)
+        if not kernels.native_info()["native"]:
+            fixed = 0  # numpy copies: nothing to choose
+        self._prefetch = kernels.PrefetchChooser(fixed)  # kept across iterations
         self.n_strips = n_strips if io == "mmap" else 1
         g = self.geom
         self.partition = Partition(self.sel.n_examples, self.world, batch_size, drop_last)
@@ -348,6 +371,7 @@ class ShuffledLoader(BaseLoader):
         it.indexed, it.indexing, it.buf_wait = {}, set(), None  # see _gatherer
         it.sources = {}  # shard -> its (rows, D) view (_shard_source)
         it.on_close += [it.indexed.clear, it.parts.clear, it.specs.clear, it.sources.clear]  # views of the maps
+        it.on_close.append(self._note_prefetch)
         it.planned = it.next_gather = it.frontier = start
         it.pinned_key = None  # the batch whose runs' shared blocks the readers pinned (_reader)
         it.outstanding = 0
@@ -362,6 +386,16 @@ class ShuffledLoader(BaseLoader):
         rt.on_consumed = [it.c_plan, it.c_gather]
         it.pool.cond = it.c_gather  # a set prefilled wakes gather threads
         return it
+
+    def _note_prefetch(self) -> None:
+        """stats.prefetch / prefetch_GBps from the chooser (at the end of each iteration)."""
+        ch = self._prefetch
+        if not kernels.native_info()["native"]:
+            return
+        self.stats.prefetch = ch.describe()
+        self.stats.prefetch_GBps = {
+            name: round(r / 1e9, 3) for name, r in zip(kernels.PREFETCH_SCHEMES, ch.rates(), strict=True) if r > 0
+        }
 
     def _start(self, it: Iteration) -> None:
         if it.stop is not None and it.stop <= it.start:
@@ -664,7 +698,11 @@ class ShuffledLoader(BaseLoader):
                 kw["scale"] = self.scale[0]
             else:
                 kw["scales"] = np.asarray(self.scale, np.float32)[o["lpos"][a:b]]
-        kernels.take_multi(job.sources, o["src"][a:b], o["rows"][a:b], act[a:b], **kw)
+        chooser = self._prefetch
+        scheme = chooser.pick()
+        c0 = time.thread_time()
+        kernels.take_multi(job.sources, o["src"][a:b], o["rows"][a:b], act[a:b], prefetch=scheme, **kw)
+        chooser.record(scheme, act[a:b].nbytes, time.thread_time() - c0)
 
 
 class _Job:
