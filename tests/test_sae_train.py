@@ -236,13 +236,13 @@ def test_loader_io_keys_reach_the_loaders_and_change_neither_weights_nor_ids(sma
 
     path, _ = small_cache
     (a,) = small_runs(steps=10)
-    (b,) = small_runs(steps=10, n_readers=1, cold_read="fault", batch_timeout_s="1e3")
-    assert (b.n_readers, b.cold_read, b.batch_timeout_s) == (1, "fault", 1000.0)
+    (b,) = small_runs(steps=10, n_readers=1, cold_read="fault", batch_timeout_s="1e3", prefetch="heads")
+    assert (b.n_readers, b.cold_read, b.batch_timeout_s, b.prefetch) == (1, "fault", 1000.0, "heads")
     assert b.sae_id == a.sae_id  # how batches are read is not what they are
     assert b.group_id != a.group_id  # one loader per group: members must agree on its settings
     # ids issued before these keys existed are unchanged while the keys keep their defaults
     # (values computed at 3787731, the commit before they were added)
-    (c,) = small_runs(steps=10, n_readers=None, cold_read="read", batch_timeout_s=30)
+    (c,) = small_runs(steps=10, n_readers=None, cold_read="read", batch_timeout_s=30, prefetch="auto")
     assert (c.sae_id, c.group_id) == (a.sae_id, a.group_id)
     old = RunConfig(layer=-2, batch_size=256, steps=10, data_seed=3)
     assert (old.sae_id, old.group_id) == ("20212b9625f0", "L-2-image-2c089e81")
@@ -253,14 +253,17 @@ def test_loader_io_keys_reach_the_loaders_and_change_neither_weights_nor_ids(sma
         real = cls.__init__
 
         def spy(self, *args, _real=real, **kw):
-            seen.append((type(self).__name__, {k: kw.get(k) for k in ("n_readers", "cold_read", "batch_timeout_s")}))
+            keys = ("n_readers", "cold_read", "batch_timeout_s", "prefetch")
+            seen.append((type(self).__name__, {k: kw.get(k) for k in keys}))
             _real(self, *args, **kw)
 
         monkeypatch.setattr(cls, "__init__", spy)
     (d_a,) = train_group(path, [a], tmp_path / "a", device="cpu")
     (d_b,) = train_group(path, [b], tmp_path / "b", device="cpu")
-    assert ("ShuffledLoader", {"n_readers": 1, "cold_read": "fault", "batch_timeout_s": 1000.0}) in seen
-    assert ("OrderedLoader", {"n_readers": 1, "cold_read": None, "batch_timeout_s": 1000.0}) in seen  # eval
+    want = {"n_readers": 1, "cold_read": "fault", "batch_timeout_s": 1000.0, "prefetch": "heads"}
+    assert ("ShuffledLoader", want) in seen
+    want = {"n_readers": 1, "cold_read": None, "batch_timeout_s": 1000.0, "prefetch": None}
+    assert ("OrderedLoader", want) in seen  # eval
     wa, wb = SAE.load(d_a).state_dict(), SAE.load(d_b).state_dict()
     assert wa.keys() == wb.keys()
     for k in wa:  # bitwise (topk's unused threshold is NaN)
@@ -367,6 +370,7 @@ def test_wandb_is_optional_and_gets_every_metric(small_cache, tmp_path, monkeypa
         ({"steps": 10, "saes": [{"k": 4}, {"k": 4}]}, r"the same SAE as"),
         ({"steps": 10, "layer": 5}, r"key 'layer' = 5 is not one of the experiment's layers \[-2\]"),
         ({"steps": 10, "cold_read": "direct"}, r"x\.yaml: train: key 'cold_read' must be one of read, fault"),
+        ({"steps": 10, "prefetch": "l2"}, r"x\.yaml: train: key 'prefetch' must be one of auto, whole, heads"),
         ({"steps": 10, "n_readers": 0}, r"key 'n_readers' must be >= 1"),
         ({"steps": 10, "batch_timeout_s": 0}, r"key 'batch_timeout_s' must be > 0 \(or null"),
     ],

@@ -51,6 +51,7 @@ from typing import Any
 
 from actcache.errors import ConfigError
 from actcache.loaders.buffers import COLD_READS
+from actcache.loaders.kernels import PREFETCH_SCHEMES
 from actcache.sae.modeling import ACTIVATIONS, DTYPES, SAEConfig
 
 ID_VERSION = 1
@@ -112,13 +113,14 @@ FIELDS: dict[str, tuple[tuple, Any, str]] = {
         "loader reader threads (null: the loader's default, 4)",
     ),
     "cold_read": ((str,), "read", "read | fault: how the shuffled loader reads shard bytes not in the page cache"),
+    "prefetch": ((str,), "auto", "auto | whole | heads: the shuffled loader's copy prefetch (auto: it times both)"),
     "batch_timeout_s": (
         (float, None),
         30.0,
         "error when no batch comes and no read finishes for this long (null: wait)",
     ),
 }
-LOADER_IO = ("n_readers", "cold_read", "batch_timeout_s")
+LOADER_IO = ("n_readers", "cold_read", "batch_timeout_s", "prefetch")
 LOGISTICS = ("log_every", "ckpt_every", "wandb_project", "wandb_entity", *LOADER_IO)
 # Keys added after group ids were first issued: hashed into group_id only when set to something
 # other than their default, so the groups of an existing experiment keep their ids (and the
@@ -185,6 +187,7 @@ class RunConfig:
     n_readers: int | None = None
     cold_read: str = "read"
     batch_timeout_s: float | None = 30.0
+    prefetch: str = "auto"
 
     # -- identity ---------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -346,6 +349,7 @@ def _positive(d: dict, where: str) -> None:
         ("lr_decay", DECAYS),
         ("b_dec_init", B_DEC_INITS),
         ("cold_read", COLD_READS),
+        ("prefetch", ("auto", *PREFETCH_SCHEMES)),
     ):
         if d[key] not in allowed:
             bad(key, f"must be one of {', '.join(allowed)}")

@@ -250,6 +250,7 @@ class GroupTrainer:
             n_epochs=None, end_at=("batch", run.steps), drop_last=True, deterministic=run.deterministic,
             scale_norm=run.scale_norm, rank=self.ctx.rank, world_size=self.ctx.world_size,
             n_readers=run.n_readers, cold_read=run.cold_read, batch_timeout_s=run.batch_timeout_s,
+            prefetch=run.prefetch,
         )  # fmt: skip
         nb = len(loader)
         if nb == 0:
