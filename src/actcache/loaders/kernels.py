@@ -17,6 +17,7 @@ overwrites). Measured on the project VM: see BENCHMARKS.md (loaders).
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 
@@ -47,22 +48,22 @@ class PrefetchChooser:
 
     ``pick()`` says which scheme the next copy uses, ``record(scheme, nbytes, cpu_s)`` what it
     cost (the copying thread's CPU time). The first copies alternate between the schemes; once
-    each has had TRIAL_COPIES, the one that copied more bytes per CPU-second is used, and every
-    RECHECK_EVERY-th copy tries the other one again (decayed averages: a scheme that has become
-    faster, e.g. after the first epoch's one-time page faults, takes over by a margin of SWITCH_BY).
-    ``fixed``: always that scheme (an index into PREFETCH_SCHEMES). Thread-safe; the copies'
-    results do not depend on the scheme."""
+    each has had TRIAL_COPIES, the one with the higher median bytes per CPU-second is used, and
+    every RECHECK_EVERY-th copy tries the other one again; the other takes over when the median
+    of its last WINDOW copies beats the median of the one in use by SWITCH_BY. Medians, because
+    single copies are noisy (page faults on a first touch, the other core's work: per-copy rates
+    of 1-10 GB/s in one first epoch). ``fixed``: always that scheme (an index into
+    PREFETCH_SCHEMES). Thread-safe; the copies' results do not depend on the scheme."""
 
-    TRIAL_COPIES = 6
-    RECHECK_EVERY = 32
+    TRIAL_COPIES = 8
+    RECHECK_EVERY = 16
+    WINDOW = 8
     SWITCH_BY = 1.03
-    DECAY = 0.8  # weight of a scheme's past when it records one more copy
 
     def __init__(self, fixed: int | None = None):
         self.fixed = fixed
         self._lock = threading.Lock()
-        self._bytes = [0.0] * len(PREFETCH_SCHEMES)
-        self._cpu = [0.0] * len(PREFETCH_SCHEMES)
+        self._rates: list[collections.deque] = [collections.deque(maxlen=self.WINDOW) for _ in PREFETCH_SCHEMES]
         self._n = [0] * len(PREFETCH_SCHEMES)
         self._count = 0
         self.choice: int | None = fixed
@@ -72,7 +73,7 @@ class PrefetchChooser:
             return self.fixed
         with self._lock:
             self._count += 1
-            if min(self._n) < self.TRIAL_COPIES:  # still trying: the one with fewer copies
+            if self.choice is None:  # still trying: the one with fewer copies
                 return min(range(len(self._n)), key=lambda k: (self._n[k], k))
             if self._count % self.RECHECK_EVERY == 0:
                 return 1 - self.choice
@@ -82,10 +83,7 @@ class PrefetchChooser:
         if self.fixed is not None or cpu_s <= 0:
             return
         with self._lock:
-            trial = min(self._n) < self.TRIAL_COPIES
-            k = 1.0 if trial else self.DECAY  # plain sums while trying, decayed afterwards
-            self._bytes[scheme] = self._bytes[scheme] * k + nbytes
-            self._cpu[scheme] = self._cpu[scheme] * k + cpu_s
+            self._rates[scheme].append(nbytes / cpu_s)
             self._n[scheme] += 1
             if min(self._n) < self.TRIAL_COPIES:
                 return
@@ -95,8 +93,8 @@ class PrefetchChooser:
                 self.choice = best
 
     def rates(self) -> list[float]:
-        """Bytes per CPU-second measured for each scheme (0 where none yet)."""
-        return [b / c if c > 0 else 0.0 for b, c in zip(self._bytes, self._cpu, strict=True)]
+        """Median bytes per CPU-second of each scheme's last WINDOW copies (0 where none yet)."""
+        return [float(np.median(r)) if r else 0.0 for r in self._rates]
 
     def describe(self) -> str | None:
         """The scheme in use, or None while still trying (or without the C kernel)."""

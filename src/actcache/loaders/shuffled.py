@@ -54,9 +54,11 @@ BENCHMARKS.md. Since 2026-11-24 that machine is a Zen-5 VM whose page cache -> b
     prefetcher. Which is faster depends on the CPU (the kernel alone, 3 KiB rows: whole rows x1.68
     against x1.18 on a Zen-4 VM; row heads x1.13-1.29 against x1.00-1.08 on an Intel Xeon VM), so with
     ``prefetch="auto"`` the loader times both on its own first copies (thread CPU per byte,
-    alternating) and keeps the faster one, looking at the other again every 32nd copy
-    (kernels.PrefetchChooser; ``stats.prefetch`` says which). Intel Xeon VM, one layer of four,
-    warm, 8 alternating rounds, "heads" against "whole": steady epochs x0.89, first x0.985.
+    alternating, 8 each, medians: single copies are noisy) and keeps the faster one, looking at
+    the other again every 16th copy (kernels.PrefetchChooser; ``stats.prefetch`` says which; it
+    chose "heads" in 10 of 10 fresh first epochs on the Intel VM, where summed CPU times over 6
+    copies each had chosen "whole" in 2 of 6). Intel Xeon VM, one layer of four, warm, 8
+    alternating rounds, "heads" against "whole": steady epochs x0.89, first x0.985.
 
     Cold, reading through that fault path costs more than it reads: the gather threads then
     spent 4-8 CPU-s per 4.3 GB epoch copying out of pages just read that way, against ~0.5 s
