@@ -43,6 +43,15 @@ STREAM_MIN_BYTES = 16 * 2**20
 PREFETCH_SCHEMES = ("whole", "heads")
 
 
+def _median(values) -> float:
+    """The median of a few floats (0.0 for none), without numpy's per-call cost."""
+    v = sorted(values)
+    n = len(v)
+    if n == 0:
+        return 0.0
+    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
+
+
 class PrefetchChooser:
     """Picks the copy kernel's prefetch scheme by timing both on the caller's own copies.
 
@@ -85,7 +94,10 @@ class PrefetchChooser:
         with self._lock:
             self._rates[scheme].append(nbytes / cpu_s)
             self._n[scheme] += 1
-            if min(self._n) < self.TRIAL_COPIES:
+            # decide when the trial ends and after each look at the other scheme, not after every
+            # copy: this runs in the gather threads, holding the GIL (np.median per copy, ~30 us
+            # under contention, measured 0.75 against 0.92 x ref2 for a fixed scheme, 1-layer bench)
+            if min(self._n) < self.TRIAL_COPIES or (self.choice is not None and scheme == self.choice):
                 return
             rate = self.rates()
             best = max(range(len(rate)), key=lambda i: rate[i])
@@ -94,7 +106,7 @@ class PrefetchChooser:
 
     def rates(self) -> list[float]:
         """Median bytes per CPU-second of each scheme's last WINDOW copies (0 where none yet)."""
-        return [float(np.median(r)) if r else 0.0 for r in self._rates]
+        return [_median(r) for r in self._rates]
 
     def describe(self) -> str | None:
         """The scheme in use, or None while still trying (or without the C kernel)."""
