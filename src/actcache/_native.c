@@ -338,13 +338,12 @@ static PyObject *gather_multi(PyObject *self, PyObject *args, PyObject *kw) {
     if (!PyArg_ParseTupleAndKeywords(args, kw, "y*y*y*y*nnK|pOdi", names, &bases, &nsrc, &srcs, &rows, &j.stride,
                                      &j.piece, &dst_addr, &stream, &scales_obj, &scale, &j.scheme))
         return NULL;
+    PyObject *result = NULL;
     if (j.scheme != 0 && j.scheme != 1) {
         PyErr_Format(PyExc_ValueError, "gather_multi: prefetch must be 0 (whole rows) or 1 (row heads), not %d",
                      j.scheme);
-        RELEASE(&bases, &nsrc, &srcs, &rows);
-        return NULL;
+        goto done;
     }
-    PyObject *result = NULL;
     if (!check_job(&j, "gather_multi", &rows, scales_obj, &scales, scale)) goto done;
     Py_ssize_t k = bases.len / 8;
     if (bases.len % 8 != 0 || nsrc.len != bases.len || srcs.len != rows.len) {

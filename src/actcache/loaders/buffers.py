@@ -552,16 +552,17 @@ HUGE_FAULT_MIN_BPS = 2e9
 SMALL_SET_USES = 128
 
 
-def populate_small(a: np.ndarray) -> bool:
-    """Fault in a fresh writable array that lies on 4 KiB pages with MADV_POPULATE_WRITE, in
-    POPULATE_CHUNK calls (no GIL: ctypes); -> False where that is not available (the caller
-    then touches the pages). The edges not on whole pages are written to."""
+def populate_small(a: np.ndarray, chunk: int = POPULATE_CHUNK) -> bool:
+    """Fault in a fresh writable array with MADV_POPULATE_WRITE, one call per ``chunk`` bytes (no
+    GIL: ctypes); -> False where that is not available (the caller then touches the pages). The
+    edges not on whole pages are written to. The default chunk suits 4 KiB pages (populated
+    ~1.5x faster than by touching them); see prefault for 2 MiB ones."""
     if _madvise is None or a.nbytes < 4 * PAGE or not a.flags.c_contiguous:
         return False
     addr = a.ctypes.data
     lo, hi = _page_span(addr, 0, a.nbytes, inner=True)
-    for s in range(lo, hi, POPULATE_CHUNK):
-        if _madvise(s, min(POPULATE_CHUNK, hi - s), MADV_POPULATE_WRITE) != 0:
+    for s in range(lo, hi, chunk):
+        if _madvise(s, min(chunk, hi - s), MADV_POPULATE_WRITE) != 0:
             return False
     flat = a.reshape(-1).view(np.uint8)
     flat[: lo - addr] = 0
@@ -605,13 +606,8 @@ def prefault(
             prefault(piece, chunk)
             watch(piece.nbytes, flat[i + STOP_CHECK_BYTES :], time.thread_time() - c0)
         return True
-    if kernels.touch(a):
+    if kernels.touch(a) or populate_small(a, chunk):
         return True
-    if _madvise is not None and a.nbytes >= 4 * PAGE:
-        lo, hi = _page_span(a.ctypes.data, 0, a.nbytes, inner=True)
-        steps = range(lo, hi, chunk)
-        if hi > lo and all(_madvise(s, min(chunk, hi - s), MADV_POPULATE_WRITE) == 0 for s in steps):
-            return True
     a.reshape(-1)[:: max(1, PAGE // a.itemsize)] = 0
     return True
 
