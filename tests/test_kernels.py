@@ -225,6 +225,37 @@ def test_permutation_is_uniform(native):
     assert chi2 < 60, chi2  # 25 degrees of freedom: p(chi2 > 60) ~ 1e-4
 
 
+def test_concat_ranges_is_the_same_with_numpy_and_refuses_bad_sizes(native, monkeypatch):
+    rng = np.random.default_rng(5)
+    arrays = [rng.integers(0, 10**9, n) for n in (0, 5, 1000, 17)]
+    addrs = np.array([kernels.address(a) for a in arrays], np.int64)
+    starts, counts = np.array([0, 2, 100, 0]), np.array([0, 3, 900, 17])
+    want = np.concatenate([a[s : s + c] for a, s, c in zip(arrays, starts, counts, strict=True)])
+    np.testing.assert_array_equal(kernels.concat_ranges(arrays, addrs, starts, counts), want)
+    with pytest.raises(ValueError, match="negative start or count"):
+        kernels.concat_ranges(arrays, addrs, starts, np.array([0, -1, 900, 17]))
+    with pytest.raises(ValueError, match="one int64 per array"):
+        native.concat_ranges(addrs, starts[:3], counts, np.empty(920, np.int64))
+    with pytest.raises(ValueError, match="sum\\(counts\\)"):
+        native.concat_ranges(addrs, starts, counts, np.empty(919, np.int64))
+    monkeypatch.setattr(kernels, "_native", None)  # numpy: the arrays themselves (or a callable)
+    np.testing.assert_array_equal(kernels.concat_ranges(lambda: arrays, addrs, starts, counts), want)
+
+
+def test_merged_ranges_join_touching_overlapping_and_near_ones():
+    from actcache.loaders.buffers import _merged, _merged_arrays
+
+    assert _merged(np.array([], np.int64), np.array([], np.int64)) == []
+    assert _merged(np.array([7]), np.array([9])) == [(7, 9)]
+    s, e = np.array([50, 0, 10, 30, 20, 80]), np.array([60, 10, 15, 45, 31, 81])
+    assert _merged(s, e) == [(0, 15), (20, 45), (50, 60), (80, 81)]
+    assert _merged(s, e, gap=4) == _merged(s, e)
+    assert _merged(s, e, gap=5) == [(0, 60), (80, 81)]  # ranges 5 bytes apart join
+    assert _merged(s, e, gap=100) == [(0, 81)]
+    a, b = _merged_arrays(np.array([4, 0]), np.array([8, 5]))
+    assert a.dtype == b.dtype == np.int64 and a.tolist() == [0] and b.tolist() == [8]
+
+
 def test_index_rows_refuses_what_does_not_fit(native):
     z = np.zeros(4, np.int64)
     g = type("G", (), dict(per_img=2, n_tokens=2, L=1, T=3, token_start=1, cls=True, layer_idx=(0,), layers=(5,)))

@@ -244,3 +244,37 @@ def test_a_part_that_fits_comes_in_over_the_first_batches():
     seen = np.concatenate(seen)
     want = np.concatenate([(s * 10**6 + np.arange(n)) * per for s, n in enumerate(shard_imgs)])
     np.testing.assert_array_equal(np.sort(seen), np.sort((want[:, None] + np.arange(per)).ravel()))
+
+
+@pytest.mark.parametrize("n_strips", [1, 3])
+@pytest.mark.parametrize("start", [0, 4])
+def test_on_admit_passes_each_admitted_run_once_before_its_batch(n_strips, start):
+    """The loader's readers start on a run as soon as the plan admits it (EpochPlan.batches'
+    on_admit): every run of a yielded spec's ``admit`` is passed exactly once, for that batch,
+    before the spec comes out, with no more bytes held than the spec says; the plan itself is
+    the same with or without the callback, and each spec's arrays say what ``takes`` says."""
+    shard_imgs = [40, 13, 25]
+    runs = cut_runs(shard_imgs, 6, np.random.default_rng(2), GEOM.per_img)
+    runs = runs[np.random.default_rng(3).permutation(len(runs))]
+    n_ex = int((runs[:, 4] - runs[:, 3]).sum())
+
+    def plan():
+        return EpochPlan(GEOM, runs, 0, 37, n_ex, 20 * GEOM.img_bytes, n_strips, np.random.default_rng(1))
+
+    passed: list = []
+    got = []
+    for spec in plan().batches(start, on_admit=lambda *a: passed.append(a)):
+        mine = [(r, held) for r, t, held in passed if t == spec.index]
+        key = lambda r: r.key  # noqa: E731 - (a resumed plan passes the runs it holds after the new ones)
+        assert sorted((r for r, _ in mine), key=key) == sorted(spec.admit, key=key)  # all, before the spec
+        assert len(mine) == len(spec.admit)
+        assert all(held <= spec.plan_bytes for _, held in mine)
+        assert all(t == spec.index for _, t, _ in passed)  # nothing passed for a later batch yet
+        passed.clear()
+        assert len(spec.runs) + 1 == len(spec.run_start) == len(spec.run_img0) + 1 == len(spec.run_shard) + 1
+        assert spec.run_start[-1] == len(spec.x) == spec.n
+        assert [r.img0 for r in spec.runs] == spec.run_img0.tolist()
+        assert [r.shard for r in spec.runs] == spec.run_shard.tolist()
+        got.append([(r.key, x.tolist()) for r, x in spec.takes])
+    want = [[(r.key, x.tolist()) for r, x in spec.takes] for spec in plan().batches(start)]
+    assert got == want and len(got) == -(-n_ex // 37) - start

@@ -611,11 +611,54 @@ static PyObject *permutation(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* concat_ranges(addrs, starts, counts, out): out = the int64 arrays at addrs[r], elements
+ * [starts[r], starts[r] + counts[r]) of each, one after the other (a batch's example ids from its
+ * runs' orders: plan.EpochPlan.batches). The caller keeps the arrays alive and the ranges inside
+ * them; all arguments int64, out of sum(counts) entries. */
+static PyObject *concat_ranges(PyObject *self, PyObject *args) {
+    Py_buffer ad = {0}, st = {0}, ct = {0}, out = {0};
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*", &ad, &st, &ct, &out)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t R = ad.len / 8, total = 0;
+    const int64_t *A = ad.buf, *S = st.buf, *C = ct.buf;
+    if (st.len != ad.len || ct.len != ad.len) {
+        PyErr_SetString(PyExc_ValueError, "concat_ranges: addrs, starts and counts must have one int64 per array");
+        goto done;
+    }
+    for (Py_ssize_t r = 0; r < R; r++) {
+        if (C[r] < 0 || S[r] < 0 || (C[r] && !A[r])) {
+            PyErr_SetString(PyExc_ValueError, "concat_ranges: a negative start or count, or a null array");
+            goto done;
+        }
+        total += C[r];
+    }
+    if (out.len != total * 8) {
+        PyErr_SetString(PyExc_ValueError, "concat_ranges: out must have sum(counts) int64 entries");
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS;
+    int64_t *O = out.buf;
+    for (Py_ssize_t r = 0; r < R; r++) {
+        if (!C[r]) continue;
+        memcpy(O, (const int64_t *)(uintptr_t)A[r] + S[r], (size_t)C[r] * 8);
+        O += C[r];
+    }
+    Py_END_ALLOW_THREADS;
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    RELEASE(&ad, &st, &ct, &out);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"permutation", permutation, METH_VARARGS, "permutation(n, key, out): a random order of range(n) from key."},
     {"gather_multi", (PyCFunction)(void (*)(void))gather_multi, METH_VARARGS | METH_KEYWORDS,
      "gather_multi(bases, n_src, srcs, rows, stride, piece, dst, stream=False, scales=None, scale=1.0): gather "
      "from several sources (row i from source srcs[i])."},
+    {"concat_ranges", concat_ranges, METH_VARARGS,
+     "concat_ranges(addrs, starts, counts, out): ranges of int64 arrays, one after the other (kernels.py)."},
     {"index_rows", index_rows, METH_VARARGS, "index_rows(...): a batch's rows, sources and indices (kernels.py)."},
     {"touch", touch, METH_VARARGS, "touch(addr, nbytes, step): write a zero every step bytes (fault fresh memory in)."},
     {"probe", probe, METH_VARARGS,

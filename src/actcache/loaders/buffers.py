@@ -505,13 +505,18 @@ class ShardMaps:
 def _merged_arrays(starts: np.ndarray, ends: np.ndarray, gap: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Sorted, merged ranges as (starts, ends) int64 arrays: ranges ``gap`` bytes apart or
     closer (touching or overlapping: gap 0) joined."""
-    if len(starts) == 0:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    n = len(starts)
+    if n <= 1:  # (the readers' usual case: one stretch of 2 MiB blocks)
+        return np.asarray(starts, np.int64).reshape(n), np.asarray(ends, np.int64).reshape(n)
     order = np.argsort(starts, kind="stable")
     s, e = np.asarray(starts, np.int64)[order], np.asarray(ends, np.int64)[order]
     e = np.maximum.accumulate(e)
-    brk = np.flatnonzero(s[1:] > e[:-1] + gap) + 1
-    return s[np.r_[0, brk]], e[np.r_[brk - 1, len(s) - 1]]
+    brk = np.flatnonzero(s[1:] > e[:-1] + gap)  # range brk[i] ends a merged one, brk[i] + 1 starts the next
+    first = np.empty(len(brk) + 1, np.intp)
+    first[0], first[1:] = 0, brk + 1
+    last = np.empty(len(brk) + 1, np.intp)
+    last[:-1], last[-1] = brk, n - 1
+    return s[first], e[last]
 
 
 def _merged(starts: np.ndarray, ends: np.ndarray, gap: int = 0) -> list[tuple[int, int]]:

@@ -274,7 +274,6 @@ class Run:
         "strip_end",
         "strip_bytes",
         "off",
-        "ptr",
         "done",
         "first_strip",
         "j0",
@@ -286,13 +285,14 @@ class Run:
         "weight",
         "span",
         "pinned",
+        "n_ex",
     )
 
     def __init__(self, key, row, n_strips: int, nT: int):
         self.key = key  # (epoch, index in the part's run order)
         self.shard, self.img0, self.n_imgs, self.lo, self.hi = (int(v) for v in row)
+        self.n_ex = self.hi - self.lo  # examples it gives (its order, once drawn, lists each once)
         self.n_strips, self.nT = n_strips, nT
-        self.ptr = 0
         self.done = 0  # strips used up
         self.first_strip = 0  # strips before this one need not be loaded (resume)
         self.loaded = False
@@ -334,23 +334,34 @@ class Run:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         return np.concatenate(S), np.concatenate(E)
 
-    @property
-    def remaining(self) -> int:
-        return len(self.order) - self.ptr
-
     def held_bytes(self) -> int:
         return int(self.strip_bytes[self.done :].sum())
 
 
 @dataclasses.dataclass
 class BatchSpec:
+    """One batch of the plan. Its examples, run by run: run ``runs[i]`` gives the run-local ids
+    ``x[run_start[i] : run_start[i + 1]]`` (possibly none); ``run_img0`` / ``run_shard`` hold
+    each run's first image and shard (arrays, so that the loader's index needs no Python per
+    run)."""
+
     epoch: int
     index: int  # batch index within the epoch
     n: int  # examples
     admit: list  # runs to make resident before this batch
-    takes: list  # (run, run-local example ids)
+    runs: list  # the runs the plan holds while this batch is gathered (all resident)
+    x: np.ndarray  # int64 run-local example ids, run by run
+    run_start: np.ndarray  # int64, len(runs) + 1
+    run_img0: np.ndarray  # int64 per run
+    run_shard: np.ndarray  # int64 per run
     releases: list  # (run, strip) strips used up after this batch; strip -1: the whole run
     plan_bytes: int  # bytes the plan holds while this batch is gathered (after its admissions)
+
+    @property
+    def takes(self) -> list:
+        """(run, run-local example ids) for each run the batch takes examples from."""
+        rs = self.run_start.tolist()
+        return [(r, self.x[rs[i] : rs[i + 1]]) for i, r in enumerate(self.runs) if rs[i + 1] > rs[i]]
 
 
 class EpochPlan:
@@ -385,9 +396,26 @@ class EpochPlan:
         return -(-self.n_examples // self.B)
 
     def _admit(self, i: int) -> Run:
-        g, rng, per = self.geom, self.rng, self.geom.per_img
+        """Run ``i`` as admitted: where it lies and what it holds (all a reader needs); its
+        example order is drawn by :meth:`_draw_order`, after the batch's admissions."""
+        g, per = self.geom, self.geom.per_img
         r = Run((self.epoch, i), self.runs[i], self.G, self.nT)
         r.j0, r.j1 = r.lo // per, -(-r.hi // per)
+        if self.fixed is not None:
+            r.strip_bytes = np.full(self.G, self.fixed // self.G, np.int64)
+        elif self.G == 1:
+            r.strip_bytes = np.array([self.run_bytes(i)], np.int64)
+            r.span = self.run_span(i)
+        else:
+            tok = np.array([r.strip_tokens(k) for k in range(self.G)])
+            r.strip_bytes = (tok[:, 1] - tok[:, 0]) * (r.j1 - r.j0) * len(g.layer_idx) * g.vec_bytes
+        return r
+
+    def _draw_order(self, r: Run) -> None:
+        """The run's random example order (and, with strips, each image's starting token), drawn
+        from the plan's generator: runs are drawn in admission order, so the plan does not
+        depend on when this happens."""
+        rng, per = self.rng, self.geom.per_img
         if self.G > 1:
             r.off = rng.integers(0, self.nT, size=r.j1 - r.j0)
         else:  # one strip: no rotation (keeps each image's bytes one range)
@@ -406,16 +434,8 @@ class EpochPlan:
         else:  # round by round over the run's images (kernels.balanced_order); a part's end may cut an image
             x = kernels.balanced_order(r.j1 - r.j0, per, r.j0, r.lo, r.hi, rng)
             r.strip_end = np.array([len(x)])
+        assert len(x) == r.n_ex
         r.order = x
-        if self.fixed is not None:
-            r.strip_bytes = np.full(self.G, self.fixed // self.G, np.int64)
-        elif self.G == 1:
-            r.strip_bytes = np.array([self.run_bytes(i)], np.int64)
-            r.span = self.run_span(i)
-        else:
-            tok = np.array([r.strip_tokens(k) for k in range(self.G)])
-            r.strip_bytes = (tok[:, 1] - tok[:, 0]) * (r.j1 - r.j0) * len(g.layer_idx) * g.vec_bytes
-        return r
 
     def _sizes(self) -> tuple[np.ndarray, np.ndarray]:
         """Every run's span and held bytes (see run_span, run_bytes), worked out once for all runs
@@ -450,55 +470,100 @@ class EpochPlan:
         on block boundaries (:func:`cut_points`) maps only unselected vectors besides its own)."""
         return int(self._sizes()[1][i])
 
-    def batches(self, start: int = 0) -> Iterator[BatchSpec]:
-        """Batch specs from batch ``start`` on (earlier batches are planned, not yielded)."""
+    def batches(self, start: int = 0, on_admit=None) -> Iterator[BatchSpec]:
+        """Batch specs from batch ``start`` on (earlier batches are planned, not yielded).
+
+        ``on_admit(run, t, held)``, if given, is called for each run that batch ``t >= start``
+        admits (``held``: the bytes the plan holds with it) as soon as the run is admitted,
+        before the plan draws its example order and works out the batch's shares (the loader's
+        readers start on it meanwhile: the first batch admits the whole first fill, ~60 runs);
+        with strips the call comes after the draws (a reader needs each image's starting
+        token), and the runs a resumed plan still holds at batch ``start`` are passed then too.
+        Every run of a yielded spec's ``admit`` has been passed exactly once."""
         active: list[Run] = []
+        # per active run (in `active` order): examples left, share weight, cursor in its order,
+        # its order's address (kernels.concat_ranges), first image, shard
+        rem, ptr, addr, img0, shard = (np.zeros(0, np.int64) for _ in range(5))
+        w = np.zeros(0, np.float64)
         per_image = False  # weights per image (two-rate plan) or equal per run
         ramp = self._ramp()
+        early = on_admit is not None and self.G == 1
         nxt = 0  # next run to admit
         mem = 0
+        avail = 0  # examples the active runs have left
         left = self.n_examples
         for t in range(self.n_batches):
             need = min(self.B, left)
             # admit while the budget allows (and always enough to fill the batch)
             admitted = []
-            avail = sum(r.remaining for r in active)
             cap = self.budget if t >= len(ramp) else ramp[t]
             while nxt < len(self.runs) and (mem + self.run_bytes(nxt) <= cap or avail < need):
                 r = self._admit(nxt)
                 nxt += 1
-                active.append(r)
                 admitted.append(r)
                 mem += r.held_bytes()
-                avail += r.remaining
+                avail += r.n_ex
+                if early and t >= start:
+                    on_admit(r, t, mem)
+            for r in admitted:
+                self._draw_order(r)
+            active.extend(admitted)
             held = mem  # what the plan holds while this batch is gathered
             if t == 0:
                 per_image = self._first_weights(admitted)
             elif per_image:
                 for r in admitted:
                     r.weight = float(r.j1 - r.j0)
+            if admitted:
+                cat = lambda a, vals, dt=np.int64: np.concatenate([a, np.array(vals, dt)])  # noqa: E731
+                rem = cat(rem, [r.n_ex for r in admitted])
+                ptr = cat(ptr, [0] * len(admitted))
+                addr = cat(addr, [kernels.address(r.order) for r in admitted])
+                img0 = cat(img0, [r.img0 for r in admitted])
+                shard = cat(shard, [r.shard for r in admitted])
+                w = cat(w, [r.weight for r in admitted], np.float64)
             if t == start:  # resuming: load what the active runs still hold (not used-up strips)
+                fresh = {id(r) for r in admitted} if early else set()
                 for r in active:
                     r.first_strip = r.done
+                    if on_admit is not None and id(r) not in fresh:
+                        on_admit(r, t, held)
                 admitted = list(active)
-            rem = np.array([r.remaining for r in active], np.int64)
-            w = np.array([r.weight for r in active])
+            elif on_admit is not None and not early and t > start:
+                for r in admitted:
+                    on_admit(r, t, held)
             q = self._shares(rem, need, tail=nxt >= len(self.runs), w=w)
-            takes, releases, keep = [], [], []
-            for r, k in zip(active, q.tolist(), strict=True):
-                if k:
-                    takes.append((r, r.order[r.ptr : r.ptr + k]))
-                    r.ptr += k
-                    while r.done < self.G and r.ptr >= r.strip_end[r.done]:
+            if t >= start:
+                snap = (list(active), ptr.copy(), img0.copy(), shard.copy())
+            releases = []
+            if self.G > 1:  # strips used up (a run's order is strip-major)
+                for j in np.flatnonzero(q).tolist():
+                    r, p = active[j], int(ptr[j] + q[j])
+                    while r.done < self.G and p >= r.strip_end[r.done]:
                         mem -= int(r.strip_bytes[r.done])
                         releases.append((r, r.done if r.done < self.G - 1 else -1))
                         r.done += 1
-                if r.remaining > 0:
-                    keep.append(r)
-            active = keep
+            ptr += q
+            rem -= q
+            avail -= int(q.sum())
+            keep = rem > 0  # the runs used up leave
+            if self.G == 1:  # one strip: a run is released whole once used up
+                for j in np.flatnonzero(~keep & (q > 0)).tolist():
+                    r = active[j]
+                    mem -= int(r.strip_bytes[0])
+                    releases.append((r, -1))
+                    r.done = 1
+            if t >= start:
+                runs, at, i0, sh = snap
+                x = kernels.concat_ranges(lambda runs=runs: [r.order for r in runs], addr, at, q)
+                run_start = np.zeros(len(q) + 1, np.int64)
+                np.cumsum(q, out=run_start[1:])
+            if not keep.all():
+                active = [r for r, k in zip(active, keep.tolist(), strict=True) if k]
+                rem, ptr, addr, img0, shard, w = (a[keep] for a in (rem, ptr, addr, img0, shard, w))
             left -= need
             if t >= start:
-                yield BatchSpec(self.epoch, t, need, admitted, takes, releases, held)
+                yield BatchSpec(self.epoch, t, need, admitted, runs, x, run_start, i0, sh, releases, held)
 
     RAMP = (1 / 8, 3 / 8, 5 / 8)  # a part that fits in the budget: admission caps (fractions of it)
 
@@ -550,7 +615,8 @@ class EpochPlan:
         else:  # shares proportional to w, capped by what is left (water-filling)
             ratio = rem / w
             o = np.argsort(ratio, kind="stable")
-            before = np.r_[0, np.cumsum(rem[o])[:-1]]
+            before = np.zeros(n, np.int64)
+            np.cumsum(rem[o][:-1], out=before[1:])
             w_after = np.cumsum(w[o][::-1])[::-1]
             fits = before + ratio[o] * w_after >= need
             i = int(np.argmax(fits))

@@ -22,7 +22,17 @@ BENCHMARKS.md. Since 2026-11-24 that machine is a Zen-5 VM whose page cache -> b
     starts while the consumer still holds the last one; more (up to ``max(3, read_ahead + 1)``)
     only when the loader waits on the consumer (GROW_AFTER_S). The planner works out each run's
     balanced order with few random draws (kernels.balanced_order) and the gather threads each
-    batch's rows (kernels.index_rows), both in C when built. Threads of each role wait on a
+    batch's rows (kernels.index_rows), both in C when built. The planner passes each run to the
+    readers as soon as the plan admits it (before drawing its order: the first batch admits the
+    whole first fill), and plans a batch with per-run numpy arrays rather than per-run Python
+    (its example ids come out as one array, kernels.concat_ranges, so that _index needs no
+    per-run Python either): on 2 cores every thread's Python work holds the GIL and takes CPU
+    from the copies. Planned alone, a steady epoch of the 1-layer bench cache now takes ~9 ms
+    (~24 before); inside the loader, beside the copies, planning runs ~2.5-5x slower than alone
+    (planner thread ~50 ms of CPU per first epoch), and a plan computed before the loader starts
+    made a first epoch x0.81-0.94 faster: what is left of the plan's cost. Intel Xeon VM,
+    alternating fresh processes against the loader before: first epoch x0.95-1.02 (noise),
+    second x0.95-1.00. Threads of each role wait on a
     condition of their own (runtime.py). Zen-5 VM, 1-layer bench cache, one 4.3 GB epoch, warm:
     np.take 0.45 s -> C kernel 0.36 s -> own conditions ~0.30 s -> all of this ~0.26-0.30 s
     (steady epochs; the machine's speed drifts by +-20% over an hour, see BENCHMARKS.md for
@@ -375,8 +385,9 @@ class ShuffledLoader(BaseLoader):
         it.on_close += [it.indexed.clear, it.parts.clear, it.specs.clear, it.sources.clear]  # views of the maps
         it.on_close.append(self._note_prefetch)
         it.planned = it.next_gather = it.frontier = start
-        it.pinned_key = None  # the batch whose runs' shared blocks the readers pinned (_reader)
         it.outstanding = 0
+        it.unloaded = collections.Counter()  # batch key -> runs it admits that are not resident yet
+        it.pinned_key, it.pin_new = None, False  # the batch whose runs the readers pinned (_reader)
         it.done = set()
         it.slots = []  # io="read": free arena slots
         # who waits on what (runtime.py): the planner for the consumer to advance, readers for
@@ -411,21 +422,37 @@ class ShuffledLoader(BaseLoader):
     def _planner(self, it: Iteration) -> None:
         nb, ahead = len(self), self.read_ahead + 12
         g = it.start
+
+        def within(key: int) -> bool:  # the planner stays `ahead` batches ahead of the consumer
+            return key < it.start + it.n_consumed + ahead
+
         while it.stop is None or g < it.stop:
             epoch, b = divmod(g, nb)
             it.rt.status("planner", f"planning epoch {epoch}")
-            for spec in self.epoch_plan(epoch).batches(b):
+
+            # Each run goes to the readers as soon as the plan admits it, before the plan draws
+            # its example order and the batch's shares (EpochPlan.batches): the first batch
+            # admits the whole first fill (~60 runs, ~10-14 ms of planning), which the readers
+            # then map meanwhile instead of after.
+            def admit(r, t, held, epoch=epoch):
+                key = epoch * nb + t
+                if it.stop is not None and key >= it.stop:
+                    return
+                with it.cond:
+                    it.rt.wait(lambda: within(key), cond=it.c_plan)
+                    it.loads.append((r, key, held))
+                    it.unloaded[key] += 1
+                    it.pin_new = True
+                    it.c_read.notify_all()
+
+            for spec in self.epoch_plan(epoch).batches(b, on_admit=admit):
                 key = epoch * nb + spec.index
                 if it.stop is not None and key >= it.stop:
                     return
                 with it.cond:
-                    it.rt.wait(lambda key=key: key < it.start + it.n_consumed + ahead, cond=it.c_plan)
+                    it.rt.wait(lambda key=key: within(key), cond=it.c_plan)
                     it.specs[key] = spec
-                    for r in spec.admit:
-                        it.loads.append((r, key, spec.plan_bytes))
                     it.planned = key + 1
-                    if spec.admit:
-                        it.c_read.notify_all()
                     it.c_gather.notify_all()
             g = (epoch + 1) * nb
 
@@ -443,12 +470,14 @@ class ShuffledLoader(BaseLoader):
                         return False
                     r, head_key, plan_bytes = it.loads[0]
                     pin = blocks and PIN_SHARED
-                    if pin and it.pinned_key != head_key:  # the batch's runs are next in line: pin
-                        it.pinned_key = head_key
+                    if pin and (it.pinned_key != head_key or it.pin_new):
+                        # the batch's runs are next in line: pin them (as the planner passes them on)
+                        it.pinned_key, it.pin_new = head_key, False
                         for q, k, _ in it.loads:
                             if k != head_key:
                                 break
-                            q.pinned = it.maps.block_pin(q.shard, *q.span)
+                            if q.pinned is None:
+                                q.pinned = it.maps.block_pin(q.shard, *q.span)
                     need = it.maps.block_new_bytes(r.shard, *r.span) if blocks else r.strip_bytes[r.first_strip :].sum()
                     limit = max(self.buffer_bytes, plan_bytes) + self.read_ahead_bytes
                     pick[0] = 0
@@ -493,13 +522,21 @@ class ShuffledLoader(BaseLoader):
                     it.maps.make_resident(r.shard, starts, ends)
             with it.cond:
                 r.loaded = True
+                it.unloaded[key] -= 1
+                if not it.unloaded[key]:
+                    del it.unloaded[key]
                 it.rt.progressed()
                 self.stats.read_bytes += nbytes
                 self.stats.cold_read_bytes += cold
                 # wake the gather threads only when the next batch has all it needs
-                spec = it.specs.get(it.next_gather)
-                if spec is not None and all(q.loaded for q, _ in spec.takes):
+                if it.next_gather in it.specs and self._reads_done(it, it.next_gather):
                     it.c_gather.notify_all()
+
+    @staticmethod
+    def _reads_done(it: Iteration, key: int) -> bool:
+        """Whether every run batch ``key`` needs is resident (call with the lock held, once the
+        batch's spec is out: the planner has passed on all of its runs by then)."""
+        return not it.unloaded or min(it.unloaded) > key
 
     def _read_into_slot(self, it: Iteration, r, starts, ends) -> None:
         """io="read": the run's selected bytes, image-major, into a private arena slot."""
@@ -544,7 +581,7 @@ class ShuffledLoader(BaseLoader):
                     spec = it.specs.get(k)
                     if spec is None or k >= it.start + it.n_consumed + self.read_ahead:
                         return False
-                    if not all(r.loaded for r, _ in spec.takes):
+                    if not self._reads_done(it, k):
                         it.rt.status(name, f"waiting for reads for batch {self._describe_key(k)}")
                         return False
                     if k in it.indexing:  # another thread is indexing it (and notifies when done)
@@ -651,19 +688,12 @@ class ShuffledLoader(BaseLoader):
         image_i / patch_i / layer: the job whose parts copy the vectors once a buffer is attached
         (see :meth:`_copy`). The batch's rows come in one random order (kernels.index_rows)."""
         g = self.geom
-        takes = spec.takes
-        xs = [x for _, x in takes]
-        x = np.concatenate(xs) if len(xs) > 1 else xs[0]
-        run_start = np.zeros(len(takes) + 1, np.int64)
-        np.cumsum([len(v) for v in xs], out=run_start[1:])
-        runs = [r for r, _ in takes]
-        img0 = np.array([r.img0 for r in runs], np.int64)
-        cimg0 = img0 + self.shard_start[[r.shard for r in runs]]
+        x, run_start, img0 = spec.x, spec.run_start, spec.run_img0
+        cimg0 = img0 + self.shard_start[spec.run_shard]
+        runs = spec.runs
         if self.io == "mmap":  # a source per shard of the batch
-            shards = sorted({r.shard for r in runs})
-            sid = {s: i for i, s in enumerate(shards)}
-            sources = [self._shard_source(it, s) for s in shards]
-            run_src = np.array([sid[r.shard] for r in runs], np.int64)
+            shards, run_src = np.unique(spec.run_shard, return_inverse=True)
+            sources = [self._shard_source(it, s) for s in shards.tolist()]
             run_sub = None
         else:  # a source per run: its arena slot, the run's examples in order
             sources = [r.slot[: (r.hi - r.lo) * g.D].reshape(-1, g.D) for r in runs]
