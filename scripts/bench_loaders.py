@@ -29,7 +29,7 @@ warm-primed: warm, then the measuring process touches and frees buffer_bytes plu
 before it starts, so that the batch buffers (and ref2's) are memory the host has just backed: on
 this VM fresh memory faults in at 0.3-4 GB/s and a first epoch's batch buffers can cost as much
 as the copy itself, which a machine without free page reporting does not pay; all median of
-``--rounds`` alternating rounds. ``--modes cold-primed`` (any subset) measures only
+``--rounds`` alternating rounds (``--warm-rounds``, if given, for the warm modes). ``--modes cold-primed`` (any subset) measures only
 those modes and keeps the stored results of the others.
 """
 
@@ -422,7 +422,8 @@ def bench_cache(args, n_layers: int) -> dict:
     if any(m.startswith("warm") for m in args.modes):  # a defined warm state: one plain sequential read
         measure({**base, "kind": "ref"}, True, files)
     for mode in args.modes:
-        for r in range(args.rounds):
+        rounds = args.warm_rounds if mode.startswith("warm") and args.warm_rounds else args.rounds
+        for r in range(rounds):
             order = kinds if r % 2 == 0 else kinds[::-1]
             for k in order:
                 if mode != "warm" and "2nd epoch" in k:
@@ -592,6 +593,13 @@ def main() -> None:
     ap.add_argument("--layers", default="1,4", help="recorded layers of the cache(s): 1, 4 or 1,4")
     ap.add_argument("--cache-dir", default=os.path.join(benchlib.ROOT, "bench-out", "loaders"))
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--warm-rounds",
+        type=int,
+        default=0,
+        help="rounds of the warm modes (default: --rounds); a warm round takes seconds, and the ratio to "
+        "ref2 within a round spread 0.79-1.19 over 6 rounds on the project VM (2026-11-26)",
+    )
     ap.add_argument("--batch-size", type=int, default=16384)
     ap.add_argument("--buffer-bytes", type=int, default=3_200_000_000)
     ap.add_argument("--naive-s", type=float, default=20.0, help="time box of the naive baseline (0: skip)")
