@@ -231,14 +231,14 @@ def test_concat_ranges_is_the_same_with_numpy_and_refuses_bad_sizes(native, monk
     addrs = np.array([kernels.address(a) for a in arrays], np.int64)
     starts, counts = np.array([0, 2, 100, 0]), np.array([0, 3, 900, 17])
     want = np.concatenate([a[s : s + c] for a, s, c in zip(arrays, starts, counts, strict=True)])
-    np.testing.assert_array_equal(kernels.concat_ranges(arrays, addrs, starts, counts), want)
+    np.testing.assert_array_equal(kernels.concat_ranges(lambda: arrays, addrs, starts, counts), want)
     with pytest.raises(ValueError, match="negative start or count"):
-        kernels.concat_ranges(arrays, addrs, starts, np.array([0, -1, 900, 17]))
+        kernels.concat_ranges(lambda: arrays, addrs, starts, np.array([0, -1, 900, 17]))
     with pytest.raises(ValueError, match="one int64 per array"):
         native.concat_ranges(addrs, starts[:3], counts, np.empty(920, np.int64))
     with pytest.raises(ValueError, match="sum\\(counts\\)"):
         native.concat_ranges(addrs, starts, counts, np.empty(919, np.int64))
-    monkeypatch.setattr(kernels, "_native", None)  # numpy: the arrays themselves (or a callable)
+    monkeypatch.setattr(kernels, "_native", None)  # numpy: the arrays, from the callable
     np.testing.assert_array_equal(kernels.concat_ranges(lambda: arrays, addrs, starts, counts), want)
 
 

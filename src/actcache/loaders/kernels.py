@@ -224,17 +224,16 @@ _MASK = (1 << 64) - 1
 
 
 def concat_ranges(arrays, addrs: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """``arrays[r][starts[r] : starts[r] + counts[r]]`` for each r, one after the other (int64): a
+    """``arrays()[r][starts[r] : starts[r] + counts[r]]`` for each r, one after the other (int64): a
     batch's example ids out of its runs' orders (plan.EpochPlan.batches). ``addrs``: the arrays'
-    addresses (C kernel: one call, no per-array Python); ``arrays``: the arrays themselves, or a
-    callable returning them, used only without the C kernel. Ranges are not bounds-checked."""
+    addresses (C kernel: one call, no per-array Python); ``arrays``: a callable returning the
+    arrays, called only without the C kernel. Ranges are not bounds-checked."""
     out = np.empty(int(counts.sum()), np.int64)
     if _native is not None:
         _native.concat_ranges(addrs, starts, counts, out)
         return out
-    arrays = arrays() if callable(arrays) else arrays
     pos = 0
-    for a, s, c in zip(arrays, starts.tolist(), counts.tolist(), strict=True):
+    for a, s, c in zip(arrays(), starts.tolist(), counts.tolist(), strict=True):
         out[pos : pos + c] = a[s : s + c]
         pos += c
     return out

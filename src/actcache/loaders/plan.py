@@ -278,7 +278,6 @@ class Run:
         "first_strip",
         "j0",
         "j1",
-        "loaded",
         "n_strips",
         "nT",
         "slot",
@@ -295,7 +294,6 @@ class Run:
         self.n_strips, self.nT = n_strips, nT
         self.done = 0  # strips used up
         self.first_strip = 0  # strips before this one need not be loaded (resume)
-        self.loaded = False
         self.slot = None  # io="read": the arena slot holding the run
         self.weight = 1.0  # share weight while runs are still admitted (EpochPlan.batches)
         self.span = None  # one strip: [first, last) byte in the shard of the run's selected vectors
@@ -533,8 +531,12 @@ class EpochPlan:
                 for r in admitted:
                     on_admit(r, t, held)
             q = self._shares(rem, need, tail=nxt >= len(self.runs), w=w)
-            if t >= start:
-                snap = (list(active), ptr.copy(), img0.copy(), shard.copy())
+            if t >= start:  # (img0 and shard are never changed in place: the spec may keep them)
+                runs = list(active)
+                x = kernels.concat_ranges(lambda runs=runs: [r.order for r in runs], addr, ptr, q)
+                run_start = np.zeros(len(q) + 1, np.int64)
+                np.cumsum(q, out=run_start[1:])
+                spec_arrays = (runs, x, run_start, img0, shard)
             releases = []
             if self.G > 1:  # strips used up (a run's order is strip-major)
                 for j in np.flatnonzero(q).tolist():
@@ -553,17 +555,12 @@ class EpochPlan:
                     mem -= int(r.strip_bytes[0])
                     releases.append((r, -1))
                     r.done = 1
-            if t >= start:
-                runs, at, i0, sh = snap
-                x = kernels.concat_ranges(lambda runs=runs: [r.order for r in runs], addr, at, q)
-                run_start = np.zeros(len(q) + 1, np.int64)
-                np.cumsum(q, out=run_start[1:])
             if not keep.all():
                 active = [r for r, k in zip(active, keep.tolist(), strict=True) if k]
                 rem, ptr, addr, img0, shard, w = (a[keep] for a in (rem, ptr, addr, img0, shard, w))
             left -= need
             if t >= start:
-                yield BatchSpec(self.epoch, t, need, admitted, runs, x, run_start, i0, sh, releases, held)
+                yield BatchSpec(self.epoch, t, need, admitted, *spec_arrays, releases, held)
 
     RAMP = (1 / 8, 3 / 8, 5 / 8)  # a part that fits in the budget: admission caps (fractions of it)
 

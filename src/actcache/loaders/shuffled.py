@@ -32,12 +32,12 @@ BENCHMARKS.md. Since 2026-11-24 that machine is a Zen-5 VM whose page cache -> b
     (planner thread ~50 ms of CPU per first epoch), and a plan computed before the loader starts
     made a first epoch x0.81-0.94 faster: what is left of the plan's cost. Intel Xeon VM,
     alternating fresh processes against the loader before: first epoch x0.95-1.02 (noise),
-    second x0.95-1.00. Threads of each role wait on a
-    condition of their own (runtime.py). Zen-5 VM, 1-layer bench cache, one 4.3 GB epoch, warm:
-    np.take 0.45 s -> C kernel 0.36 s -> own conditions ~0.30 s -> all of this ~0.26-0.30 s
-    (steady epochs; the machine's speed drifts by +-20% over an hour, see BENCHMARKS.md for
-    ratios measured in one run). On the Zen-4 host of 2026-11-25, the kernel's prefetch of whole
-    rows into L2 (_native.c) made first and steady epochs x1.22 faster.
+    second x0.95-1.00. Threads of each role wait on a condition of their own (runtime.py).
+    Zen-5 VM, 1-layer bench cache, one 4.3 GB epoch, warm: np.take 0.45 s -> C kernel 0.36 s ->
+    own conditions ~0.30 s -> all of this ~0.26-0.30 s (steady epochs; the machine's speed
+    drifts by +-20% over an hour, see BENCHMARKS.md for ratios measured in one run). On the
+    Zen-4 host of 2026-11-25, the kernel's prefetch of whole rows into L2 (_native.c) made first
+    and steady epochs x1.22 faster.
 
     How pages come in matters as much as the copy (buffers.py): loaded through the fault path of
     a MADV_HUGEPAGE mapping, a run lands in large page-cache folios that map 2 MiB at a time, so
@@ -521,7 +521,6 @@ class ShuffledLoader(BaseLoader):
                 else:
                     it.maps.make_resident(r.shard, starts, ends)
             with it.cond:
-                r.loaded = True
                 it.unloaded[key] -= 1
                 if not it.unloaded[key]:
                     del it.unloaded[key]
