@@ -225,10 +225,9 @@ class OrderedLoader(BaseLoader):
     def _start(self, it: Iteration) -> None:
         if len(self) == 0:
             return
-        for i in range(self.n_readers):
-            it.rt.spawn(f"reader-{i}", lambda i=i: self._reader(it, f"reader-{i}"))
-        for i in range(self.n_threads):
-            it.rt.spawn(f"copy-{i}", lambda i=i: self._copier(it, f"copy-{i}"))
+        roles = [(f"reader-{i}", lambda i=i: self._reader(it, f"reader-{i}")) for i in range(self.n_readers)]
+        roles += [(f"copy-{i}", lambda i=i: self._copier(it, f"copy-{i}")) for i in range(self.n_threads)]
+        it.rt.spawn_all(roles)
 
     def _spans(self, a: int, b: int):
         """(shard, first image in shard, n images) covering examples [a, b)."""

@@ -413,11 +413,10 @@ class ShuffledLoader(BaseLoader):
     def _start(self, it: Iteration) -> None:
         if it.stop is not None and it.stop <= it.start:
             return
-        it.rt.spawn("planner", lambda: self._planner(it))
-        for i in range(self.n_readers):
-            it.rt.spawn(f"reader-{i}", lambda i=i: self._reader(it, f"reader-{i}"))
-        for i in range(self.n_threads):
-            it.rt.spawn(f"gather-{i}", lambda i=i: self._gatherer(it, f"gather-{i}"))
+        roles = [("planner", lambda: self._planner(it))]
+        roles += [(f"reader-{i}", lambda i=i: self._reader(it, f"reader-{i}")) for i in range(self.n_readers)]
+        roles += [(f"gather-{i}", lambda i=i: self._gatherer(it, f"gather-{i}")) for i in range(self.n_threads)]
+        it.rt.spawn_all(roles)
 
     def _planner(self, it: Iteration) -> None:
         nb, ahead = len(self), self.read_ahead + 12
