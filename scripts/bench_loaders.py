@@ -57,11 +57,25 @@ VARIANTS = {  # extra loader configurations measured beside the default ones
     "ordered io=mmap": {"io": "mmap"},
     "ordered 2nd epoch": {},  # two passes in one process, the second timed with the pause before it (warm only)
     "shuffled 2nd epoch": {"n_epochs": 2},  # the second epoch timed, with the pause before it (warm only)
+    # a cache of several layers: as many epochs as make the bytes ref2 reads (warm only; see WHOLE_VOLUME)
+    "shuffled ref2's volume": {},
     "shuffled strips=3": {"n_strips": 3},
     "shuffled io=read": {"io": "read"},
     "shuffled cold_read=fault": {"cold_read": "fault"},  # runs not cached read through the mapping
 }
 MODES = ("warm", "cold", "cold-late", "cold-primed", "warm-primed")
+# "shuffled ref2's volume": on a cache of several layers ref2 reads every layer (4.3 GB) and the
+# loader one (1.07 GB per epoch), so a one-epoch measurement weighs a fresh process's one-time
+# costs (threads, fresh batch buffers, the first plan) 4x more for the loader than for ref2. This
+# row times as many epochs in one process as make the bytes ref2 reads, all of them: equal volumes.
+WHOLE_VOLUME = "shuffled ref2's volume"
+WARM_ONLY = ("2nd epoch", WHOLE_VOLUME)  # kinds measured in the warm mode only
+
+
+def warm_only(kind: str) -> bool:
+    return any(w in kind for w in WARM_ONLY)
+
+
 COLD_LATE_S = 4.0  # idle after drop_caches in mode cold-late
 PRIME_EXTRA = 2**30  # cold-primed: memory touched and freed = the cache's size + this
 REWARM_WHOLE = 0.95  # warm: with less than this share still cached, read the files again whole
@@ -322,6 +336,11 @@ def run_loader(spec: dict) -> dict:
     if kind.startswith("ordered"):
         loader = OrderedLoader(path, batch_size=B, patches="image", layer=LAYER, **spec.get("options", {}))
     elif kind.startswith("shuffled"):
+        opts = dict(spec.get("options", {}))
+        if kind == WHOLE_VOLUME:  # whole epochs making ref2's bytes (at least one)
+            with open(os.path.join(path, "metadata.json")) as fh:
+                layer_bytes = json.load(fh)["n_imgs"] * (T - 1) * D * 4  # patch tokens of one layer
+            opts["n_epochs"] = max(1, round(sum(size for _, size in files) / layer_bytes))
         loader = ShuffledLoader(
             path,
             batch_size=B,
@@ -329,7 +348,7 @@ def run_loader(spec: dict) -> dict:
             layer=LAYER,
             buffer_bytes=spec["buffer_bytes"],
             seed=spec.get("seed", 17),
-            **spec.get("options", {}),
+            **opts,
         )
     else:
         ds = IndexedDataset(path, "image", LAYER)
@@ -390,9 +409,13 @@ def run_loader(spec: dict) -> dict:
         n_imgs = loader.metadata.n_imgs
         out["entropy_image"] = float(np.mean([entropy(x, n_imgs) for x in imgs]))
         out["entropy_patch"] = float(np.mean([entropy(x, T - 1) for x in patches]))
-        key = np.concatenate(imgs) * (T - 1) + np.concatenate(patches)
-        seen = np.bincount(key, minlength=n_imgs * (T - 1))
-        out["exactly_once"] = bool((seen == 1).all())
+        nb = len(loader)  # batches per epoch: every example exactly once in each epoch timed
+        ok = True
+        for e in range(0, len(imgs), nb):
+            key = np.concatenate(imgs[e : e + nb]) * (T - 1) + np.concatenate(patches[e : e + nb])
+            ok = ok and bool((np.bincount(key, minlength=n_imgs * (T - 1)) == 1).all())
+        out["exactly_once"] = ok and len(imgs) % nb == 0
+        out["epochs"] = len(imgs) // nb
     return {**out, **warm}
 
 
@@ -417,8 +440,8 @@ def bench_cache(args, n_layers: int) -> dict:
     files = [f for f, _ in shard_files(path)]
     base = {"path": path, "batch_size": args.batch_size, "buffer_bytes": args.buffer_bytes}
     refs = ["ref", "ref2", "ref layer"] if n_layers > 1 else ["ref", "ref2"]
-    kinds = [*refs, "ordered", "shuffled", *args.variants]
-    res = {mode: {k: [] for k in kinds if mode == "warm" or "2nd epoch" not in k} for mode in args.modes}
+    kinds = [*refs, "ordered", "shuffled", *(v for v in args.variants if n_layers > 1 or v != WHOLE_VOLUME)]
+    res = {mode: {k: [] for k in kinds if mode == "warm" or not warm_only(k)} for mode in args.modes}
     if any(m.startswith("warm") for m in args.modes):  # a defined warm state: one plain sequential read
         measure({**base, "kind": "ref"}, True, files)
     for mode in args.modes:
@@ -426,7 +449,7 @@ def bench_cache(args, n_layers: int) -> dict:
         for r in range(rounds):
             order = kinds if r % 2 == 0 else kinds[::-1]
             for k in order:
-                if mode != "warm" and "2nd epoch" in k:
+                if mode != "warm" and warm_only(k):
                     continue
                 m = measure({**base, "kind": k, "seed": 17 + r, "options": VARIANTS.get(k, {})}, mode, files)
                 res[mode][k].append(m)
@@ -678,6 +701,9 @@ def main() -> None:
         "only the second timed, from the moment the first epoch's last batch arrives (so 'first batch s' is "
         "the pause between the epochs): the steady state of a long run, without the first epoch's one-time "
         "costs (threads, fresh batch buffers, the first plan). "
+        "'shuffled ref2's volume' (a cache of several layers, warm only): as many epochs in one process as "
+        "make the bytes ref2 reads (4 on one layer of four), all of them timed, so that a fresh process's "
+        "one-time costs weigh on the same volume as in ref2 (the plain row's one epoch is a quarter of it). "
         "Memory: RSS = peak resident-set growth while iterating; anon = peak growth of the process's anonymous memory while iterating (batch buffers, "
         "arenas); held = most shard bytes the loader kept resident on purpose (its shuffle window plus "
         "read-ahead); mapped = peak growth of the page-cache memory mapped in the process (the kernel maps whole "
