@@ -712,8 +712,9 @@ def main() -> None:
         "ref2's: warm, both are CPU-bound, so it predicts the wall-clock ratio on an idle machine and "
         "does not depend on what else runs (other jobs shared these 2 cores: see the load average).",
         "",
-        "Change of 2026-11-26 ~18:20-18:50 UTC (Intel host; the warm rows were measured after it, 18:37-18:58 "
-        "with --modes warm, on a slower machine than at 16:29: ref2 7.3-9.0 GB/s on the 4-layer cache against "
+        "Change of 2026-11-26 ~18:20-18:50 UTC (Intel host; the warm rows were measured after it with --modes "
+        "warm, the 1-layer cache's at 18:37-18:52, one layer of four's at 18:52-18:58 and again at 19:18-19:25 "
+        "(next paragraph), on a slower machine than at 16:29: ref2 7.0-9.0 GB/s on the 4-layer cache against "
         "7.6-10.9; the other modes' rows are from the run of 16:29-17:25, before it). Loader threads start held "
         "until the last one has started (Runtime.spawn_all): Thread.start() returns only once the new thread "
         "runs, and one that went straight to Python work (the planner) kept the GIL from the spawning thread for "
@@ -731,9 +732,18 @@ def main() -> None:
         "moments before ran out; first epoch x1.006 (16 rounds); (b) two sets instead of three: x1.006 (12 "
         "rounds; the third set's faults saved, ~0.5 ms lost per batch until the consumer drops its last batch); "
         "(c) no residency probe in the readers, a bound for a cheaper probe (reader CPU 14 -> 6 ms): x0.98 (12); "
-        "(d) the gather threads spawned first: x0.99 (14). In this run one layer of four measured 0.791 x ref2 "
-        "warm (rounds 0.63-0.83; first epochs 159-204 ms) and its 2nd epoch 1.206; the 1-layer cache 1.013 "
+        "(d) the gather threads spawned first: x0.99 (14). At 18:37-18:58 one layer of four measured 0.791 x "
+        "ref2 warm (rounds 0.63-0.83; first epochs 159-204 ms) and its 2nd epoch 1.206; the 1-layer cache 1.013 "
         "(rounds 0.88-1.30).",
+        "",
+        "Row 'shuffled ref2's volume' (2026-11-26 19:18-19:25, one layer of four, warm; ref2 7.0-8.8 GB/s). On "
+        "this cache ref2 reads 4.29 GB in its fresh process and the plain shuffled row's one epoch delivers 1.07 "
+        "GB in its own, so the loader's one-time costs (threads, the first plan and mappings, ~25 ms of fresh "
+        "batch buffer memory: paragraph above) weigh on a quarter of ref2's volume; on the 1-layer cache the two "
+        "volumes are the same. This row times four epochs in one fresh process (4.27 GB, every example exactly "
+        "once per epoch): 0.966 x ref2 (rounds 0.81-1.06; 513-636 ms), where one epoch measured 0.754 (rounds "
+        "0.59-0.92; 153-206 ms) and a second one alone 1.168, in the same rounds. The target rows stay the plain "
+        "one-epoch ones.",
         "",
         "Changes of 2026-11-26 ~15:40-16:30 UTC (Intel host; the tables were measured after them, 16:29-17:25, "
         "with 9 warm rounds instead of 5, --warm-rounds: in 6 alternating rounds before, the 1-layer warm shuffled "
