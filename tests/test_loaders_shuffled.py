@@ -17,6 +17,7 @@ import pytest
 
 from actcache.errors import BatchTimeoutError, ConfigError, LoaderError
 from actcache.loaders import ShuffledLoader, kernels
+from actcache.loaders.runtime import Stopped
 from actcache.stats import STATS_FILE
 from conftest import make_cache
 
@@ -427,6 +428,54 @@ def test_sets_go_on_small_pages_while_huge_ones_fault_in_slowly_and_back_later(m
     b7 = pool.try_acquire()  # b2's fourth use: replaced by a new set on 2 MiB pages
     assert b7 is not b2 and b7.huge and pool.huge and pool.n_allocated == n0 + 1 and pool.n_owned == 3
     assert "hg" in _vm_flags(b7.act.ctypes.data)
+
+
+def test_arena_slots_go_on_small_pages_while_huge_ones_fault_in_slowly_and_back_later(cache, monkeypatch):
+    """io="read": a new arena slot goes on the page size fresh memory faults in fastest, as batch
+    buffer sets do (buffers.FreshPages: one per iteration, shared with the sets), and a slot on
+    4 KiB pages is replaced by one on 2 MiB pages after SMALL_SET_USES reads into it."""
+    from actcache.loaders import buffers
+    from actcache.loaders.buffers import HUGE, STOP_CHECK_BYTES
+
+    path, md, acts = cache
+    ld = ShuffledLoader(path, batch_size=17, layer="all", seed=5, io="read", **SMALL)
+    ld.slot_bytes = 3 * STOP_CHECK_BYTES  # 12 MiB slots: three timed pieces each
+    it = ld._make_iteration()
+    try:
+        monkeypatch.setattr(buffers, "HUGE_FAULT_MIN_BPS", 0.0)  # never slow
+        s1 = ld._arena_slot(it)
+        a1 = s1.arr.ctypes.data
+        assert s1.huge and it.pool.huge and a1 % HUGE == 0
+        assert "hg" in _vm_flags(a1) and "hg" in _vm_flags(a1 + s1.arr.nbytes - 1)
+
+        monkeypatch.setattr(buffers, "HUGE_FAULT_MIN_BPS", float("inf"))  # every piece slow
+        s2 = ld._arena_slot(it)
+        a2 = s2.arr.ctypes.data
+        assert not s2.huge and not it.pool.huge  # new batch buffer sets follow
+        assert "hg" in _vm_flags(a2)  # the first piece, timed, stays as it was
+        for off in (STOP_CHECK_BYTES, s2.arr.nbytes - 1):
+            assert "nh" in _vm_flags(a2 + off) and "hg" not in _vm_flags(a2 + off)
+        s3 = ld._arena_slot(it)  # the next one on 4 KiB pages from the start
+        assert not s3.huge and "nh" in _vm_flags(s3.arr.ctypes.data)
+        assert ld.stats.arena_slots == 3
+
+        monkeypatch.setattr(buffers, "SMALL_SET_USES", 2)
+        monkeypatch.setattr(buffers, "HUGE_FAULT_MIN_BPS", 0.0)
+        for uses in (1, 2):
+            it.slots.append(s3)
+            assert ld._arena_slot(it) is s3 and s3.uses == uses
+        it.slots.append(s1)
+        assert ld._arena_slot(it) is s1 and s1.uses == 0  # on 2 MiB pages: not counted
+        it.slots.append(s3)
+        s4 = ld._arena_slot(it)  # s3's third read: replaced by a slot on 2 MiB pages
+        assert s4 is not s3 and s4.huge and it.pool.huge and ld.stats.arena_slots == 4
+        assert "hg" in _vm_flags(s4.arr.ctypes.data + s4.arr.nbytes - 1)
+        # a loader stopping meanwhile: the reader gives the slot up rather than fault it all in
+        it.rt.stopping = True
+        with pytest.raises(Stopped):
+            ld._arena_slot(it)
+    finally:
+        it.shutdown()
 
 
 @pytest.mark.parametrize("kind", ["shuffled", "ordered"])

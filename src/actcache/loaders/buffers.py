@@ -554,6 +554,10 @@ HUGE_FAULT_MIN_BPS = 2e9
 # times (ski rental: by then its slower copies have cost about what one slow 2 MiB set costs to
 # fault in, 55-110 ms of CPU; 4-layer bench cache, slow state: steady epochs x0.92 with small
 # sets, ~0.6 ms of CPU per 50 MB batch; 1-layer: x1.02, no loss), so a long run loses nothing.
+# The io="read" arena's slots follow the same rules (FreshPages; ShuffledLoader._arena_slot):
+# there, gathers out of a slot on 4 KiB pages cost ~0.6-0.9 ms more CPU per use (1-layer bench
+# cache: ~90 slot uses and +55-85 ms of gather CPU an epoch), and a slow 2 MiB slot of ~50-75 MB
+# ~55-85 ms to fault in.
 SMALL_SET_USES = 128
 
 
@@ -617,6 +621,37 @@ def prefault(
     return True
 
 
+class FreshPages:
+    """The page size fresh buffers of one loader iteration go on (batch buffer sets, io="read"
+    arena slots), and faulting them in: 2 MiB pages until a piece of one faults in slower than
+    HUGE_FAULT_MIN_BPS, 4 KiB pages from then on (``huge``; set back to True by whoever replaces a
+    buffer on 4 KiB pages after SMALL_SET_USES uses)."""
+
+    def __init__(self):
+        self.huge = True
+
+    def empty(self, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
+        """A new uninitialised buffer on the page size in use (huge_empty)."""
+        return huge_empty(shape, dtype, self.huge)
+
+    def fault_in(self, a: np.ndarray, huge: bool, stop: Callable[[], bool] | None = None) -> tuple[bool, bool]:
+        """prefault a fresh array made with ``huge_empty(..., huge)``, timing each piece while it
+        is on 2 MiB pages: once one is slower than HUGE_FAULT_MIN_BPS, the rest goes on 4 KiB
+        pages (MADV_NOHUGEPAGE) and so do later buffers (``self.huge``). Every piece is timed: the
+        first may come from memory freed just before, the next from memory the host let go.
+        -> (done: False when ``stop()`` turned true, whether it is still all on 2 MiB pages)."""
+        state = {"huge": huge}
+
+        def watch(nbytes: int, rest: np.ndarray, dt: float) -> None:
+            if state["huge"] and rest.nbytes and dt > 0 and nbytes / dt < HUGE_FAULT_MIN_BPS:
+                if _madvise(rest.ctypes.data, rest.nbytes, mmap.MADV_NOHUGEPAGE) == 0:
+                    state["huge"] = self.huge = False
+
+        timed = huge and _madvise is not None and a.ctypes.data % HUGE == 0
+        ok = prefault(a, stop=stop, watch=watch if timed else None, small=lambda: not state["huge"])
+        return ok, state["huge"]
+
+
 def _refcounts(arrays: list[np.ndarray]) -> list[int]:
     return [sys.getrefcount(a) for a in arrays]
 
@@ -677,7 +712,7 @@ class BatchPool:
         self, make: Callable[[bool], BatchBuffers], max_sets: int, cond: threading.Condition, spare: list | None = None
     ):
         self.make, self.max_sets, self.cond = make, max_sets, cond  # make(huge): a new set
-        self.huge = True  # new sets on 2 MiB pages (False once they fault in slowly: HUGE_FAULT_MIN_BPS)
+        self.pages = FreshPages()  # new sets on 2 MiB pages until they fault in slowly (HUGE_FAULT_MIN_BPS)
         self.free: list[BatchBuffers] = []
         # sets left by the loader's previous iteration (see handover): the consumer may still hold
         # some of them, so they start as lent and are taken once their arrays are unreferenced
@@ -695,7 +730,7 @@ class BatchPool:
             if not b.huge:
                 b.uses += 1
                 if b.uses > SMALL_SET_USES:  # it has cost what a set on 2 MiB pages would: replace it
-                    self.huge = True
+                    self.pages.huge = True
                     self.n_allocated += 1
                     return self._new()
             return b
@@ -712,8 +747,13 @@ class BatchPool:
             return self._new()
         return None
 
+    @property
+    def huge(self) -> bool:
+        """Whether new sets go on 2 MiB pages (FreshPages)."""
+        return self.pages.huge
+
     def _new(self) -> BatchBuffers:
-        return self.make(self.huge)
+        return self.make(self.pages.huge)
 
     def all_lent(self) -> bool:
         """Whether every set owned is lent to the consumer and still used by it (call with
@@ -745,21 +785,10 @@ class BatchPool:
             self.cond.notify_all()
 
     def _fault_in(self, b: BatchBuffers, stop: Callable[[], bool] | None) -> bool:
-        """prefault every array of a fresh set; once a piece of a set on 2 MiB pages faults in
-        slower than HUGE_FAULT_MIN_BPS, the rest of that set goes on with 4 KiB pages, and so do
-        the next sets (``self.huge``). (Every piece is timed: the first may come from memory freed
-        just before, the next from memory the host let go.) False when ``stop()`` turned true."""
-
-        def watch(nbytes: int, rest: np.ndarray, dt: float) -> None:
-            if b.huge and rest.nbytes and dt > 0 and nbytes / dt < HUGE_FAULT_MIN_BPS:
-                if _madvise(rest.ctypes.data, rest.nbytes, mmap.MADV_NOHUGEPAGE) == 0:
-                    b.huge = False
-                    with self.cond:
-                        self.huge = False
-
-        timed = b.huge and _madvise is not None and b.act.ctypes.data % HUGE == 0
-        small = lambda: not b.huge  # noqa: E731
-        ok = all(prefault(a, stop=stop, watch=watch if timed and a is b.act else None, small=small) for a in b.arrays())
+        """prefault every array of a fresh set, act through FreshPages.fault_in (which may move the
+        rest of it, and the next sets, to 4 KiB pages). False when ``stop()`` turned true."""
+        ok, b.huge = self.pages.fault_in(b.act, b.huge, stop)
+        ok = ok and all(prefault(a, stop=stop, small=lambda: not b.huge) for a in b.arrays()[1:])
         b.faulted = ok
         return ok
 

@@ -73,6 +73,8 @@ class LoaderStats:
     thread_cpu_s: dict = dataclasses.field(default_factory=dict)  # CPU seconds per thread role
     buffer_sets: int = 0  # batch buffer sets allocated (more than max(3, read_ahead + 1) per pass
     #                       only when the consumer keeps batches: they are its memory then)
+    arena_slots: int = 0  # io="read" arena slots allocated (shuffled; more than fit buffer_bytes only
+    #                       where a slot on 4 KiB pages was replaced by one on 2 MiB pages: SMALL_SET_USES)
     prefetch: str | None = None  # the copy kernel's prefetch scheme in use (shuffled; None: not chosen yet)
     prefetch_GBps: dict = dataclasses.field(default_factory=dict)  # GB per copy CPU-second, per scheme tried
 

@@ -121,7 +121,9 @@ BENCHMARKS.md. Since 2026-11-24 that machine is a Zen-5 VM whose page cache -> b
     every byte is copied twice and a fresh arena must first be touched (0.3-20 GB/s on these VMs,
     as the host backs it): it measured ~0.1 of ref2 for a first epoch in a fresh process (Zen-5
     VM: 0.07, or 0.3 in rounds where the host backed the arena fast) and ~1.8x the CPU per byte
-    of the default afterwards.
+    of the default afterwards. Each slot is faulted in by the reader that first needs it, on the
+    page size batch buffers use (buffers.FreshPages: 4 KiB pages once 2 MiB ones fault in slowly;
+    _arena_slot): first epoch x0.69 on the project VM.
 
     Which examples go into which batch is planned by :mod:`actcache.loaders.plan` from
     ``(seed, epoch, part)`` alone: deterministic whatever the thread timing, resumable at
@@ -141,9 +143,9 @@ import time
 import numpy as np
 
 from actcache.errors import ConfigError
-from actcache.loaders import kernels
+from actcache.loaders import buffers, kernels
 from actcache.loaders.base import BaseLoader, Iteration, check_number
-from actcache.loaders.buffers import COLD_READS, HUGE, block_range, huge_empty, populate_small
+from actcache.loaders.buffers import COLD_READS, HUGE, block_range, populate_small
 from actcache.loaders.partition import Partition
 from actcache.loaders.plan import EpochPlan, cut_points, epoch_runs, part_runs
 from actcache.loaders.runtime import Stopped
@@ -540,11 +542,10 @@ class ShuffledLoader(BaseLoader):
         """io="read": the run's selected bytes, image-major, into a private arena slot."""
         import os
 
-        with it.cond:
-            slot = it.slots.pop() if it.slots else huge_empty((self.slot_bytes // 4,), np.float32)
+        slot = self._arena_slot(it)
         order = np.argsort(starts, kind="stable")
         fd = it.maps.fd(r.shard)
-        view = slot.view(np.uint8)
+        view = slot.arr.view(np.uint8)
         pos = 0
         for i in order.tolist():
             n = int(ends[i] - starts[i])
@@ -557,6 +558,32 @@ class ShuffledLoader(BaseLoader):
         if self.evict:
             os.posix_fadvise(fd, int(starts.min()), int(ends.max() - starts.min()), os.POSIX_FADV_DONTNEED)
         r.slot = slot
+
+    def _arena_slot(self, it: Iteration) -> _Slot:
+        """io="read": a free arena slot, or a new one faulted in by this reader. New slots go on
+        the page size the iteration's fresh memory uses (buffers.FreshPages, shared with the batch
+        buffer sets): 2 MiB pages until they fault in slowly, where 4 KiB ones are ~2x faster (a
+        VM host backing the memory again); one on 4 KiB pages is replaced after SMALL_SET_USES
+        reads into it, as batch sets are. 1-layer bench cache, warm, fresh processes, 6
+        alternating rounds against slots always on 2 MiB pages (faulted in by the reads): first
+        epoch x0.69 (median 2.94 -> 1.94 s), first batch 1.77 -> 1.06 s, second epoch x0.90;
+        reader CPU over both 5.7 -> 3.5 s."""
+        pages = it.pool.pages
+        with it.cond:
+            slot = it.slots.pop() if it.slots else None
+            if slot is not None and not slot.huge:
+                slot.uses += 1
+                if slot.uses > buffers.SMALL_SET_USES:  # it has cost what a slot on 2 MiB pages would
+                    pages.huge, slot = True, None
+            if slot is None:
+                self.stats.arena_slots += 1
+        if slot is None:
+            arr = pages.empty((self.slot_bytes // 4,), np.float32)
+            ok, huge = pages.fault_in(arr, pages.huge, stop=lambda: it.rt.stopping)
+            if not ok:
+                raise Stopped
+            slot = _Slot(arr, huge)
+        return slot
 
     def _gatherer(self, it: Iteration, name: str) -> None:
         it.rt.status(name, "allocating batch buffers")
@@ -694,7 +721,7 @@ class ShuffledLoader(BaseLoader):
             sources = [self._shard_source(it, s) for s in shards.tolist()]
             run_sub = None
         else:  # a source per run: its arena slot, the run's examples in order
-            sources = [r.slot[: (r.hi - r.lo) * g.D].reshape(-1, g.D) for r in runs]
+            sources = [r.slot.arr[: (r.hi - r.lo) * g.D].reshape(-1, g.D) for r in runs]
             run_src = np.arange(len(runs), dtype=np.int64)
             run_sub = np.array([r.lo for r in runs], np.int64)
         # the batch's row order (kernels.permutation: C Fisher-Yates, 0.07 against 0.22 ms for
@@ -736,6 +763,16 @@ class ShuffledLoader(BaseLoader):
         c0 = time.thread_time()
         kernels.take_multi(job.sources, o["src"][a:b], o["rows"][a:b], act[a:b], prefetch=scheme, **kw)
         chooser.record(scheme, act[a:b].nbytes, time.thread_time() - c0)
+
+
+class _Slot:
+    """io="read": one arena slot (a run's selected bytes), whether it lies on 2 MiB pages, and how
+    often it has been read into while on 4 KiB pages (see SMALL_SET_USES)."""
+
+    __slots__ = ("arr", "huge", "uses")
+
+    def __init__(self, arr: np.ndarray, huge: bool):
+        self.arr, self.huge, self.uses = arr, huge, 0
 
 
 class _Job:
