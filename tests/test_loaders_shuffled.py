@@ -443,19 +443,19 @@ def test_arena_slots_go_on_small_pages_while_huge_ones_fault_in_slowly_and_back_
     it = ld._make_iteration()
     try:
         monkeypatch.setattr(buffers, "HUGE_FAULT_MIN_BPS", 0.0)  # never slow
-        s1 = ld._arena_slot(it)
+        s1 = ld._arena_slot(it, ld.slot_bytes)
         a1 = s1.arr.ctypes.data
         assert s1.huge and it.pool.huge and a1 % HUGE == 0
         assert "hg" in _vm_flags(a1) and "hg" in _vm_flags(a1 + s1.arr.nbytes - 1)
 
         monkeypatch.setattr(buffers, "HUGE_FAULT_MIN_BPS", float("inf"))  # every piece slow
-        s2 = ld._arena_slot(it)
+        s2 = ld._arena_slot(it, ld.slot_bytes)
         a2 = s2.arr.ctypes.data
         assert not s2.huge and not it.pool.huge  # new batch buffer sets follow
         assert "hg" in _vm_flags(a2)  # the first piece, timed, stays as it was
         for off in (STOP_CHECK_BYTES, s2.arr.nbytes - 1):
             assert "nh" in _vm_flags(a2 + off) and "hg" not in _vm_flags(a2 + off)
-        s3 = ld._arena_slot(it)  # the next one on 4 KiB pages from the start
+        s3 = ld._arena_slot(it, ld.slot_bytes)  # the next one on 4 KiB pages from the start
         assert not s3.huge and "nh" in _vm_flags(s3.arr.ctypes.data)
         assert ld.stats.arena_slots == 3
 
@@ -463,17 +463,28 @@ def test_arena_slots_go_on_small_pages_while_huge_ones_fault_in_slowly_and_back_
         monkeypatch.setattr(buffers, "HUGE_FAULT_MIN_BPS", 0.0)
         for uses in (1, 2):
             it.slots.append(s3)
-            assert ld._arena_slot(it) is s3 and s3.uses == uses
+            assert ld._arena_slot(it, ld.slot_bytes) is s3 and s3.uses == uses
         it.slots.append(s1)
-        assert ld._arena_slot(it) is s1 and s1.uses == 0  # on 2 MiB pages: not counted
+        assert ld._arena_slot(it, ld.slot_bytes) is s1 and s1.uses == 0  # on 2 MiB pages: not counted
         it.slots.append(s3)
-        s4 = ld._arena_slot(it)  # s3's third read: replaced by a slot on 2 MiB pages
+        s4 = ld._arena_slot(it, ld.slot_bytes)  # s3's third read: replaced by a slot on 2 MiB pages
         assert s4 is not s3 and s4.huge and it.pool.huge and ld.stats.arena_slots == 4
         assert "hg" in _vm_flags(s4.arr.ctypes.data + s4.arr.nbytes - 1)
+        # a new slot has only the run's bytes faulted in; after a slow piece, the rest of the slot
+        # goes on 4 KiB pages as well (it faults in when a larger run is read into it)
+        monkeypatch.setattr(buffers, "HUGE_FAULT_MIN_BPS", float("inf"))
+        s5 = ld._arena_slot(it, STOP_CHECK_BYTES)
+        a5 = s5.arr.ctypes.data
+        assert not s5.huge and not it.pool.huge
+        assert "hg" in _vm_flags(a5) and "nh" in _vm_flags(a5 + STOP_CHECK_BYTES)
+        vec = np.zeros(s5.arr.nbytes // buffers.PAGE, np.uint8)
+        assert buffers._mincore(a5, s5.arr.nbytes, vec.ctypes.data) == 0
+        n_run = STOP_CHECK_BYTES // buffers.PAGE
+        assert (vec[:n_run] & 1).all() and not (vec[n_run:] & 1).any()
         # a loader stopping meanwhile: the reader gives the slot up rather than fault it all in
         it.rt.stopping = True
         with pytest.raises(Stopped):
-            ld._arena_slot(it)
+            ld._arena_slot(it, ld.slot_bytes)
     finally:
         it.shutdown()
 

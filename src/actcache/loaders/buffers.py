@@ -634,21 +634,28 @@ class FreshPages:
         """A new uninitialised buffer on the page size in use (huge_empty)."""
         return huge_empty(shape, dtype, self.huge)
 
-    def fault_in(self, a: np.ndarray, huge: bool, stop: Callable[[], bool] | None = None) -> tuple[bool, bool]:
-        """prefault a fresh array made with ``huge_empty(..., huge)``, timing each piece while it
-        is on 2 MiB pages: once one is slower than HUGE_FAULT_MIN_BPS, the rest goes on 4 KiB
-        pages (MADV_NOHUGEPAGE) and so do later buffers (``self.huge``). Every piece is timed: the
-        first may come from memory freed just before, the next from memory the host let go.
-        -> (done: False when ``stop()`` turned true, whether it is still all on 2 MiB pages)."""
+    def fault_in(
+        self, a: np.ndarray, huge: bool, stop: Callable[[], bool] | None = None, nbytes: int | None = None
+    ) -> tuple[bool, bool]:
+        """prefault a fresh array made with ``huge_empty(..., huge)`` (its first ``nbytes`` bytes
+        only, if given: the rest faults in when first written), timing each piece while it is on
+        2 MiB pages: once one is slower than HUGE_FAULT_MIN_BPS, the rest of the array goes on
+        4 KiB pages (MADV_NOHUGEPAGE) and so do later buffers (``self.huge``). Every piece is
+        timed: the first may come from memory freed just before, the next from memory the host
+        let go. -> (done: False when ``stop()`` turned true, whether it is still all on 2 MiB
+        pages)."""
         state = {"huge": huge}
+        end = a.ctypes.data + a.nbytes
 
-        def watch(nbytes: int, rest: np.ndarray, dt: float) -> None:
-            if state["huge"] and rest.nbytes and dt > 0 and nbytes / dt < HUGE_FAULT_MIN_BPS:
-                if _madvise(rest.ctypes.data, rest.nbytes, mmap.MADV_NOHUGEPAGE) == 0:
+        def watch(n: int, rest: np.ndarray, dt: float) -> None:
+            start = rest.ctypes.data if rest.nbytes else -(-(end - (a.nbytes - part.nbytes)) // PAGE) * PAGE
+            if state["huge"] and end > start and dt > 0 and n / dt < HUGE_FAULT_MIN_BPS:
+                if _madvise(start, end - start, mmap.MADV_NOHUGEPAGE) == 0:
                     state["huge"] = self.huge = False
 
+        part = a if nbytes is None or nbytes >= a.nbytes else a.reshape(-1).view(np.uint8)[: max(0, nbytes)]
         timed = huge and _madvise is not None and a.ctypes.data % HUGE == 0
-        ok = prefault(a, stop=stop, watch=watch if timed else None, small=lambda: not state["huge"])
+        ok = prefault(part, stop=stop, watch=watch if timed else None, small=lambda: not state["huge"])
         return ok, state["huge"]
 
 

@@ -542,7 +542,7 @@ class ShuffledLoader(BaseLoader):
         """io="read": the run's selected bytes, image-major, into a private arena slot."""
         import os
 
-        slot = self._arena_slot(it)
+        slot = self._arena_slot(it, int((ends - starts).sum()))
         order = np.argsort(starts, kind="stable")
         fd = it.maps.fd(r.shard)
         view = slot.arr.view(np.uint8)
@@ -559,12 +559,13 @@ class ShuffledLoader(BaseLoader):
             os.posix_fadvise(fd, int(starts.min()), int(ends.max() - starts.min()), os.POSIX_FADV_DONTNEED)
         r.slot = slot
 
-    def _arena_slot(self, it: Iteration) -> _Slot:
-        """io="read": a free arena slot, or a new one faulted in by this reader. New slots go on
-        the page size the iteration's fresh memory uses (buffers.FreshPages, shared with the batch
-        buffer sets): 2 MiB pages until they fault in slowly, where 4 KiB ones are ~2x faster (a
-        VM host backing the memory again); one on 4 KiB pages is replaced after SMALL_SET_USES
-        reads into it, as batch sets are. 1-layer bench cache, warm, fresh processes, 6
+    def _arena_slot(self, it: Iteration, nbytes: int) -> _Slot:
+        """io="read": a free arena slot, or a new one whose first ``nbytes`` (the run to be read
+        into it; a slot fits the largest run) this reader faults in. New slots go on the page size
+        the iteration's fresh memory uses (buffers.FreshPages, shared with the batch buffer sets):
+        2 MiB pages until they fault in slowly, where 4 KiB ones are ~2x faster (a VM host backing
+        the memory again); one on 4 KiB pages is replaced after SMALL_SET_USES reads into it, as
+        batch sets are. 1-layer bench cache, warm, fresh processes, 6
         alternating rounds against slots always on 2 MiB pages (faulted in by the reads): first
         epoch x0.69 (median 2.94 -> 1.94 s), first batch 1.77 -> 1.06 s, second epoch x0.90;
         reader CPU over both 5.7 -> 3.5 s."""
@@ -579,7 +580,7 @@ class ShuffledLoader(BaseLoader):
                 self.stats.arena_slots += 1
         if slot is None:
             arr = pages.empty((self.slot_bytes // 4,), np.float32)
-            ok, huge = pages.fault_in(arr, pages.huge, stop=lambda: it.rt.stopping)
+            ok, huge = pages.fault_in(arr, pages.huge, stop=lambda: it.rt.stopping, nbytes=nbytes)
             if not ok:
                 raise Stopped
             slot = _Slot(arr, huge)
