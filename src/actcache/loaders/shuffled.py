@@ -123,7 +123,7 @@ BENCHMARKS.md. Since 2026-11-24 that machine is a Zen-5 VM whose page cache -> b
     VM: 0.07, or 0.3 in rounds where the host backed the arena fast) and ~1.8x the CPU per byte
     of the default afterwards. Each slot is faulted in by the reader that first needs it, on the
     page size batch buffers use (buffers.FreshPages: 4 KiB pages once 2 MiB ones fault in slowly;
-    _arena_slot): first epoch x0.69 on the project VM.
+    _arena_slot): first epoch x0.52 on the project VM.
 
     Which examples go into which batch is planned by :mod:`actcache.loaders.plan` from
     ``(seed, epoch, part)`` alone: deterministic whatever the thread timing, resumable at
@@ -565,10 +565,11 @@ class ShuffledLoader(BaseLoader):
         the iteration's fresh memory uses (buffers.FreshPages, shared with the batch buffer sets):
         2 MiB pages until they fault in slowly, where 4 KiB ones are ~2x faster (a VM host backing
         the memory again); one on 4 KiB pages is replaced after SMALL_SET_USES reads into it, as
-        batch sets are. 1-layer bench cache, warm, fresh processes, 6
-        alternating rounds against slots always on 2 MiB pages (faulted in by the reads): first
-        epoch x0.69 (median 2.94 -> 1.94 s), first batch 1.77 -> 1.06 s, second epoch x0.90;
-        reader CPU over both 5.7 -> 3.5 s."""
+        batch sets are. 1-layer bench cache, warm, 6 alternating rounds of fresh processes
+        against slots always on 2 MiB pages and faulted in by the reads: first epoch x0.52
+        (median 2.86 -> 1.56 s), first batch 1.75 -> 0.69 s, second epoch x0.93, reader CPU over
+        both 5.7 -> 3.0 s; faulting whole slots in measured x0.60 (a run fills ~2/3 of its slot
+        on average, and the arena's memory then grew to all of buffer_bytes)."""
         pages = it.pool.pages
         with it.cond:
             slot = it.slots.pop() if it.slots else None
