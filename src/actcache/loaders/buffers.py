@@ -645,18 +645,31 @@ class FreshPages:
         let go. -> (done: False when ``stop()`` turned true, whether it is still all on 2 MiB
         pages)."""
         state = {"huge": huge}
+        part = a if nbytes is None or nbytes >= a.nbytes else a.reshape(-1).view(np.uint8)[: max(0, nbytes)]
         end = a.ctypes.data + a.nbytes
+        after = -(-(a.ctypes.data + part.nbytes) // PAGE) * PAGE  # the first page past ``part``
 
         def watch(n: int, rest: np.ndarray, dt: float) -> None:
-            start = rest.ctypes.data if rest.nbytes else -(-(end - (a.nbytes - part.nbytes)) // PAGE) * PAGE
+            start = rest.ctypes.data if rest.nbytes else after  # all of the array not faulted in yet
             if state["huge"] and end > start and dt > 0 and n / dt < HUGE_FAULT_MIN_BPS:
                 if _madvise(start, end - start, mmap.MADV_NOHUGEPAGE) == 0:
                     state["huge"] = self.huge = False
 
-        part = a if nbytes is None or nbytes >= a.nbytes else a.reshape(-1).view(np.uint8)[: max(0, nbytes)]
         timed = huge and _madvise is not None and a.ctypes.data % HUGE == 0
         ok = prefault(part, stop=stop, watch=watch if timed else None, small=lambda: not state["huge"])
         return ok, state["huge"]
+
+    def worn(self, buf) -> bool:
+        """Count one more use of a buffer (with ``huge`` and ``uses`` attributes); True when it is
+        on 4 KiB pages and has now cost what one on 2 MiB pages would (SMALL_SET_USES): the caller
+        replaces it, and new buffers go on 2 MiB pages again."""
+        if buf.huge:
+            return False
+        buf.uses += 1
+        if buf.uses <= SMALL_SET_USES:
+            return False
+        self.huge = True
+        return True
 
 
 def _refcounts(arrays: list[np.ndarray]) -> list[int]:
@@ -734,12 +747,9 @@ class BatchPool:
             self.all_lent()  # moves the sets the consumer let go of to the free list
         if self.free:
             b = self.free.pop()
-            if not b.huge:
-                b.uses += 1
-                if b.uses > SMALL_SET_USES:  # it has cost what a set on 2 MiB pages would: replace it
-                    self.pages.huge = True
-                    self.n_allocated += 1
-                    return self._new()
+            if self.pages.worn(b):  # on 4 KiB pages long enough: replaced by a set on 2 MiB pages
+                self.n_allocated += 1
+                return self._new()
             return b
         if self.n_owned < self.max_sets and grow:
             self.n_owned += 1

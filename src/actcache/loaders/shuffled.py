@@ -143,7 +143,7 @@ import time
 import numpy as np
 
 from actcache.errors import ConfigError
-from actcache.loaders import buffers, kernels
+from actcache.loaders import kernels
 from actcache.loaders.base import BaseLoader, Iteration, check_number
 from actcache.loaders.buffers import COLD_READS, HUGE, block_range, populate_small
 from actcache.loaders.partition import Partition
@@ -573,10 +573,8 @@ class ShuffledLoader(BaseLoader):
         pages = it.pool.pages
         with it.cond:
             slot = it.slots.pop() if it.slots else None
-            if slot is not None and not slot.huge:
-                slot.uses += 1
-                if slot.uses > buffers.SMALL_SET_USES:  # it has cost what a slot on 2 MiB pages would
-                    pages.huge, slot = True, None
+            if slot is not None and pages.worn(slot):  # replaced by a slot on 2 MiB pages
+                slot = None
             if slot is None:
                 self.stats.arena_slots += 1
         if slot is None:
