@@ -65,6 +65,21 @@ def test_cut_runs_cover_each_shard_once_and_cut_on_points_when_they_can():
     assert (plain[:, 3] == 0).all() and (plain[:, 4] == plain[:, 2] * per).all()
 
 
+def test_equal_runs_have_run_imgs_images_but_a_shards_last():
+    per, shard_imgs, run_imgs = GEOM.per_img, [40, 0, 13, 25, 6], 6
+    runs = cut_runs(shard_imgs, run_imgs, np.random.default_rng(5), per, equal=True)
+    for shard, n in enumerate(shard_imgs):
+        rs = runs[runs[:, 0] == shard]
+        assert rs[:, 2].sum() == n and (rs[:, 3] == 0).all() and (rs[:, 4] == rs[:, 2] * per).all()
+        if n:
+            np.testing.assert_array_equal(rs[:-1, 2], run_imgs)  # whole images, one length
+            assert rs[-1, 2] == n - (len(rs) - 1) * run_imgs and 0 < rs[-1, 2] <= run_imgs
+    # the epoch order still comes from (seed, epoch): the same runs, shuffled
+    a, b = (epoch_runs(shard_imgs, run_imgs, per, 3, e, equal=True) for e in (0, 1))
+    assert sorted(map(tuple, a.tolist())) == sorted(map(tuple, runs.tolist())) == sorted(map(tuple, b.tolist()))
+    assert not np.array_equal(a, b)
+
+
 def test_part_runs_narrow_runs_that_start_inside_an_image():
     per = 4
     runs = np.array([[0, 2, 3, 1, 10], [1, 0, 2, 0, 8], [0, 4, 2, 2, 6]], np.int64)  # 9 + 8 + 4 examples

@@ -430,6 +430,34 @@ def test_sets_go_on_small_pages_while_huge_ones_fault_in_slowly_and_back_later(m
     assert "hg" in _vm_flags(b7.act.ctypes.data)
 
 
+def test_io_read_runs_fill_their_arena_slots_and_batch_0_waits_for_half_the_first_fill(cache):
+    """io="read": runs of one length, each in a slot of exactly its size (but a shard's last run,
+    which is shorter), so the arena holds buffer_bytes' worth of images, where runs of random
+    length in slots that fit the longest held ~2/3 of it; the slots stay within buffer_bytes.
+    When the data does not fit, batch 0 draws from the first half of the first fill only (plan
+    FILL_RAMP), so it does not wait for all of it to be read into fresh memory."""
+    path, md, acts = cache
+    buffer_bytes = 13_000
+    ld = ShuffledLoader(path, batch_size=17, layer="all", seed=5, io="read", buffer_bytes=buffer_bytes, run_bytes=1300)
+    g = ld.geom
+    assert ld.run_imgs > 1 and ld.slot_bytes == ld.run_imgs * g.img_bytes
+    assert ld.n_slots * ld.slot_bytes == ld.plan_budget <= buffer_bytes < (ld.n_slots + 1) * ld.slot_bytes
+    for epoch in range(2):
+        plan = ld.epoch_plan(epoch)
+        runs = plan.runs
+        last = np.zeros(len(runs), bool)  # each shard's last run
+        for shard in np.unique(runs[:, 0]):
+            i = np.flatnonzero(runs[:, 0] == shard)
+            last[i[np.argmax(runs[i, 1])]] = True
+        np.testing.assert_array_equal(runs[~last, 2], ld.run_imgs)
+        assert (runs[last, 2] <= ld.run_imgs).all()
+        assert ((runs[:, 4] - runs[:, 3]) * g.vec_bytes <= ld.slot_bytes).all()
+        assert len(runs) * ld.slot_bytes > ld.plan_budget  # the data does not fit: a ramp
+        held = [int(spec.plan_bytes) for spec in plan.batches()]
+        assert held[0] <= ld.plan_budget // 2 < held[1] <= ld.plan_budget == max(held)
+    assert sorted(keys(collect(ld))) == sorted(keys(collect(ShuffledLoader(path, batch_size=17, layer="all", seed=5))))
+
+
 def test_arena_slots_go_on_small_pages_while_huge_ones_fault_in_slowly_and_back_later(cache, monkeypatch):
     """io="read": a new arena slot goes on the page size fresh memory faults in fastest, as batch
     buffer sets do (buffers.FreshPages: one per iteration, shared with the sets), and a slot on

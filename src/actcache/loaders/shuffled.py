@@ -123,7 +123,10 @@ BENCHMARKS.md. Since 2026-11-24 that machine is a Zen-5 VM whose page cache -> b
     VM: 0.07, or 0.3 in rounds where the host backed the arena fast) and ~1.8x the CPU per byte
     of the default afterwards. Each slot is faulted in by the reader that first needs it, on the
     page size batch buffers use (buffers.FreshPages: 4 KiB pages once 2 MiB ones fault in slowly;
-    _arena_slot): first epoch x0.52 on the project VM.
+    _arena_slot): first epoch x0.52 on the project VM. Its runs are all ``run_imgs`` images long
+    (but a shard's last), so that each fills its slot and the arena mixes buffer_bytes of images
+    (image-index entropy 0.952 on the bench's 1-layer cache, where runs of random length in
+    slots fitting the longest gave 0.913).
 
     Which examples go into which batch is planned by :mod:`actcache.loaders.plan` from
     ``(seed, epoch, part)`` alone: deterministic whatever the thread timing, resumable at
@@ -298,6 +301,13 @@ class ShuffledLoader(BaseLoader):
         self.partition = Partition(self.sel.n_examples, self.world, batch_size, drop_last)
         self.run_imgs = int(min(max(1, round(run_bytes / g.img_bytes)), max(1, buffer_bytes // (16 * g.img_bytes))))
         run_max = (self.run_imgs + self.run_imgs // 2 + 1) * g.img_bytes
+        if io == "read":
+            # Runs of one length (plan.cut_runs, equal), each read into an arena slot of exactly
+            # that size: with runs of random length (0.5x-1.5x) a slot had to fit the longest and
+            # held ~2/3 of its size on average, so the arena mixed 2/3 of buffer_bytes of images
+            # (1-layer bench cache, 3.2 GB: plan image-index entropy 0.913 -> 0.951 with equal
+            # runs; the default io="mmap" plan, random lengths, 0.954).
+            run_max = self.run_imgs * g.img_bytes
         self.slot_bytes = run_max
         # The plan mixes batches from up to buffer_bytes of runs; readers may load up to
         # read_ahead_bytes more (the next runs, before the plan releases room for them).
@@ -350,7 +360,9 @@ class ShuffledLoader(BaseLoader):
     def epoch_plan(self, epoch: int) -> EpochPlan:
         """The plan of one epoch for this part (no I/O)."""
         g = self.geom
-        runs = epoch_runs(self.shard_imgs, self.run_imgs, g.per_img, self.seed, epoch, self._cut_points())
+        runs = epoch_runs(
+            self.shard_imgs, self.run_imgs, g.per_img, self.seed, epoch, self._cut_points(), equal=self.io == "read"
+        )
         s, e = self.partition.part_range(self.world)
         rng = np.random.default_rng([self.seed, epoch, self.world.part, 1])
         fixed = self.slot_bytes if self.io == "read" else None
@@ -366,6 +378,7 @@ class ShuffledLoader(BaseLoader):
             rng,
             fixed_run_bytes=fixed,
             map_unit=unit,
+            ramp_fill=self.io == "read",
         )
 
     def _cut_points(self) -> list[np.ndarray] | None:
@@ -561,15 +574,15 @@ class ShuffledLoader(BaseLoader):
 
     def _arena_slot(self, it: Iteration, nbytes: int) -> _Slot:
         """io="read": a free arena slot, or a new one whose first ``nbytes`` (the run to be read
-        into it; a slot fits the largest run) this reader faults in. New slots go on the page size
+        into it; a slot fits a run, a shard's last run may be shorter) this reader faults in. New slots go on the page size
         the iteration's fresh memory uses (buffers.FreshPages, shared with the batch buffer sets):
         2 MiB pages until they fault in slowly, where 4 KiB ones are ~2x faster (a VM host backing
         the memory again); one on 4 KiB pages is replaced after SMALL_SET_USES reads into it, as
         batch sets are. 1-layer bench cache, warm, 6 alternating rounds of fresh processes
         against slots always on 2 MiB pages and faulted in by the reads: first epoch x0.52
         (median 2.86 -> 1.56 s), first batch 1.75 -> 0.69 s, second epoch x0.93, reader CPU over
-        both 5.7 -> 3.0 s; faulting whole slots in measured x0.60 (a run fills ~2/3 of its slot
-        on average, and the arena's memory then grew to all of buffer_bytes)."""
+        both 5.7 -> 3.0 s; faulting whole slots in measured x0.60 (runs of random length then
+        filled ~2/3 of a slot on average, and the arena's memory grew to all of buffer_bytes)."""
         pages = it.pool.pages
         with it.cond:
             slot = it.slots.pop() if it.slots else None
