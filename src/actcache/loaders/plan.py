@@ -30,7 +30,10 @@ Batches (per part)
     cache, one layer of 1 GiB, warm, first epoch in a fresh process (median of 6): eighths 0.32 s
     (first batch 0.07 s, image-index entropy 0.968) against quarters (1/4, 1/2, 3/4) 0.36 s
     (0.14 s, 0.980); cold, quarters measured ~1.35 against ~1.14 GB/s without a ramp (first
-    batch ~0.27 against ~0.72 s; entropy 1.00).
+    batch ~0.27 against ~0.72 s; entropy 1.00). With io="read" (``ramp_fill``), whose readers
+    copy the first fill into fresh memory, a part that does not fit ramps too: batch 0 draws from
+    the first half of the first fill (FILL_RAMP), the two-rate weights below still set over the
+    whole first fill.
     Weights: by default equal per run. Runs of random length then end at spread-out times, and
     the runs admitted in their place do too (equal shares measured better than shares
     proportional to run size, whose runs all end together). When the data left out of the first
