@@ -499,7 +499,7 @@ class EpochPlan:
         w = np.zeros(0, np.float64)
         per_image = False  # weights per image (two-rate plan) or equal per run
         ramp, fill_ramp = self._ramp()
-        rates = np.zeros(0)  # two-rate plan under a ramp over the first fill: its runs' rates
+        rates = None  # two-rate plan: per-image rates of the first fill's runs (by run index)
         early = on_admit is not None and self.G == 1
         nxt = 0  # next run to admit
         mem = 0
@@ -522,15 +522,14 @@ class EpochPlan:
                 self._draw_order(r)
             active.extend(admitted)
             held = mem  # what the plan holds while this batch is gathered
-            if t == 0 and not fill_ramp:
-                per_image = self._first_weights(admitted)
-            elif t == 0:  # the runs the first fill would admit without a ramp, by index
-                sizes = np.array([self.run_bytes(i) for i in range(len(self.runs))], np.int64)
-                n_fill = max(len(admitted), int(np.searchsorted(np.cumsum(sizes), self.budget, side="right")))
-                rates = self._fill_rates(sizes[:n_fill].astype(np.float64), n_fill)
+            if t == 0:  # the first fill: what batch 0 admits, or would without a ramp over it
+                sizes = self._sizes()[1]
+                n_fill = len(admitted)
+                if fill_ramp:
+                    n_fill = max(n_fill, int(np.searchsorted(np.cumsum(sizes), self.budget, side="right")))
+                rates = self._fill_rates(sizes[:n_fill].astype(np.float64))
                 per_image = rates is not None
-                rates = rates if per_image else np.zeros(0)
-            if per_image and (t > 0 or fill_ramp):
+            if per_image:  # the first fill's runs at their rates, later ones at 1 (per image)
                 for r in admitted:
                     i = r.key[1]
                     r.weight = (float(rates[i]) if i < len(rates) else 1.0) * (r.j1 - r.j0)
@@ -610,23 +609,13 @@ class EpochPlan:
     # FAST_SPREAD) times as fast per image as the rest. Tuned on the plan alone (tests/bench).
     LATE_MAX, FAST_SPAN, FAST_RATE, FAST_SPREAD = 0.5, 1.05, 2.0, 0.2
 
-    def _first_weights(self, first: list[Run]) -> bool:
-        """Set the weights of the runs admitted before batch 0; -> whether weights are per image
-        (two-rate plan) rather than equal per run."""
-        if not first:
-            return False
-        rate = self._fill_rates(np.array([r.held_bytes() for r in first], np.float64), len(first))
-        if rate is None:
-            return False
-        for r, a in zip(first, rate.tolist(), strict=True):
-            r.weight = a * (r.j1 - r.j0)
-        return True
-
-    def _fill_rates(self, held: np.ndarray, n_first: int) -> np.ndarray | None:
-        """Per-image rates of the first fill's runs (runs 0..n_first-1, holding ``held`` bytes)
+    def _fill_rates(self, held: np.ndarray) -> np.ndarray | None:
+        """Per-image rates of the first fill's runs (runs 0..len(held)-1, holding ``held`` bytes)
         under the two-rate plan, or None when it does not apply (equal weights per run)."""
+        if not len(held):
+            return None
         late = 0  # bytes of the data left out of the first fill (counted up to LATE_MAX x it)
-        for i in range(n_first, len(self.runs)):
+        for i in range(len(held), len(self.runs)):
             late += self.run_bytes(i)
             if late >= self.LATE_MAX * held.sum():
                 return None

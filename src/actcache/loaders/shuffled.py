@@ -305,7 +305,7 @@ class ShuffledLoader(BaseLoader):
             # Runs of one length (plan.cut_runs, equal), each read into an arena slot of exactly
             # that size: with runs of random length (0.5x-1.5x) a slot had to fit the longest and
             # held ~2/3 of its size on average, so the arena mixed 2/3 of buffer_bytes of images
-            # (1-layer bench cache, 3.2 GB: plan image-index entropy 0.913 -> 0.951 with equal
+            # (1-layer bench cache, 3.2 GB: plan image-index entropy 0.913 -> 0.952 with equal
             # runs; the default io="mmap" plan, random lengths, 0.954).
             run_max = self.run_imgs * g.img_bytes
         self.slot_bytes = run_max
