@@ -266,6 +266,26 @@ def test_epochs_resume_and_end_at(cache):
     assert not loader_threads()
 
 
+def test_each_for_loop_runs_the_configured_span_and_start_at_picks_the_next(cache):
+    """README: a second ``for`` over the same loader gives the same batches again (the order is a
+    function of (seed, epoch) only); a loop per epoch sets ``start_at`` and ``n_epochs`` before
+    each one and then gets exactly the epochs of one loop over all of them."""
+    path = cache[0]
+    kw = dict(batch_size=19, layer=3, seed=9, **SMALL)
+    full = collect(ShuffledLoader(path, n_epochs=3, **kw))
+    ld = ShuffledLoader(path, **kw)
+    nb = len(ld)
+    assert keys(collect(ld)) == keys(collect(ld)) == keys(full[:nb])
+    assert ld.position == (0, nb - 1)
+    for e in range(3):
+        ld.start_at, ld.n_epochs = (e, 0), e + 1
+        got = collect(ld)
+        assert keys(got) == keys(full[e * nb : (e + 1) * nb]) and ld.position == (e, nb - 1)
+        for x, y in zip(got, full[e * nb : (e + 1) * nb], strict=True):
+            np.testing.assert_array_equal(x["act"], y["act"])
+    ld.close()
+
+
 @pytest.mark.parametrize("world_size,n_workers", [(1, 1), (2, 1), (3, 1), (1, 2), (2, 2), (8, 1)])
 def test_partitions_cover_every_example_once_with_equal_batch_counts(cache, world_size, n_workers):
     path = cache[0]
