@@ -47,7 +47,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402
 
-from actcache.loaders.buffers import ShardMaps, huge_empty  # noqa: E402
+from actcache.loaders.buffers import huge_empty  # noqa: E402
+from actcache.loaders.maps import ShardMaps  # noqa: E402
 
 SOURCE = os.path.join(benchlib.ROOT, "src", "actcache", "_native.c")
 ENTRY = r"""

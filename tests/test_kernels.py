@@ -243,7 +243,7 @@ def test_concat_ranges_is_the_same_with_numpy_and_refuses_bad_sizes(native, monk
 
 
 def test_merged_ranges_join_touching_overlapping_and_near_ones():
-    from actcache.loaders.buffers import _merged, _merged_arrays
+    from actcache.loaders.maps import _merged, _merged_arrays
 
     assert _merged(np.array([], np.int64), np.array([], np.int64)) == []
     assert _merged(np.array([7]), np.array([9])) == [(7, 9)]

@@ -307,7 +307,7 @@ def test_prefetch_asks_only_for_ranges_not_cached(tmp_path, monkeypatch, native)
     and last byte that must not block); evicted ones are asked for. With the C kernel the
     probes and requests are made in C (kernels.probe), without it from Python."""
     from actcache.loaders import kernels
-    from actcache.loaders.buffers import ShardMaps
+    from actcache.loaders.maps import ShardMaps
 
     if native:
         import actcache._native as mod
@@ -355,8 +355,8 @@ def test_random_mode_leaves_cached_ranges_to_the_copies_and_releases_per_stretch
     """Mode "random" (one layer of several): ranges found cached are not populated (the copies
     map them as they touch them), ranges not cached are; release(whole=True) widens the ranges to
     2 MiB blocks and unmaps each stretch of touching blocks with one call, not one per range."""
-    from actcache.loaders import buffers
-    from actcache.loaders.buffers import HUGE, MADV_DONTNEED, MADV_POPULATE_READ, ShardMaps
+    from actcache.loaders import maps
+    from actcache.loaders.maps import HUGE, MADV_DONTNEED, MADV_POPULATE_READ, ShardMaps
 
     name, size = "acts000000.bin", 8 * HUGE
     data = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
@@ -367,13 +367,13 @@ def test_random_mode_leaves_cached_ranges_to_the_copies_and_releases_per_stretch
     with open(tmp_path / name, "rb") as f:
         f.read()  # cached
     calls = []
-    real = buffers._madvise
+    real = maps._madvise
 
     def spy(addr, n, advice):
         calls.append((advice, addr, n))
         return real(addr, n, advice)
 
-    monkeypatch.setattr(buffers, "_madvise", spy)
+    monkeypatch.setattr(maps, "_madvise", spy)
     maps = ShardMaps(str(tmp_path), [name], [size], mode="random")
     kib = 1024
     starts = np.arange(4, dtype=np.int64) * 2400 * kib  # ~600 KB ranges 2.4 MB apart: one layer of four

@@ -411,7 +411,8 @@ def test_sets_go_on_small_pages_while_huge_ones_fault_in_slowly_and_back_later(m
     import threading
 
     from actcache.loaders import buffers
-    from actcache.loaders.buffers import HUGE, STOP_CHECK_BYTES, BatchBuffers, BatchPool
+    from actcache.loaders.buffers import STOP_CHECK_BYTES, BatchBuffers, BatchPool
+    from actcache.loaders.maps import HUGE
 
     rows, d = 4096, 768  # 12 MiB of act: three 4 MiB pieces
     monkeypatch.setattr(buffers, "HUGE_FAULT_MIN_BPS", 0.0)  # never slow
@@ -482,8 +483,9 @@ def test_arena_slots_go_on_small_pages_while_huge_ones_fault_in_slowly_and_back_
     """io="read": a new arena slot goes on the page size fresh memory faults in fastest, as batch
     buffer sets do (buffers.FreshPages: one per iteration, shared with the sets), and a slot on
     4 KiB pages is replaced by one on 2 MiB pages after SMALL_SET_USES reads into it."""
-    from actcache.loaders import buffers
-    from actcache.loaders.buffers import HUGE, STOP_CHECK_BYTES
+    from actcache.loaders import buffers, maps
+    from actcache.loaders.buffers import STOP_CHECK_BYTES
+    from actcache.loaders.maps import HUGE
 
     path, md, acts = cache
     ld = ShuffledLoader(path, batch_size=17, layer="all", seed=5, io="read", **SMALL)
@@ -525,9 +527,9 @@ def test_arena_slots_go_on_small_pages_while_huge_ones_fault_in_slowly_and_back_
         a5 = s5.arr.ctypes.data
         assert not s5.huge and not it.pool.huge
         assert "hg" in _vm_flags(a5) and "nh" in _vm_flags(a5 + STOP_CHECK_BYTES)
-        vec = np.zeros(s5.arr.nbytes // buffers.PAGE, np.uint8)
-        assert buffers._mincore(a5, s5.arr.nbytes, vec.ctypes.data) == 0
-        n_run = STOP_CHECK_BYTES // buffers.PAGE
+        vec = np.zeros(s5.arr.nbytes // maps.PAGE, np.uint8)
+        assert maps._mincore(a5, s5.arr.nbytes, vec.ctypes.data) == 0
+        n_run = STOP_CHECK_BYTES // maps.PAGE
         assert (vec[:n_run] & 1).all() and not (vec[n_run:] & 1).any()
         # a loader stopping meanwhile: the reader gives the slot up rather than fault it all in
         it.rt.stopping = True
@@ -631,7 +633,7 @@ def test_a_shard_truncated_while_a_cold_run_is_read_is_an_error_naming_it(tmp_pa
     """read_uncached (cold_read="read"): a file that ends before the range it reads (truncated
     after its size was checked) is a LoaderError naming the file and the bytes, not a hang or a
     silent short read."""
-    from actcache.loaders.buffers import ShardMaps
+    from actcache.loaders.maps import ShardMaps
 
     path, md, _ = make_cache(tmp_path, n_imgs=8, layers=(3,), n_patches=4, d=8, imgs_per_shard=4)
     name = "acts000001.bin"
@@ -819,7 +821,7 @@ def test_balanced_order_spreads_a_batch_over_the_runs_images(cache):
 def test_blocks_stay_mapped_while_any_run_uses_them(cache):
     """ShardMaps' 2 MiB block counts: a block is mapped once, by its first user, and unmapped
     with its last one."""
-    from actcache.loaders.buffers import HUGE, ShardMaps
+    from actcache.loaders.maps import HUGE, ShardMaps
 
     path = cache[0]
     names = sorted(f for f in os.listdir(path) if f.startswith("acts"))
@@ -841,7 +843,7 @@ def test_blocks_stay_mapped_while_any_run_uses_them(cache):
 def test_a_pinned_block_stays_mapped_until_its_pinning_run_is_released(cache):
     """block_pin holds the blocks of a span that some run maps (no new bytes), block_acquire with
     those pins counts only the rest, and the pinned blocks outlive their first user."""
-    from actcache.loaders.buffers import HUGE, ShardMaps
+    from actcache.loaders.maps import HUGE, ShardMaps
 
     path = cache[0]
     names = sorted(f for f in os.listdir(path) if f.startswith("acts"))
@@ -862,7 +864,7 @@ def test_the_next_epoch_maps_only_the_blocks_that_change(tmp_path, monkeypatch):
     """Whole runs on huge-page mappings (the default for whole images): at an epoch boundary the
     next epoch's first runs reuse the blocks the last epoch's runs still map, so far fewer bytes
     are mapped anew than the first fill holds; every example still comes once per epoch."""
-    from actcache.loaders.buffers import HUGE, ShardMaps
+    from actcache.loaders.maps import HUGE, ShardMaps
 
     # 1024 images of 4 patches x 2048 floats (32 KiB each, 64 per 2 MiB block: 32 MiB in all),
     # shards of 256 images
@@ -906,7 +908,7 @@ def test_the_next_epoch_keeps_the_blocks_its_first_fill_shares(tmp_path, monkeyp
     readers hold (pin) the blocks of them that older runs still map, so that releasing the older
     runs does not unmap what must then be mapped again."""
     import actcache.loaders.shuffled as shuffled
-    from actcache.loaders.buffers import HUGE, ShardMaps, block_range
+    from actcache.loaders.maps import HUGE, ShardMaps, block_range
 
     path, md, acts = make_cache(tmp_path, n_imgs=1024, layers=(3,), n_patches=4, cls=False, d=2048, imgs_per_shard=256)
     monkeypatch.setattr(shuffled, "HUGE_MIN_RUN", 0)  # huge mappings for this small cache
@@ -976,7 +978,7 @@ def test_cold_runs_are_read_with_preadv_then_mapped_and_cached_ones_only_mapped(
     that way. "fault" reads through the mapping. The batches are the same either way. Where
     preadv2's RWF_NOWAIT is not supported, the cache is probed with mincore instead."""
     import actcache.loaders.shuffled as shuffled
-    from actcache.loaders.buffers import ShardMaps
+    from actcache.loaders.maps import ShardMaps
 
     if probe == "mincore":  # as on a kernel or filesystem without RWF_NOWAIT
         real_init = ShardMaps.__init__

@@ -13,8 +13,9 @@ import numpy as np
 
 from actcache.cache import ActivationCache
 from actcache.errors import ConfigError
-from actcache.loaders.buffers import BatchBuffers, BatchPool, ShardMaps
+from actcache.loaders.buffers import BatchBuffers, BatchPool
 from actcache.loaders.common import Selection
+from actcache.loaders.maps import ShardMaps
 from actcache.loaders.partition import World
 from actcache.loaders.plan import Geometry
 from actcache.loaders.runtime import LoaderStats, Runtime

@@ -51,7 +51,7 @@ filesystem, are what this project is for.
 ``io="mmap"``: readers make the ranges resident in memory-mapped shards (MADV_POPULATE_READ);
 copy threads copy runs of whole images out of the mappings with the C kernel (kernels.copy_blocks:
 one block per image and layer, non-temporal stores) or numpy's strided copies; the bytes behind
-the consumer are unmapped in whole 2 MiB blocks (buffers.ShardMaps.release_before).
+the consumer are unmapped in whole 2 MiB blocks (maps.ShardMaps.release_before).
 
 Partitioning (rank/world_size/worker_id/n_workers) splits the range into contiguous parts with
 the same number of batches per rank (see :mod:`.partition`).
@@ -358,7 +358,7 @@ class OrderedLoader(BaseLoader):
                 for shard, simg, n in self._spans(lo * self.geom.per_img, upto * self.geom.per_img):
                     ext = self._extents(shard, simg, n) if self.evict else (None, None)
                     if it.maps.mapped(shard):
-                        # every byte of the shard before image simg + n (huge-page blocks: buffers.py)
+                        # every byte of the shard before image simg + n (huge-page blocks: maps.py)
                         it.maps.release_before(shard, (simg + n) * self.metadata.bytes_per_img, *ext)
                     elif self.evict:  # nothing mapped: only evict, if asked
                         it.maps.evict_ranges(shard, *ext)

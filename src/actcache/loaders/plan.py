@@ -64,7 +64,7 @@ Progressive release (strips)
     the admitted runs (hence the images mixed per batch) grow by 2 n_strips / (n_strips + 1)
     for the same budget. Within one image, a batch's examples then come from one strip (a third
     of the image with 3 strips) instead of the whole image. Releasing part of a 2 MiB huge-page
-    mapping drops all of it, so strips need 4 KiB mappings (see buffers.ShardMaps).
+    mapping drops all of it, so strips need 4 KiB mappings (see maps.ShardMaps).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ BENCHMARKS.md. Since 2026-11-24 that machine is a Zen-5 VM whose page cache -> b
     Zen-4 host of 2026-11-25, the kernel's prefetch of whole rows into L2 (_native.c) made first
     and steady epochs x1.22 faster.
 
-    How pages come in matters as much as the copy (buffers.py): loaded through the fault path of
+    How pages come in matters as much as the copy (maps.py): loaded through the fault path of
     a MADV_HUGEPAGE mapping, a run lands in large page-cache folios that map 2 MiB at a time, so
     mapping cached data costs ~nothing and random gathers run ~1.5x faster than through 4 KiB
     page tables; posix_fadvise WILLNEED would read into 4 KiB pages and cost ~12 GB/s of mapping
@@ -100,7 +100,7 @@ BENCHMARKS.md. Since 2026-11-24 that machine is a Zen-5 VM whose page cache -> b
     its bytes are also dropped from the page cache, for shared nodes); batch buffers add 3
     batches, or up to ``max(3, read_ahead + 1)`` for a consumer slower than the loader. Nothing
     else grows with the dataset. Held runs stay mapped until released (one layer of several: from
-    the first batch that copies from them, when the readers found them cached; buffers.py), which
+    the first batch that copies from them, when the readers found them cached; maps.py), which
     also keeps them from proactive reclaim that pages out unmapped file pages only (the project
     VM's DAMON scheme: of 256 MB read once and left alone, 9% was gone after 45 s and 74% after
     120 s; of 256 MB kept mapped, none).
@@ -148,7 +148,8 @@ import numpy as np
 from actcache.errors import ConfigError
 from actcache.loaders import kernels
 from actcache.loaders.base import BaseLoader, Iteration, check_number
-from actcache.loaders.buffers import COLD_READS, HUGE, block_range, populate_small
+from actcache.loaders.buffers import populate_small
+from actcache.loaders.maps import COLD_READS, HUGE, block_range
 from actcache.loaders.partition import Partition
 from actcache.loaders.plan import EpochPlan, cut_points, epoch_runs, part_runs
 from actcache.loaders.runtime import Stopped
@@ -513,7 +514,7 @@ class ShuffledLoader(BaseLoader):
                     del it.loads[pick[0]]
                 else:
                     r, key, _ = it.loads.popleft()
-                if blocks:  # only the blocks no run maps yet are new (buffers.ShardMaps.block_*)
+                if blocks:  # only the blocks no run maps yet are new (maps.ShardMaps.block_*)
                     need, starts, ends = it.maps.block_acquire(r.shard, *r.span, pinned=r.pinned)
                 else:
                     need = int(r.strip_bytes[r.first_strip :].sum())

@@ -50,8 +50,8 @@ import re
 from typing import Any
 
 from actcache.errors import ConfigError
-from actcache.loaders.buffers import COLD_READS
 from actcache.loaders.kernels import PREFETCH_SCHEMES
+from actcache.loaders.maps import COLD_READS
 from actcache.sae.modeling import ACTIVATIONS, DTYPES, SAEConfig
 
 ID_VERSION = 1
