@@ -58,6 +58,7 @@ class Iteration:
         )
         self.closed = False
         self.on_close: list = []  # loader-specific state to drop before unmapping (may hold views)
+        self.on_handover: list = []  # called when no thread is left behind, before on_close
 
     @property
     def finished(self) -> bool:
@@ -112,6 +113,8 @@ class Iteration:
                 self.pool.clear()
             else:  # the loader's next iteration reuses the sets (BatchPool.handover)
                 self.loader._spare_sets = self.pool.handover(unseen)
+                for keep in self.on_handover:  # loader-specific memory its next iteration reuses
+                    keep()
             for drop in self.on_close:
                 drop()
         if not alive:  # never unmap while a thread might still copy out of a mapping
@@ -189,6 +192,7 @@ class BaseLoader(abc.ABC):
         self.debug_hook = None  # tests/diagnostics: called as hook(stage, info) in loader threads
         self._it: Iteration | None = None
         self._spare_sets: list[BatchBuffers] = []  # batch buffer sets a finished iteration left
+        self._spare_slots: list = []  # ShuffledLoader io="read": free arena slots it left
 
     @property
     def d_vit(self) -> int:
@@ -241,9 +245,10 @@ class BaseLoader(abc.ABC):
 
     def close(self) -> None:
         """Stop the running iteration (if any): threads joined, mappings released; and free the
-        batch buffers kept for the next iteration."""
+        batch buffers (and io="read" arena slots) kept for the next iteration."""
         self._end_iteration()
         self._spare_sets = []
+        self._spare_slots = []
 
     def _end_iteration(self) -> None:
         it, self._it = self._it, None

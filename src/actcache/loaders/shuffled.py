@@ -405,7 +405,10 @@ class ShuffledLoader(BaseLoader):
         it.unloaded = collections.Counter()  # batch key -> runs it admits that are not resident yet
         it.pinned_key, it.pin_new = None, False  # the batch whose runs the readers pinned (_reader)
         it.done = set()
-        it.slots = []  # io="read": free arena slots
+        # io="read": free arena slots; those the last iteration left (its whole arena when it ran
+        # to its end) are reused, as batch buffer sets are, instead of faulting in new memory
+        it.slots, self._spare_slots = self._spare_slots, []
+        it.on_handover.append(lambda: setattr(self, "_spare_slots", list(it.slots)))
         # who waits on what (runtime.py): the planner for the consumer to advance, readers for
         # runs to load (and memory), gather threads for plans, reads, parts and buffers
         rt = it.rt
