@@ -119,7 +119,7 @@ BENCHMARKS.md. Since 2026-11-24 that machine is a Zen-5 VM whose page cache -> b
     memory is then strictly the arena and does not rely on the page cache (for filesystems whose
     client cache is small or bypassed: Lustre, GPFS), reads are still large and sequential, but
     every byte is copied twice and a fresh arena must first be touched (0.3-20 GB/s on these VMs,
-    as the host backs it): it measured ~0.1 of ref2 for a first epoch in a fresh process (Zen-5
+    as the host backs it; once per loader: a pass hands its slots to the next): it measured ~0.1 of ref2 for a first epoch in a fresh process (Zen-5
     VM: 0.07, or 0.3 in rounds where the host backed the arena fast) and ~1.8x the CPU per byte
     of the default afterwards. Each slot is faulted in by the reader that first needs it, on the
     page size batch buffers use (buffers.FreshPages: 4 KiB pages once 2 MiB ones fault in slowly;
