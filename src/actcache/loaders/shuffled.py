@@ -119,11 +119,12 @@ BENCHMARKS.md. Since 2026-11-24 that machine is a Zen-5 VM whose page cache -> b
     memory is then strictly the arena and does not rely on the page cache (for filesystems whose
     client cache is small or bypassed: Lustre, GPFS), reads are still large and sequential, but
     every byte is copied twice and a fresh arena must first be touched (0.3-20 GB/s on these VMs,
-    as the host backs it; once per loader: a pass hands its slots to the next): it measured ~0.1 of ref2 for a first epoch in a fresh process (Zen-5
-    VM: 0.07, or 0.3 in rounds where the host backed the arena fast) and ~1.8x the CPU per byte
-    of the default afterwards. Each slot is faulted in by the reader that first needs it, on the
-    page size batch buffers use (buffers.FreshPages: 4 KiB pages once 2 MiB ones fault in slowly;
-    _arena_slot): first epoch x0.52 on the project VM. Its runs are all ``run_imgs`` images long
+    as the host backs it; once per loader: a pass hands its slots to the next): it measured ~0.1
+    of ref2 for a first epoch in a fresh process (Zen-5 VM: 0.07, or 0.3 in rounds where the host
+    backed the arena fast) and ~1.8x the CPU per byte of the default afterwards. Each slot is
+    faulted in by the reader that first needs it, on the page size batch buffers use
+    (buffers.FreshPages: 4 KiB pages once 2 MiB ones fault in slowly; _arena_slot): first epoch
+    x0.52 on the project VM. Its runs are all ``run_imgs`` images long
     (but a shard's last), so that each fills its slot and the arena mixes buffer_bytes of images
     (image-index entropy 0.952 on the bench's 1-layer cache, where runs of random length in
     slots fitting the longest gave 0.913).
