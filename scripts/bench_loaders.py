@@ -712,6 +712,24 @@ def main() -> None:
         "ref2's: warm, both are CPU-bound, so it predicts the wall-clock ratio on an idle machine and "
         "does not depend on what else runs (other jobs shared these 2 cores: see the load average).",
         "",
+        "Changes of 2026-11-26 ~23:30 to 11-27 ~00:20 UTC (Intel host; the tables were not measured again: "
+        "neither change touches a first epoch in a fresh process). (1) io='read': a pass hands its free arena "
+        "slots to the loader's next pass, as batch buffer sets already were (a loop per epoch, README), so only "
+        "the first pass faults the arena in. 1-layer cache, warm, one process, three loops of one epoch each, 3 "
+        "alternating rounds against the code before (/tmp/s39/twofor.py, not in the repository): loops 2 and 3 "
+        "took 1.65-1.78 s before and 0.79-0.97 s after, their first batch 0.45-0.54 s and 0.17-0.26 s. (2) "
+        "buffers.py split into maps.py (the shard mappings) and buffers.py (batch buffers and fresh memory), code"
+        " unchanged. Observed, not changed: on a cache that records 4 layers of the same 7,096 images (17.2 GB, "
+        "--size-gib 16 --layers 4), so that the layer read is as large as the 1-layer cache, the default shuffled"
+        " loader's steady epochs of that layer (4.28 GB) took 389-488 ms against 348-393 ms on the 1-layer cache "
+        "in the same minutes (3 epochs per process, measured alone: x1.10-1.25), and with buffer_bytes 0.8 GB the"
+        " gap stayed (466-476 against 397-417 ms), so the span of the shuffle window in address space is not what"
+        " costs. A guess: each run there spans 4x the 2 MiB blocks per byte delivered, mapped by the copies' "
+        "first touch and unmapped when the run is released; this VM exposes no hardware counters to perf, so it "
+        "stays a guess. Its warm bench run (5 of its 7 warm rounds ran while single tests ran beside it, so no "
+        "table is kept) gave, in its 2 clean rounds, shuffled 0.69 and 0.83 x ref2 for one epoch and 0.83 and "
+        "0.81 for a second.",
+        "",
         "Change of 2026-11-26 ~22:00-22:40 UTC (Intel host; the tables' warm and cold rows were measured after it, "
         "22:41-23:01 with --modes warm,cold; their cold-late, cold-primed and warm-primed rows come from the full run "
         "of 20:27-21:31, before it, so their io='read' rows show the code before). io='read' only (the default "
