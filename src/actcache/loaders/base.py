@@ -192,7 +192,6 @@ class BaseLoader(abc.ABC):
         self.debug_hook = None  # tests/diagnostics: called as hook(stage, info) in loader threads
         self._it: Iteration | None = None
         self._spare_sets: list[BatchBuffers] = []  # batch buffer sets a finished iteration left
-        self._spare_slots: list = []  # ShuffledLoader io="read": free arena slots it left
 
     @property
     def d_vit(self) -> int:
@@ -245,10 +244,9 @@ class BaseLoader(abc.ABC):
 
     def close(self) -> None:
         """Stop the running iteration (if any): threads joined, mappings released; and free the
-        batch buffers (and io="read" arena slots) kept for the next iteration."""
+        batch buffers kept for the next iteration."""
         self._end_iteration()
         self._spare_sets = []
-        self._spare_slots = []
 
     def _end_iteration(self) -> None:
         it, self._it = self._it, None

@@ -311,6 +311,7 @@ class ShuffledLoader(BaseLoader):
             # runs; the default io="mmap" plan, random lengths, 0.954).
             run_max = self.run_imgs * g.img_bytes
         self.slot_bytes = run_max
+        self._spare_slots: list[_Slot] = []  # io="read": free arena slots a finished iteration left
         # The plan mixes batches from up to buffer_bytes of runs; readers may load up to
         # read_ahead_bytes more (the next runs, before the plan releases room for them).
         self._points = None  # plan.cut_points per shard (huge mappings), computed once
@@ -332,6 +333,11 @@ class ShuffledLoader(BaseLoader):
         self.n_readers = n_readers or 4
 
     # ---- sizes --------------------------------------------------------------------------------
+    def close(self) -> None:
+        """BaseLoader.close, and free the io="read" arena slots kept for the next iteration."""
+        super().close()
+        self._spare_slots = []
+
     def __len__(self) -> int:
         """Batches per epoch (for this rank/worker; the same on every rank)."""
         return self.partition.n_batches(self.world)
@@ -409,7 +415,7 @@ class ShuffledLoader(BaseLoader):
         # io="read": free arena slots; those the last iteration left (its whole arena when it ran
         # to its end) are reused, as batch buffer sets are, instead of faulting in new memory
         it.slots, self._spare_slots = self._spare_slots, []
-        it.on_handover.append(lambda: setattr(self, "_spare_slots", list(it.slots)))
+        it.on_handover.append(lambda: setattr(self, "_spare_slots", it.slots))
         # who waits on what (runtime.py): the planner for the consumer to advance, readers for
         # runs to load (and memory), gather threads for plans, reads, parts and buffers
         rt = it.rt
@@ -579,15 +585,16 @@ class ShuffledLoader(BaseLoader):
 
     def _arena_slot(self, it: Iteration, nbytes: int) -> _Slot:
         """io="read": a free arena slot, or a new one whose first ``nbytes`` (the run to be read
-        into it; a slot fits a run, a shard's last run may be shorter) this reader faults in. New slots go on the page size
-        the iteration's fresh memory uses (buffers.FreshPages, shared with the batch buffer sets):
-        2 MiB pages until they fault in slowly, where 4 KiB ones are ~2x faster (a VM host backing
-        the memory again); one on 4 KiB pages is replaced after SMALL_SET_USES reads into it, as
-        batch sets are. 1-layer bench cache, warm, 6 alternating rounds of fresh processes
-        against slots always on 2 MiB pages and faulted in by the reads: first epoch x0.52
-        (median 2.86 -> 1.56 s), first batch 1.75 -> 0.69 s, second epoch x0.93, reader CPU over
-        both 5.7 -> 3.0 s; faulting whole slots in measured x0.60 (runs of random length then
-        filled ~2/3 of a slot on average, and the arena's memory grew to all of buffer_bytes)."""
+        into it; a slot fits a run, a shard's last run may be shorter) this reader faults in. New
+        slots go on the page size the iteration's fresh memory uses (buffers.FreshPages, shared with
+        the batch buffer sets): 2 MiB pages until they fault in slowly, where 4 KiB ones are ~2x
+        faster (a VM host backing the memory again); one on 4 KiB pages is replaced after
+        SMALL_SET_USES reads into it, as batch sets are. 1-layer bench cache, warm, 6 alternating
+        rounds of fresh processes against slots always on 2 MiB pages and faulted in by the reads:
+        first epoch x0.52 (median 2.86 -> 1.56 s), first batch 1.75 -> 0.69 s, second epoch x0.93,
+        reader CPU over both 5.7 -> 3.0 s; faulting whole slots in measured x0.60 (runs of random
+        length then filled ~2/3 of a slot on average, and the arena's memory grew to all of
+        buffer_bytes)."""
         pages = it.pool.pages
         with it.cond:
             slot = it.slots.pop() if it.slots else None
