@@ -44,12 +44,23 @@ def build_model(kind: str, image_size: int = IMAGE) -> torch.nn.Module:
     raise ValueError(kind)
 
 
+def pil_processor_class(name: str):
+    """transformers' PIL image processor ``name`` (e.g. "CLIPImageProcessor"): the reference our
+    preprocessing follows. From transformers 5, the plain name is the torchvision-backed processor
+    wherever torchvision is installed (its resize rounds differently) and the PIL one is ``<name>Pil``;
+    before 5, and without torchvision, the plain name is the PIL one."""
+    cls = getattr(transformers, name + "Pil", None) or getattr(transformers, name, None)
+    assert cls is not None, f"transformers {transformers.__version__} has no {name} (needed as the reference)"
+    return cls
+
+
 def build_processor(kind: str, crop: int = IMAGE):
     if kind in ("clip", "clip_full"):
-        return transformers.CLIPImageProcessor(size={"shortest_edge": crop}, crop_size={"height": crop, "width": crop})
+        return pil_processor_class("CLIPImageProcessor")(size={"shortest_edge": crop},
+                                                         crop_size={"height": crop, "width": crop})  # fmt: skip
     if kind == "siglip":
-        return transformers.SiglipImageProcessor(size={"height": crop, "width": crop})
-    return transformers.BitImageProcessor(
+        return pil_processor_class("SiglipImageProcessor")(size={"height": crop, "width": crop})
+    return pil_processor_class("BitImageProcessor")(
         size={"shortest_edge": crop + crop // 8}, crop_size={"height": crop, "width": crop},
         image_mean=IMAGENET_MEAN, image_std=IMAGENET_STD,
     )  # fmt: skip

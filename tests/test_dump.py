@@ -12,7 +12,6 @@ import numpy as np
 import PIL.Image
 import pytest
 import torch
-import transformers
 import yaml
 
 from actcache.cache import ActivationCache
@@ -24,7 +23,7 @@ from actcache.protocol import SHARDS_FILE, Metadata, shard_name
 from actcache.validate import validate_dir
 from actcache.writer import gather
 from conftest import in_mount_namespace
-from fixtures_vit import make_checkpoint, reference_hidden_states
+from fixtures_vit import make_checkpoint, pil_processor_class, reference_hidden_states
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = [-2, 0]  # blocks 1 and 0 of the 3-block test model
@@ -55,7 +54,7 @@ def make_images(root, n=N_IMGS, seed=0, classes=("cat", "dog")) -> list[str]:
 
 
 def write_experiment(path, ckpt, images, family="clip", layers=LAYERS, imgs_per_shard=IMGS_PER_SHARD,
-                     batch_size=3, n_workers=0, dump_to=None) -> str:  # fmt: skip
+                     batch_size=3, n_workers=0, dump_to=None, device=None) -> str:  # fmt: skip
     doc = {
         "vit": {"family": family, "ckpt": str(ckpt), "layers": list(layers)},
         "data": {"kind": "image_folder", "root": str(images)},
@@ -67,6 +66,8 @@ def write_experiment(path, ckpt, images, family="clip", layers=LAYERS, imgs_per_
     }
     if dump_to is not None:
         doc["dump_to"] = str(dump_to)
+    if device is not None:
+        doc["cache"]["device"] = device
     with open(path, "w") as fd:
         yaml.safe_dump(doc, fd)
     return str(path)
@@ -133,7 +134,8 @@ def test_one_job_equals_three_jobs_and_the_model(tmp_path, ckpt, images):
     # Straight from transformers: its own image processor and output_hidden_states.
     files = sorted(os.path.relpath(os.path.join(d, f), images) for d, _, fs in os.walk(images) for f in fs)
     pil = [PIL.Image.open(os.path.join(images, f)).convert("RGB") for f in files]
-    proc = transformers.AutoImageProcessor.from_pretrained(ckpt)
+    # the PIL processor (the reference; AutoImageProcessor picks the torchvision one where torchvision is installed)
+    proc = pil_processor_class("CLIPImageProcessor").from_pretrained(ckpt)
     pixels = torch.as_tensor(np.asarray(proc(images=pil, return_tensors="np")["pixel_values"]))
     hidden = reference_hidden_states(ckpt, "clip", pixels)
     want = torch.stack([hidden[1 + (layer % 3)] for layer in LAYERS], dim=1).numpy()  # (N, L, T, D)
@@ -287,10 +289,12 @@ def _dump_over_small_dev_shm(tmp_path, exp, size):
 
 @pytest.mark.parametrize("size, batch_size, where", [("64k", 16, "pass a batch"), ("4k", 3, "start 1 image-loading")])
 def test_full_dev_shm_is_a_clear_error_and_leaves_nothing(tmp_path, ckpt, images, size, batch_size, where):
-    # A real full /dev/shm. 64 KiB: the workers start, but a batch of 16 images (196,608 bytes)
-    # does not fit; torch's allocation fails (ENOSPC) and leaves the segment's file, sized but
-    # not allocated, which the worker removes. 4 KiB: not even the workers' queue semaphores fit.
-    exp = write_experiment(tmp_path / "exp.yaml", ckpt, images, batch_size=batch_size, n_workers=1)
+    # A real full /dev/shm. 64 KiB: the workers start, but the batches in flight (float32 pixels,
+    # 49,152 bytes per 4-image batch, two ahead) do not fit; torch's allocation fails (ENOSPC) and
+    # leaves the segment's file, sized but not allocated, which the worker removes. 4 KiB: not even
+    # the workers' queue semaphores fit. On the CPU: a CUDA dump's workers pass uint8 pixels, a
+    # quarter of the bytes, which fit in 64 KiB; the shared-memory handling is the same code.
+    exp = write_experiment(tmp_path / "exp.yaml", ckpt, images, batch_size=batch_size, n_workers=1, device="cpu")
     out, left = _dump_over_small_dev_shm(tmp_path, exp, size)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert f"cannot {where}" in out.stderr and "No space left on device" in out.stderr, out.stderr
