@@ -13,6 +13,11 @@
 # train    scripts/bench_train.py --device cuda (d=768, width 12,288, batch 16,384)
 # visuals  scripts/bench_visuals.py --device cuda (4 GiB cache; target visuals <= 1.5x one pass)
 #
+# Extra arguments per step: DUMP_ARGS, TRAIN_ARGS, VISUALS_ARGS, CHECK_ARGS (word-split), e.g.
+# TRAIN_ARGS="--repeats 1 --steps 50"; CHECK_TESTS replaces check's test files, CHECK_LOG its log's
+# name (default check). STEP_TIMEOUT=S stops any one step after S seconds (its log
+# says so; the next step still runs), so one slow step cannot eat a lent machine's whole time.
+#
 # Needs python3 with torch (CUDA), transformers, numpy, pillow, pyyaml, safetensors, matplotlib and
 # pytest; actcache itself is used from src/ (no install). Logs go to $OUT (default
 # bench-out/gpu), one per step, plus summary.txt and a copy of BENCHMARKS.md with the new
@@ -34,7 +39,11 @@ run_step() {  # name command...: log to $OUT/name.log, one line per step in summ
     shift
     t0=$(date +%s)
     echo "== $name: $*" | tee "$OUT/$name.log"
-    "$@" 2>&1 | tee -a "$OUT/$name.log"
+    if [ -n "${STEP_TIMEOUT:-}" ]; then
+        timeout -k 10 "$STEP_TIMEOUT" "$@" 2>&1 | tee -a "$OUT/$name.log"
+    else
+        "$@" 2>&1 | tee -a "$OUT/$name.log"
+    fi
     rc=${PIPESTATUS[0]}
     echo "$name: exit $rc after $(($(date +%s) - t0)) s (log: $name.log)" | tee -a "$OUT/summary.txt"
     [ "$rc" -eq 0 ] || status=1
@@ -48,14 +57,16 @@ print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.
 print(\"transformers\", transformers.__version__, \"numpy\", numpy.__version__);
 print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"no GPU\")'" ;;
         check)
-            run_step check env ACTCACHE_TEST_DEVICE=cuda "$PY" -m pytest tests/test_device.py tests/test_dump.py \
-                tests/test_dump_kill.py tests/test_models.py -q -p no:cacheprovider ;;
+            # shellcheck disable=SC2086 # word-split on purpose
+            run_step "${CHECK_LOG:-check}" env ACTCACHE_TEST_DEVICE=cuda "$PY" -m pytest \
+                ${CHECK_TESTS:-tests/test_device.py tests/test_dump.py tests/test_dump_kill.py tests/test_models.py} \
+                -q -p no:cacheprovider --durations=15 ${CHECK_ARGS:-} ;;
         dump)
-            run_step dump "$PY" scripts/bench_dump.py --device cuda --dir "${BENCH_DIR:-bench-out}/dump" ;;
+            run_step dump "$PY" scripts/bench_dump.py --device cuda --dir "${BENCH_DIR:-bench-out}/dump" ${DUMP_ARGS:-} ;;
         train)
-            run_step train "$PY" scripts/bench_train.py --device cuda --out "${BENCH_DIR:-bench-out}/train" ;;
+            run_step train "$PY" scripts/bench_train.py --device cuda --out "${BENCH_DIR:-bench-out}/train" ${TRAIN_ARGS:-} ;;
         visuals)
-            run_step visuals "$PY" scripts/bench_visuals.py --device cuda --out "${BENCH_DIR:-bench-out}/visuals" ;;
+            run_step visuals "$PY" scripts/bench_visuals.py --device cuda --out "${BENCH_DIR:-bench-out}/visuals" ${VISUALS_ARGS:-} ;;
         *)
             echo "unknown step '$step': use env, check, dump, train or visuals" >&2
             exit 2 ;;
