@@ -136,9 +136,15 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     cache = build_cache(args.out, args.size_gib)
-    if dev.cuda:  # the CUDA context and cuBLAS start once per process (~1 s), like Python and torch's import: not timed
-        x = torch.ones((64, 64), device=args.device)
-        (x @ x).sum().item()
+    if dev.cuda:  # the CUDA context, cuBLAS and the pass's kernels load once per process (~1 s), like Python and
+        # torch's import: not timed (an SAE's encode and one statistics update on random numbers)
+        from actcache.topk import LatentStats
+
+        sae = SAE(SAEConfig(d_vit=D, width=64, activation="topk", k=8, seed=0)).to(args.device)
+        with torch.inference_mode():
+            x = torch.randn((2 * (T - 1), D), device=args.device)
+            LatentStats(64, T - 1, 16, args.device).update(sae.encode(x), torch.arange(2).repeat_interleave(T - 1))
+        torch.cuda.synchronize()
     md = Metadata.load(cache)
     rows = []
     for width in (int(w) for w in args.widths.split(",")):

@@ -426,3 +426,71 @@ def test_cache_without_image_dataset(capsys, tmp_path):
     run = save_run(tmp_path / "run", cache, md, np.zeros((md.n_imgs, 1, 17, D), np.float32), metrics=False)
     rc, _, err = run_cli(capsys, run)
     assert rc == 2 and "SyntheticActivations" in err and "--no-images" in err
+
+
+def _clone_stage():
+    import contextlib
+
+    @contextlib.contextmanager
+    def stage():
+        yield lambda batch: (batch["act"].clone(), batch["image_i"].clone())
+
+    return stage
+
+
+def test_staged_feed_gives_the_loaders_batches_in_order_and_stops(tmp_path):
+    # The thread that stages a GPU pass's batches (visuals.cuda_feed), here with a CPU stage that
+    # copies: the same batches as the loader's own, in order; early close and errors.
+    import threading
+
+    from actcache.loaders import OrderedLoader
+    from actcache.visuals import StagedFeed
+
+    md = synthetic_metadata(23, n_patches_per_img=16, d_vit=8, max_patches_per_shard=5 * 17)
+    cache = write_cache(str(tmp_path), md, synthetic_fill(md))
+    kw = dict(batch_size=3 * 16, patches="image", layer=-2)
+    with OrderedLoader(cache, **kw) as ld:
+        want = [(b["act"].clone(), b["image_i"].clone()) for b in ld]
+    assert len(want) == 8
+    with OrderedLoader(cache, **kw) as ld:
+        taken = []
+        feed = StagedFeed(ld, _clone_stage(), on_take=taken.append)
+        got = list(feed)
+        feed.close()
+        assert not feed.thread.is_alive()
+    assert len(got) == len(want) and taken == got
+    for (a, i), (wa, wi) in zip(got, want, strict=True):
+        assert torch.equal(a, wa) and torch.equal(i, wi)
+    with pytest.raises(StopIteration):  # stays ended
+        next(feed)
+
+    # the consumer stops after one batch: close() ends the thread, which waits on a full queue
+    with OrderedLoader(cache, **kw) as ld:
+        feed = StagedFeed(ld, _clone_stage(), depth=1)
+        assert torch.equal(next(feed)[0], want[0][0])
+        feed.close()
+        assert not feed.thread.is_alive()
+    assert not [t for t in threading.enumerate() if t.name.startswith(("ac-", "actcache-staged"))]
+
+    # an error while staging batch 3 reaches the consumer after batches 0..2, and again after
+    import contextlib
+
+    @contextlib.contextmanager
+    def failing():
+        n = iter(range(100))
+
+        def stage(batch):
+            if next(n) == 3:
+                raise OSError("staging failed on purpose")
+            return batch["act"].clone()
+
+        yield stage
+
+    with OrderedLoader(cache, **kw) as ld:
+        feed = StagedFeed(ld, failing)
+        assert all(torch.equal(next(feed), want[j][0]) for j in range(3))
+        for _ in range(2):
+            with pytest.raises(OSError, match="staging failed on purpose"):
+                next(feed)
+        feed.close()
+        assert not feed.thread.is_alive()

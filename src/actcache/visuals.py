@@ -25,6 +25,7 @@ Modules: this one (runs, errors, the pass, the CLI), :mod:`actcache.topk` (strea
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
@@ -260,28 +261,136 @@ def compute_stats(cache, saes: list, patches: str, layer: int, scale_norm: bool,
     n, t_start = len(loader), time.perf_counter()
     t_log, spent = t_start, {"wait_s": 0.0, "encode_s": 0.0, "stats_s": 0.0}
     with loader, torch.inference_mode():
-        batches = iter(loader)
-        for b in range(n):
-            t0 = time.perf_counter()
-            batch = next(batches)
-            x_BD = batch["act"].to(device, non_blocking=True)
-            img = batch["image_i"].to(device, non_blocking=True)
-            spent["wait_s"] += time.perf_counter() - t0
-            for sae, st in zip(saes, stats, strict=True):
-                t1 = time.perf_counter()
-                f_BS = sae.encode(x_BD)
-                sync()
-                t2 = time.perf_counter()
-                st.update(f_BS, img)
-                sync()
-                spent["encode_s"] += t2 - t1
-                spent["stats_s"] += time.perf_counter() - t2
-            if time.perf_counter() - t_log > 30:
-                t_log = time.perf_counter()
-                log.info("visuals: batch %d/%d, %.0f s", b + 1, n, t_log - t_start)
+        if torch.device(device).type == "cuda":
+            batches = cuda_feed(loader, torch.device(device))
+        else:
+            batches = ((b["act"], b["image_i"]) for b in loader)
+        try:
+            for b in range(n):
+                t0 = time.perf_counter()
+                x_BD, img = next(batches)
+                x_BD, img = x_BD.to(device), img.to(device)  # no-ops on the GPU feed
+                spent["wait_s"] += time.perf_counter() - t0
+                for sae, st in zip(saes, stats, strict=True):
+                    t1 = time.perf_counter()
+                    f_BS = sae.encode(x_BD)
+                    sync()
+                    t2 = time.perf_counter()
+                    st.update(f_BS, img)
+                    sync()
+                    spent["encode_s"] += t2 - t1
+                    spent["stats_s"] += time.perf_counter() - t2
+                if time.perf_counter() - t_log > 30:
+                    t_log = time.perf_counter()
+                    log.info("visuals: batch %d/%d, %.0f s", b + 1, n, t_log - t_start)
+        finally:
+            if isinstance(batches, StagedFeed):
+                batches.close()
     if timings is not None:
         timings.update(spent)
     return [st.result() for st in stats]
+
+
+class StagedFeed:
+    """Batches of a loader, each passed through ``stage`` by a thread of its own, ``depth`` ahead
+    of the consumer, so that staging one batch overlaps the consumer's work on the one before.
+
+    ``stage`` is a context manager factory, entered in the thread, that yields the function
+    ``batch -> item``; the item must not refer to the loader's batch buffers (which the loader
+    reuses once the thread lets go of the batch). ``next()`` gives the items in order (after
+    ``on_take(item)``), raises the thread's error (the loader's, or staging's), and StopIteration
+    at the end. ``close()`` stops the thread, also when the consumer stops early or fails.
+    """
+
+    def __init__(self, loader, stage, depth: int = 2, on_take=None, name: str = "actcache-staged-feed"):
+        import queue
+
+        self.q: queue.Queue = queue.Queue(maxsize=depth)
+        self.stage, self.on_take = stage, on_take
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(iter(loader),), name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self, batches) -> None:
+        try:
+            with self.stage() as stage:
+                for batch in batches:
+                    item = stage(batch)
+                    del batch  # the loader may reuse its buffer set now
+                    if not self._put(("item", item)):
+                        return
+            self._put(("end", None))
+        except BaseException as err:  # noqa: BLE001 - raised in the consumer
+            self._put(("error", err))
+
+    def _put(self, entry) -> bool:
+        import queue
+
+        while not self.stopping.is_set():
+            try:
+                self.q.put(entry, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        kind, item = self.q.get()
+        if kind == "end":
+            self.q.put((kind, item))  # every later next() ends too
+            raise StopIteration
+        if kind == "error":
+            self.q.put((kind, item))
+            raise item
+        if self.on_take is not None:
+            self.on_take(item)
+        return item
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the thread; it ends at its next batch (a loader still reading is stopped by its
+        own close(), which follows)."""
+        self.stopping.set()
+        self.thread.join(timeout)
+
+
+def cuda_feed(loader, device) -> StagedFeed:
+    """The pass's batches on a GPU as ``(act (B, D), image_i (B,))``: the thread copies each batch
+    into a page-locked host buffer, then to the GPU on a CUDA stream of its own, while the main
+    thread runs the SAEs and the statistics on the batch before. A copy straight from the loader's
+    (pageable) buffers runs at a fraction of the speed and holds the host until it is done: 7.4
+    against 55 GB/s measured on an H200 machine, 0.58 s of a 4 GiB pass."""
+    import torch
+
+    @contextlib.contextmanager
+    def stage():
+        stream = torch.cuda.Stream(device)
+        pinned: dict[str, torch.Tensor] = {}
+
+        def to_device(batch) -> tuple:
+            out = []
+            for key in ("act", "image_i"):
+                src = batch[key]
+                buf = pinned.get(key)
+                if buf is None or buf.numel() < src.numel():
+                    buf = pinned[key] = torch.empty(src.numel(), dtype=src.dtype, pin_memory=True)
+                host = buf[: src.numel()].view(src.shape)
+                host.copy_(src)
+                out.append(host.to(device, non_blocking=True))
+            stream.synchronize()  # the tensors are complete and the page-locked buffers free again
+            return tuple(out)
+
+        with torch.cuda.stream(stream), torch.inference_mode():
+            yield to_device
+
+    def on_take(item) -> None:
+        current = torch.cuda.current_stream(device)
+        for t in item:  # made on the feed's stream, used (and freed) on this one
+            t.record_stream(current)
+
+    return StagedFeed(loader, stage, on_take=on_take, name="actcache-visuals-h2d")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,7 +430,6 @@ def write_visuals(run: Run, cache, res: LatentSummary, src, opts, timings: dict)
     os.makedirs(tmp)
     try:
         t0 = time.perf_counter()
-        res.save(os.path.join(tmp, STATS_FILE))
         notes = [src.note] if src.note else []
         try:
             ids = [int(x) for x in opts.latent_ids.split(",")] if opts.latent_ids else None
@@ -333,17 +441,30 @@ def write_visuals(run: Run, cache, res: LatentSummary, src, opts, timings: dict)
         pot = _patch_of_token(md, run.patches, run.layer)
         grid = math.isqrt(md.n_patches_per_img)
         heat = (pot >= 0).any() and grid * grid == md.n_patches_per_img
-        if heat:
-            vh.write_sprites(res, latents, pot, grid, os.path.join(tmp, "img", "heat"))
-        labels = {}
-        if src.dataset is not None:
-            top = res.top_img[latents]
-            labels = vh.render_images(src, sorted({int(i) for i in top[top >= 0]}), os.path.join(tmp, "img"))
-        plots = []
-        if plot_curves([run], os.path.join(tmp, "curves.png")):
-            plots.append("curves.png")
-        plot_freq(res, os.path.join(tmp, "freq.png"))
-        plots.append("freq.png")
+        # The statistics file (zlib), the heatmap sprites and the images (decode, resize, encode)
+        # are written by a pool of threads (all of them release the GIL for most of their work)
+        # while this thread draws the plots.
+        with concurrent.futures.ThreadPoolExecutor(vh.page_workers(), thread_name_prefix="actcache-page") as pool:
+            jobs = [pool.submit(res.save, os.path.join(tmp, STATS_FILE))]
+            if heat:
+                jobs += vh.write_sprites(res, latents, pot, grid, os.path.join(tmp, "img", "heat"), pool=pool)
+            images = []
+            if src.dataset is not None:
+                top = res.top_img[latents]
+                images = vh.image_jobs(src, sorted({int(i) for i in top[top >= 0]}), os.path.join(tmp, "img"), pool)
+            try:
+                plots = []
+                if plot_curves([run], os.path.join(tmp, "curves.png")):
+                    plots.append("curves.png")
+                plot_freq(res, os.path.join(tmp, "freq.png"))
+                plots.append("freq.png")
+                labels = dict(job.result() for job in images)
+                for job in jobs:
+                    job.result()
+            except BaseException:  # a failed write (e.g. a full disk): stop the rest
+                for job in jobs + images:
+                    job.cancel()
+                raise
         timings["page_s"] = time.perf_counter() - t0
         ev = read_json(os.path.join(run.dir, EVAL_FILE)) or {}
         cfg = read_json(os.path.join(run.dir, "config.json")) or {}
