@@ -96,3 +96,17 @@ def mixed_images(seed: int = 0) -> list[PIL.Image.Image]:
     pal = PIL.Image.fromarray(rng.integers(0, 256, (52, 52, 3), dtype=np.uint8), "RGB").convert("P")
     tiny = PIL.Image.fromarray(rng.integers(0, 256, (20, 24, 3), dtype=np.uint8), "RGB")
     return [rgb, gray, rgba, pal, tiny]
+
+
+def white_background(img: PIL.Image.Image) -> PIL.Image.Image:
+    """``img`` with any transparency composited onto white, as RGB: actcache's rule for images
+    with an alpha channel (images.to_rgb), written here independently. transformers applies the
+    same rule in its recent releases (5.24 here); 5.17 drops the alpha channel instead
+    (``convert("RGB")``, as 4.x did). The tests give transformers this image, so that its
+    reference holds whichever version is installed, and check the rule itself separately."""
+    if "A" not in img.getbands() and img.info.get("transparency") is None:
+        return img
+    rgba = np.asarray(img.convert("RGBA"), np.float64)
+    alpha = rgba[..., 3:] / 255
+    out = np.round(rgba[..., :3] * alpha + 255 * (1 - alpha)).astype(np.uint8)
+    return PIL.Image.fromarray(out, "RGB")

@@ -31,6 +31,7 @@ from fixtures_vit import (
     mixed_images,
     pil_processor_class,
     reference_hidden_states,
+    white_background,
 )
 
 N_PATCHES = (IMAGE // PATCH) ** 2
@@ -130,7 +131,28 @@ def test_missing_preprocessor_config_uses_family_defaults(tmp_path, caplog):
     # the standard CLIP preprocessing at the model's image size
     proc = build_processor("clip", IMAGE)
     for img in mixed_images():
-        np.testing.assert_allclose(transform(img), proc(img, return_tensors="np").pixel_values[0], atol=1e-5)
+        want = proc(white_background(img), return_tensors="np").pixel_values[0]
+        np.testing.assert_allclose(transform(img), want, atol=1e-5)
+
+
+def test_transparency_is_composited_onto_white():
+    # recent transformers do the same; older ones drop the alpha channel (see white_background)
+    transform = transform_from_preprocessor_config(build_processor("clip", IMAGE).to_dict(), "clip")
+
+    def images():  # made anew for each use: PIL moves a palette's transparency into the palette on load()
+        rng = np.random.default_rng(3)
+        rgba = PIL.Image.fromarray(rng.integers(0, 256, (33, 50, 4), dtype=np.uint8), "RGBA")
+        pal = PIL.Image.fromarray(rng.integers(0, 16, (30, 30), dtype=np.uint8), "P")
+        pal.putpalette(rng.integers(0, 200, 16 * 3, dtype=np.uint8).tobytes())
+        pal.info["transparency"] = 0  # palette entry 0 (not white) is transparent
+        la = PIL.Image.fromarray(rng.integers(0, 256, (40, 36, 2), dtype=np.uint8), "LA")
+        return [rgba, pal, la]
+
+    for k in range(3):
+        got = transform.geometry(images()[k])
+        np.testing.assert_array_equal(got, transform.geometry(white_background(images()[k])))
+        dropped = PIL.Image.fromarray(np.asarray(images()[k].convert("RGB")))  # alpha dropped (PIL keeps a
+        assert not np.array_equal(got, transform.geometry(dropped))  # palette's transparent colour in .info)
 
 
 PROCESSOR_CASES = [
@@ -154,7 +176,7 @@ def test_preprocessing_matches_transformers_slow_processors(tmp_path, family, cl
     rng = np.random.default_rng(1)
     images = mixed_images(2) + [PIL.Image.fromarray(rng.integers(0, 256, (97, 23, 3), dtype=np.uint8))]
     for img in images:
-        expected = proc(img, return_tensors="np").pixel_values[0]
+        expected = proc(white_background(img), return_tensors="np").pixel_values[0]
         ours = transform(img)
         assert ours.shape == expected.shape and ours.dtype == np.float32
         np.testing.assert_allclose(ours, expected, atol=1e-5, rtol=0)

@@ -458,7 +458,9 @@ class SyntheticDataset(ImageDataset):
 
 
 def to_rgb(img: PIL.Image.Image) -> PIL.Image.Image:
-    """A decoded RGB copy; transparency is composited onto white (as transformers does)."""
+    """A decoded RGB copy; transparency (an alpha channel, or a palette's or RGB image's transparent
+    colour) is composited onto white, as transformers' PIL processors do in recent releases (5.24;
+    5.17 and 4.x dropped the alpha channel, which changes only transparent pixels)."""
     img.load()
     if "A" in img.getbands() or img.info.get("transparency") is not None:
         rgba = img.convert("RGBA")
