@@ -15,8 +15,9 @@
 #
 # Extra arguments per step: DUMP_ARGS, TRAIN_ARGS, VISUALS_ARGS, CHECK_ARGS (word-split), e.g.
 # TRAIN_ARGS="--repeats 1 --steps 50"; CHECK_TESTS replaces check's test files, CHECK_LOG its log's
-# name (default check). STEP_TIMEOUT=S stops any one step after S seconds (its log
-# says so; the next step still runs), so one slow step cannot eat a lent machine's whole time.
+# name (default check). STEP_TIMEOUT=S interrupts any one step after S seconds (SIGINT, so that
+# pytest still prints the failures so far; SIGKILL 30 s later) and goes on with the next, so one
+# slow step cannot eat a lent machine's whole time.
 #
 # Needs python3 with torch (CUDA), transformers, numpy, pillow, pyyaml, safetensors, matplotlib and
 # pytest; actcache itself is used from src/ (no install). Logs go to $OUT (default
@@ -40,7 +41,7 @@ run_step() {  # name command...: log to $OUT/name.log, one line per step in summ
     t0=$(date +%s)
     echo "== $name: $*" | tee "$OUT/$name.log"
     if [ -n "${STEP_TIMEOUT:-}" ]; then
-        timeout -k 10 "$STEP_TIMEOUT" "$@" 2>&1 | tee -a "$OUT/$name.log"
+        timeout -s INT -k 30 "$STEP_TIMEOUT" "$@" 2>&1 | tee -a "$OUT/$name.log"
     else
         "$@" 2>&1 | tee -a "$OUT/$name.log"
     fi
