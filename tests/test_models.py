@@ -183,6 +183,7 @@ def test_preprocessing_matches_transformers_slow_processors(tmp_path, family, cl
         # The dump's split: uint8 geometry in the workers, normalize() where the model runs: same bits.
         u8 = transform.geometry(img)
         assert u8.dtype == np.uint8 and u8.shape == (*ours.shape[1:], 3)
+        np.testing.assert_array_equal(np.asarray(transform.geometry_image(img)), u8)  # the pages' crops
         split = transform.normalize(torch.from_numpy(np.stack([u8, u8])))
         assert split.dtype == torch.float32 and split.is_contiguous()
         np.testing.assert_array_equal(split.numpy(), np.stack([ours, ours]))

@@ -523,6 +523,20 @@ class ImageTransform:
             x_HWC = _center_crop(x_HWC, *self.crop)
         return x_HWC
 
+    def geometry_image(self, img: PIL.Image.Image) -> PIL.Image.Image:
+        """``geometry`` as a PIL image, cropped by PIL where the crop lies inside the resized image
+        (the same pixels, without two copies through numpy: for pages that show the crops)."""
+        img = to_rgb(img)
+        if self.resize is not None:
+            h, w = self._resize_hw(img.height, img.width)
+            img = img.resize((w, h), resample=self.resample)
+        if self.crop is None:
+            return img
+        top, left = (img.height - self.crop[0]) // 2, (img.width - self.crop[1]) // 2
+        if top >= 0 and left >= 0:
+            return img.crop((left, top, left + self.crop[1], top + self.crop[0]))
+        return PIL.Image.fromarray(_center_crop(np.asarray(img), *self.crop))
+
     def normalize(self, x_BHWC):
         """uint8 (B, H, W, 3) torch tensor, on any device → float32 (B, 3, H, W) on that device.
 
