@@ -494,3 +494,43 @@ def test_staged_feed_gives_the_loaders_batches_in_order_and_stops(tmp_path):
                 next(feed)
         feed.close()
         assert not feed.thread.is_alive()
+
+
+def test_page_images_from_forked_workers_equal_the_threads(world, page, capsys, monkeypatch):
+    # A page of FORK_MIN_IMAGES images or more is written by forked processes (here: from 1 image):
+    # the same files, byte for byte, as the threads write, and no process or shared memory left.
+    import hashlib
+
+    from actcache import visuals_html as vh
+
+    def images(d):
+        img = os.path.join(d, "img")
+        out = {}
+        for n in os.listdir(img):
+            if n.endswith(".jpg"):
+                with open(os.path.join(img, n), "rb") as fh:
+                    out[n] = hashlib.sha256(fh.read()).hexdigest()
+        return out
+
+    threads = images(page)
+    assert len(threads) >= 8
+    forks = []
+    real = vh.ForkedImages.__init__
+
+    def counted(self, *a, **kw):
+        real(self, *a, **kw)
+        forks.append(len(self.futures))
+
+    monkeypatch.setattr(vh, "FORK_MIN_IMAGES", 1)
+    monkeypatch.setattr(vh.ForkedImages, "__init__", counted)
+    rc, out, _ = run_cli(capsys, world["run"], "--reuse", "--latents", "12")
+    assert rc == 0 and forks and forks[0] >= 1, forks
+    assert images(page) == threads
+    labels = re.findall(r"<figcaption>([^<]*)</figcaption>", read_text(os.path.join(page, "index.html")))
+    assert labels and any(x for x in labels)  # the captions (class names) came back from the workers
+    import multiprocessing
+
+    assert not multiprocessing.active_children()
+    monkeypatch.undo()
+    rc, _, _ = run_cli(capsys, world["run"], "--latents", "12")  # restore the default page for other tests
+    assert rc == 0

@@ -441,29 +441,31 @@ def write_visuals(run: Run, cache, res: LatentSummary, src, opts, timings: dict)
         pot = _patch_of_token(md, run.patches, run.layer)
         grid = math.isqrt(md.n_patches_per_img)
         heat = (pot >= 0).any() and grid * grid == md.n_patches_per_img
-        # The statistics file (zlib), the heatmap sprites and the images (decode, resize, encode)
-        # are written by a pool of threads (all of them release the GIL for most of their work)
-        # while this thread draws the plots.
+        # The statistics file (zlib) and the heatmap sprites are written by a pool of threads, the
+        # images (decode, resize, crop, encode) by forked processes (threads for a small page: see
+        # visuals_html.image_writer), while this thread draws the plots.
         with concurrent.futures.ThreadPoolExecutor(vh.page_workers(), thread_name_prefix="actcache-page") as pool:
             jobs = [pool.submit(res.save, os.path.join(tmp, STATS_FILE))]
             if heat:
                 jobs += vh.write_sprites(res, latents, pot, grid, os.path.join(tmp, "img", "heat"), pool=pool)
-            images = []
+            image_labels, stop_images = (lambda: {}), (lambda: None)
             if src.dataset is not None:
                 top = res.top_img[latents]
-                images = vh.image_jobs(src, sorted({int(i) for i in top[top >= 0]}), os.path.join(tmp, "img"), pool)
+                ids = sorted({int(i) for i in top[top >= 0]})
+                image_labels, stop_images = vh.image_writer(src, ids, os.path.join(tmp, "img"), pool)
             try:
                 plots = []
                 if plot_curves([run], os.path.join(tmp, "curves.png")):
                     plots.append("curves.png")
                 plot_freq(res, os.path.join(tmp, "freq.png"))
                 plots.append("freq.png")
-                labels = dict(job.result() for job in images)
+                labels = image_labels()
                 for job in jobs:
                     job.result()
             except BaseException:  # a failed write (e.g. a full disk): stop the rest
-                for job in jobs + images:
+                for job in jobs:
                     job.cancel()
+                stop_images()
                 raise
         timings["page_s"] = time.perf_counter() - t0
         ev = read_json(os.path.join(run.dir, EVAL_FILE)) or {}

@@ -146,33 +146,103 @@ class ImageSource:
 
 
 def page_workers() -> int:
-    """Threads that write the page's images: decoding, resizing and JPEG/PNG encoding release the
-    GIL, so they scale with the cores (2048 images of the bench's page: ~1 ms of CPU each)."""
+    """Threads (or processes) that write the page's images: the cores, 4 to 32."""
     return max(4, min(32, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 4))
+
+
+# From this many images on, the page's images are written by forked processes instead of threads.
+# Each image costs ~1 ms of CPU (decode or generate, resize, crop, JPEG encode), of which the Python
+# between PIL's calls (~0.2-0.4 ms) holds the GIL: threads top out at a few thousand images a
+# second however many cores there are (an H200 machine's 16 threads took 0.8 ms per image), while
+# forking a worker costs a few ms. Where fork is not available, threads.
+FORK_MIN_IMAGES = 256
+_FORKED_SOURCE: ImageSource | None = None  # the image source forked workers inherit (set around the fork)
+
+
+def _render_one(src: ImageSource, i: int, img_dir: str) -> tuple[int, str]:
+    """Write ``img_dir/<i>.jpg``; returns (image, caption label)."""
+    img, label = src.dataset[int(i)]
+    geometry = getattr(src.transform, "geometry_image", None)
+    if geometry is not None:  # the resize + crop alone, in PIL: the same pixels, less CPU and GIL
+        out = geometry(img)
+    else:
+        x = np.asarray(src.transform(img))
+        out = PIL.Image.fromarray(np.clip(np.round(x.transpose(1, 2, 0)), 0, 255).astype(np.uint8))
+    if max(out.size) > MAX_SIDE:
+        out.thumbnail((MAX_SIDE, MAX_SIDE), PIL.Image.Resampling.BICUBIC)
+    out.save(os.path.join(img_dir, f"{int(i)}.jpg"), quality=88)
+    names = getattr(src.dataset, "class_names", None)
+    text = names[label] if names and 0 <= label < len(names) else ("" if label < 0 else f"label {label}")
+    return int(i), text
+
+
+def _render_chunk(image_ids: list[int], img_dir: str) -> list[tuple[int, str]]:
+    """In a forked worker: the source it inherited."""
+    return [_render_one(_FORKED_SOURCE, i, img_dir) for i in image_ids]
 
 
 def image_jobs(src: ImageSource, image_ids: list[int], img_dir: str,
                pool: concurrent.futures.Executor) -> list[concurrent.futures.Future]:  # fmt: skip
-    """Submit to ``pool`` the writing of ``img_dir/<i>.jpg`` for every image; each future's result
-    is (image, caption label)."""
+    """Submit to ``pool`` (threads) the writing of ``img_dir/<i>.jpg`` for every image; each
+    future's result is (image, caption label)."""
     os.makedirs(img_dir, exist_ok=True)
-    names = getattr(src.dataset, "class_names", None)
-    geometry = getattr(src.transform, "geometry_image", None)
+    return [pool.submit(_render_one, src, i, img_dir) for i in image_ids]
 
-    def one(i: int) -> tuple[int, str]:
-        img, label = src.dataset[int(i)]
-        if geometry is not None:  # the resize + crop alone, in PIL: the same pixels, less CPU and GIL
-            out = geometry(img)
-        else:
-            x = np.asarray(src.transform(img))
-            out = PIL.Image.fromarray(np.clip(np.round(x.transpose(1, 2, 0)), 0, 255).astype(np.uint8))
-        if max(out.size) > MAX_SIDE:
-            out.thumbnail((MAX_SIDE, MAX_SIDE), PIL.Image.Resampling.BICUBIC)
-        out.save(os.path.join(img_dir, f"{int(i)}.jpg"), quality=88)
-        text = names[label] if names and 0 <= label < len(names) else ("" if label < 0 else f"label {label}")
-        return int(i), text
 
-    return [pool.submit(one, i) for i in image_ids]
+class ForkedImages:
+    """The page's images written by ``workers`` forked processes, which inherit the image source
+    (a dataset of any size, nothing pickled but image ids and labels). ``futures``: each a list of
+    (image, caption label); ``close()`` waits for the workers to exit (``cancel=True``: drops what
+    has not started). Made only where fork exists and for at least FORK_MIN_IMAGES images
+    (:func:`image_writer`)."""
+
+    def __init__(self, src: ImageSource, image_ids: list[int], img_dir: str, workers: int):
+        import multiprocessing
+
+        global _FORKED_SOURCE
+        os.makedirs(img_dir, exist_ok=True)
+        n = min(workers, max(1, len(image_ids) // 64))
+        chunks = [c.tolist() for c in np.array_split(np.asarray(image_ids, np.int64), 4 * n) if len(c)]
+        self.pool = concurrent.futures.ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork"))
+        _FORKED_SOURCE = src
+        try:  # with fork, the first submit starts every worker
+            self.futures = [self.pool.submit(_render_chunk, c, img_dir) for c in chunks]
+        except BaseException:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        finally:
+            _FORKED_SOURCE = None
+
+    def labels(self) -> dict[int, str]:
+        return dict(x for f in self.futures for x in f.result())
+
+    def close(self, cancel: bool = False) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=cancel)
+
+
+def image_writer(src: ImageSource, image_ids: list[int], img_dir: str, pool: concurrent.futures.Executor):
+    """Start writing the page's images: forked processes (:class:`ForkedImages`) for a page of
+    FORK_MIN_IMAGES or more where fork exists, else ``pool``'s threads. Returns ``(labels, stop)``:
+    ``labels()`` waits and gives {image: caption label}; ``stop()`` cancels what has not started."""
+    import multiprocessing
+
+    if len(image_ids) >= FORK_MIN_IMAGES and "fork" in multiprocessing.get_all_start_methods():
+        forked = ForkedImages(src, image_ids, img_dir, page_workers())
+
+        def labels() -> dict[int, str]:
+            try:
+                return forked.labels()
+            finally:
+                forked.close()
+
+        return labels, lambda: forked.close(cancel=True)
+    jobs = image_jobs(src, image_ids, img_dir, pool)
+
+    def stop() -> None:
+        for job in jobs:
+            job.cancel()
+
+    return (lambda: dict(job.result() for job in jobs)), stop
 
 
 def render_images(src: ImageSource, image_ids: list[int], img_dir: str, workers: int | None = None) -> dict[int, str]:
