@@ -287,14 +287,16 @@ def _dump_over_small_dev_shm(tmp_path, exp, size):
     return out, out.stdout.strip().splitlines()[-1].removeprefix("left:")
 
 
-@pytest.mark.parametrize("size, batch_size, where", [("64k", 16, "pass a batch"), ("4k", 3, "start 1 image-loading")])
+@pytest.mark.parametrize("size, batch_size, where", [("128k", 16, "pass a batch"), ("4k", 3, "start 1 image-loading")])
 def test_full_dev_shm_is_a_clear_error_and_leaves_nothing(tmp_path, ckpt, images, size, batch_size, where):
-    # A real full /dev/shm. 64 KiB: the workers start, but the batches in flight (float32 pixels,
-    # 49,152 bytes per 4-image batch, two ahead) do not fit; torch's allocation fails (ENOSPC) and
-    # leaves the segment's file, sized but not allocated, which the worker removes. 4 KiB: not even
-    # the workers' queue semaphores fit. On the CPU: a CUDA dump's workers pass uint8 pixels, a
-    # quarter of the bytes, which fit in 64 KiB; the shared-memory handling is the same code.
-    exp = write_experiment(tmp_path / "exp.yaml", ckpt, images, batch_size=batch_size, n_workers=1, device="cpu")
+    # A real full /dev/shm. 128 KiB: the workers start (their queues' semaphores take a page each),
+    # but one batch of 16 images (float32 pixels: 196,608 bytes; shards of 16 images, so the batch
+    # is not cut at a shard's end) does not fit; torch's allocation fails (ENOSPC) and leaves the
+    # segment's file, sized but not allocated, which the worker removes. 4 KiB: not even the
+    # semaphores fit. On the CPU: a CUDA dump's workers pass uint8 pixels, a quarter of the bytes;
+    # the shared-memory handling is the same code.
+    exp = write_experiment(tmp_path / "exp.yaml", ckpt, images, batch_size=batch_size, n_workers=1, device="cpu",
+                           imgs_per_shard=16)  # fmt: skip
     out, left = _dump_over_small_dev_shm(tmp_path, exp, size)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert f"cannot {where}" in out.stderr and "No space left on device" in out.stderr, out.stderr
