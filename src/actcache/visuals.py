@@ -349,7 +349,7 @@ class StagedFeed:
             self.on_take(item)
         return item
 
-    def close(self, timeout: float = 30.0) -> None:
+    def close(self, timeout: float = 5.0) -> None:
         """Stop the thread; it ends at its next batch (a loader still reading is stopped by its
         own close(), which follows)."""
         self.stopping.set()
