@@ -512,13 +512,16 @@ class ImageTransform:
             x_HWC = (x_HWC - np.asarray(self.mean, np.float32)) / np.asarray(self.std, np.float32)
         return np.ascontiguousarray(x_HWC.transpose(2, 0, 1), dtype=np.float32)
 
-    def geometry(self, img: PIL.Image.Image) -> np.ndarray:
-        """The PIL part: RGB, resize, center crop → uint8 (H, W, 3). ``normalize`` does the rest."""
+    def _resized(self, img: PIL.Image.Image) -> PIL.Image.Image:
         img = to_rgb(img)
         if self.resize is not None:
             h, w = self._resize_hw(img.height, img.width)
             img = img.resize((w, h), resample=self.resample)
-        x_HWC = np.asarray(img)
+        return img
+
+    def geometry(self, img: PIL.Image.Image) -> np.ndarray:
+        """The PIL part: RGB, resize, center crop → uint8 (H, W, 3). ``normalize`` does the rest."""
+        x_HWC = np.asarray(self._resized(img))
         if self.crop is not None:
             x_HWC = _center_crop(x_HWC, *self.crop)
         return x_HWC
@@ -526,10 +529,7 @@ class ImageTransform:
     def geometry_image(self, img: PIL.Image.Image) -> PIL.Image.Image:
         """``geometry`` as a PIL image, cropped by PIL where the crop lies inside the resized image
         (the same pixels, without two copies through numpy: for pages that show the crops)."""
-        img = to_rgb(img)
-        if self.resize is not None:
-            h, w = self._resize_hw(img.height, img.width)
-            img = img.resize((w, h), resample=self.resample)
+        img = self._resized(img)
         if self.crop is None:
             return img
         top, left = (img.height - self.crop[0]) // 2, (img.width - self.crop[1]) // 2

@@ -138,7 +138,7 @@ def id_ranges(ids: np.ndarray) -> str:
 @dataclasses.dataclass
 class ImageSource:
     """Where the page's images come from: a dataset (``ds[i] -> (PIL, label)``) and a display
-    transform (the checkpoint's resize + crop, no normalisation) returning (3, H, W) 0..255."""
+    transform (an ImageTransform: the checkpoint's resize + crop; the page uses ``geometry_image``)."""
 
     dataset: object | None
     transform: object | None
@@ -162,12 +162,7 @@ _FORKED_SOURCE: ImageSource | None = None  # the image source forked workers inh
 def _render_one(src: ImageSource, i: int, img_dir: str) -> tuple[int, str]:
     """Write ``img_dir/<i>.jpg``; returns (image, caption label)."""
     img, label = src.dataset[int(i)]
-    geometry = getattr(src.transform, "geometry_image", None)
-    if geometry is not None:  # the resize + crop alone, in PIL: the same pixels, less CPU and GIL
-        out = geometry(img)
-    else:
-        x = np.asarray(src.transform(img))
-        out = PIL.Image.fromarray(np.clip(np.round(x.transpose(1, 2, 0)), 0, 255).astype(np.uint8))
+    out = src.transform.geometry_image(img)  # the checkpoint's resize + crop, as the ViT saw it
     if max(out.size) > MAX_SIDE:
         out.thumbnail((MAX_SIDE, MAX_SIDE), PIL.Image.Resampling.BICUBIC)
     out.save(os.path.join(img_dir, f"{int(i)}.jpg"), quality=88)
@@ -245,15 +240,9 @@ def image_writer(src: ImageSource, image_ids: list[int], img_dir: str, pool: con
     return (lambda: dict(job.result() for job in jobs)), stop
 
 
-def render_images(src: ImageSource, image_ids: list[int], img_dir: str, workers: int | None = None) -> dict[int, str]:
-    """Write ``img_dir/<i>.jpg`` for every image (``workers`` threads); returns {image: caption label}."""
-    with concurrent.futures.ThreadPoolExecutor(max(1, workers or page_workers())) as pool:
-        return dict(f.result() for f in image_jobs(src, image_ids, img_dir, pool))
-
-
 def write_sprites(res: LatentSummary, latents: np.ndarray, patch_of_token: np.ndarray, grid: int, heat_dir: str,
-                  pool: concurrent.futures.Executor | None = None) -> list:  # fmt: skip
-    """Write ``heat_dir/<latent>.png`` for every latent; with ``pool``, returns the futures to wait for."""
+                  pool: concurrent.futures.Executor) -> list[concurrent.futures.Future]:  # fmt: skip
+    """Submit to ``pool`` the writing of ``heat_dir/<latent>.png`` for every latent; returns the futures."""
     os.makedirs(heat_dir, exist_ok=True)
     max_act = res.max_act
 
@@ -261,10 +250,6 @@ def write_sprites(res: LatentSummary, latents: np.ndarray, patch_of_token: np.nd
         sprite = heat_sprite(res.top_acts[s], patch_of_token, grid, float(max_act[s]))
         PIL.Image.fromarray(sprite, "RGBA").save(os.path.join(heat_dir, f"{int(s)}.png"), optimize=False)
 
-    if pool is None:
-        for s in latents:
-            one(s)
-        return []
     return [pool.submit(one, s) for s in latents]
 
 
