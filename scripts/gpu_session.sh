@@ -40,11 +40,9 @@ run_step() {  # name command...: log to $OUT/name.log, one line per step in summ
     shift
     t0=$(date +%s)
     echo "== $name: $*" | tee "$OUT/$name.log"
-    if [ -n "${STEP_TIMEOUT:-}" ]; then
-        timeout -s INT -k 30 "$STEP_TIMEOUT" "$@" 2>&1 | tee -a "$OUT/$name.log"
-    else
-        "$@" 2>&1 | tee -a "$OUT/$name.log"
-    fi
+    local limit=()
+    [ -n "${STEP_TIMEOUT:-}" ] && limit=(timeout -s INT -k 30 "$STEP_TIMEOUT")
+    "${limit[@]}" "$@" 2>&1 | tee -a "$OUT/$name.log"
     rc=${PIPESTATUS[0]}
     echo "$name: exit $rc after $(($(date +%s) - t0)) s (log: $name.log)" | tee -a "$OUT/summary.txt"
     [ "$rc" -eq 0 ] || status=1
