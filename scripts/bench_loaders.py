@@ -69,6 +69,10 @@ MODES = ("warm", "cold", "cold-late", "cold-primed", "warm-primed")
 # costs (threads, fresh batch buffers, the first plan) 4x more for the loader than for ref2. This
 # row times as many epochs in one process as make the bytes ref2 reads, all of them: equal volumes.
 WHOLE_VOLUME = "shuffled ref2's volume"
+# The other way to compare equal volumes on a cache of several layers: ref2 itself reading only as
+# many bytes as one epoch of the layer (the first 1/L of every shard), in its own fresh process, so
+# that its one-time costs (threads, two fresh 48 MiB buffers) weigh on the loader's volume too.
+SAME_BYTES = "ref2 same bytes"
 WARM_ONLY = ("2nd epoch", WHOLE_VOLUME)  # kinds measured in the warm mode only
 
 
@@ -149,6 +153,12 @@ def ref_read(files, threads: int, chunk: int) -> dict:
     dt = time.perf_counter() - t0
     total = sum(size for _, size in files)
     return {"MBps": total / 1e6 / dt, "seconds": dt}
+
+
+def layer_bytes(path: str) -> int:
+    """The bytes one epoch of the loaders delivers: layer LAYER's patch tokens of every image."""
+    with open(os.path.join(path, "metadata.json")) as fh:
+        return json.load(fh)["n_imgs"] * (T - 1) * D * 4
 
 
 def layer_ranges(path: str) -> list[tuple[str, np.ndarray, np.ndarray]]:
@@ -321,7 +331,10 @@ def run_loader(spec: dict) -> dict:
         prime = np.empty(spec["prime_bytes"], np.uint8)
         prime[:: os.sysconf("SC_PAGE_SIZE")] = 1
         del prime
-    if kind in ("ref", "ref2"):
+    if kind in ("ref", "ref2", SAME_BYTES):
+        if kind == SAME_BYTES:  # the first part of every shard, as many bytes in all as the layer's
+            share = layer_bytes(path) / sum(size for _, size in files)
+            files = [(f, max(1, int(size * share) // 4096 * 4096)) for f, size in files]
         c0 = cpu_s()
         out = ref_read(files, 1, 8 * 2**20) if kind == "ref" else ref_read(files, 2, 48 * 2**20)
         cpu = cpu_s() - c0  # (0 for a tiny --quick cache: below the clock's 10 ms tick)
@@ -338,9 +351,7 @@ def run_loader(spec: dict) -> dict:
     elif kind.startswith("shuffled"):
         opts = dict(spec.get("options", {}))
         if kind == WHOLE_VOLUME:  # whole epochs making ref2's bytes (at least one)
-            with open(os.path.join(path, "metadata.json")) as fh:
-                layer_bytes = json.load(fh)["n_imgs"] * (T - 1) * D * 4  # patch tokens of one layer
-            opts["n_epochs"] = max(1, round(sum(size for _, size in files) / layer_bytes))
+            opts["n_epochs"] = max(1, round(sum(size for _, size in files) / layer_bytes(path)))
         loader = ShuffledLoader(
             path,
             batch_size=B,
@@ -439,7 +450,7 @@ def bench_cache(args, n_layers: int) -> dict:
     path = build(args.cache_dir, args.size_gib, n_layers, args.shard_gib)
     files = [f for f, _ in shard_files(path)]
     base = {"path": path, "batch_size": args.batch_size, "buffer_bytes": args.buffer_bytes}
-    refs = ["ref", "ref2", "ref layer"] if n_layers > 1 else ["ref", "ref2"]
+    refs = ["ref", "ref2", SAME_BYTES, "ref layer"] if n_layers > 1 else ["ref", "ref2"]
     kinds = [*refs, "ordered", "shuffled", *(v for v in args.variants if n_layers > 1 or v != WHOLE_VOLUME)]
     res = {mode: {k: [] for k in kinds if mode == "warm" or not warm_only(k)} for mode in args.modes}
     if any(m.startswith("warm") for m in args.modes):  # a defined warm state: one plain sequential read
@@ -517,6 +528,7 @@ def summarize(run: dict) -> list[dict]:
                 "x ref": _ratio(ms, kinds["ref"]),
                 "x ref2": _ratio(ms, kinds["ref2"]),
                 "x ref layer": _ratio(ms, kinds["ref layer"]) if "ref layer" in kinds else None,
+                "x ref2 same bytes": _ratio(ms, kinds[SAME_BYTES]) if SAME_BYTES in kinds else None,
             }
             if mode.startswith("warm") and med("GB_per_cpu_s") is not None:
                 ref2_eff = statistics.median(m["GB_per_cpu_s"] for m in kinds["ref2"])
@@ -704,6 +716,10 @@ def main() -> None:
         "'shuffled ref2's volume' (a cache of several layers, warm only): as many epochs in one process as "
         "make the bytes ref2 reads (4 on one layer of four), all of them timed, so that a fresh process's "
         "one-time costs weigh on the same volume as in ref2 (the plain row's one epoch is a quarter of it). "
+        "'ref2 same bytes' (a cache of several layers): the other way round, ref2 reading only as many bytes "
+        "as one epoch of the layer (the first 1/L of every shard) in its own fresh process, so that its "
+        "one-time costs (threads, two fresh 48 MiB buffers) weigh on the loader's volume too; 'x ref2 same "
+        "bytes' compares with it. The targets stay against ref2, as the issue sets them. "
         "Memory: RSS = peak resident-set growth while iterating; anon = peak growth of the process's anonymous memory while iterating (batch buffers, "
         "arenas); held = most shard bytes the loader kept resident on purpose (its shuffle window plus "
         "read-ahead); mapped = peak growth of the page-cache memory mapped in the process (the kernel maps whole "
