@@ -754,7 +754,11 @@ def main() -> None:
         "its 17.2 GB at 13.1-15.0 GB/s), so equal epochs of equal size do not close the gap here either. Tried, "
         "no change: the one-of-four shards mapped with MADV_HUGEPAGE instead of MADV_RANDOM (first-epoch copy CPU "
         "136-140 ms either way, 3 alternating rounds); regular stores instead of non-temporal ones into the batch "
-        "buffers: first epoch 146-174 ms against 120-138 (4 alternating rounds).",
+        "buffers: first epoch 146-174 ms against 120-138 (4 alternating rounds). The sections 'Shuffled first epoch "
+        "against a lower bound and ref2' (scripts/bench_loader_floor.py, measured 06:59-07:00 UTC) time the least "
+        "any shuffled loader does in a fresh process (two threads, one fresh batch buffer each, one random order, "
+        "the C kernel, nothing else) in the same rounds as ref2: 0.842 x ref2 on one layer of four, where the "
+        "loader measured 0.656 there; 1.041 on the 1-layer cache, where the loader measured 0.815 there.",
         "",
         "Changes of 2026-11-26 ~23:30 to 11-27 ~00:20 UTC (Intel host; the tables were not measured again: "
         "neither change touches a first epoch in a fresh process). (1) io='read': a pass hands its free arena "
