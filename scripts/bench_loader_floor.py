@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_loaders as bl  # noqa: E402
 import benchlib  # noqa: E402
 
-KINDS = ("ref2", "ref2 same bytes", "floor", "shuffled")
+KINDS = ("ref2", bl.SAME_BYTES, "floor", "shuffled")
 
 
 def floor_epoch(path: str, batch_size: int, seed: int = 12345, checksum: bool = False) -> dict:
@@ -100,24 +100,19 @@ def floor_epoch(path: str, batch_size: int, seed: int = 12345, checksum: bool = 
 
 
 def worker(spec: dict) -> dict:
-    path, kind = spec["path"], spec["kind"]
-    files = bl.shard_files(path)
-    warm = bl.rewarm([f for f, _ in files])
-    if kind in ("ref2", "ref2 same bytes"):
-        if kind == "ref2 same bytes":
-            share = bl.layer_bytes(path) / sum(size for _, size in files)
-            files = [(f, max(1, int(size * share) // 4096 * 4096)) for f, size in files]
-        return {**bl.ref_read(files, 2, 48 * 2**20), **warm}
-    return {**floor_epoch(path, spec["batch_size"]), **warm}
+    """The floor, in this fresh process (the files made resident first, as bench_loaders' warm mode)."""
+    warm = bl.rewarm([f for f, _ in bl.shard_files(spec["path"])])
+    return {**floor_epoch(spec["path"], spec["batch_size"]), **warm}
 
 
 def measure(spec: dict, files: list[str]) -> dict:
-    if spec["kind"] == "shuffled":  # the loader itself: bench_loaders.py's warm worker
+    """One measurement in a fresh process: the floor here, the others by bench_loaders.py's warm worker."""
+    if spec["kind"] != "floor":
         return bl.measure({**spec, "options": {}}, "warm", files)
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
-        raise RuntimeError(f"{spec['kind']} failed:\n{out.stderr[-3000:]}")
+        raise RuntimeError(f"floor failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -153,7 +148,7 @@ def main() -> None:
             "kind": k,
             "MB/s": statistics.median(m["MBps"] for m in got[k]),
             "x ref2": ratio(k, "ref2"),
-            "x ref2 same bytes": ratio(k, "ref2 same bytes"),
+            "x ref2 same bytes": ratio(k, bl.SAME_BYTES),
             "ms": statistics.median(m["seconds"] for m in got[k]) * 1e3,
             "MB/s by round": ", ".join(f"{m['MBps']:,.0f}" for m in got[k]),
         }

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -15,7 +14,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def floor():
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
     spec = importlib.util.spec_from_file_location(
         "bench_loader_floor", os.path.join(ROOT, "scripts", "bench_loader_floor.py")
     )
