@@ -20,7 +20,9 @@ MAX_DOC_LINE = 400
 MAX_DOCSTRING_LINES = 40
 
 MONTHS = "January|February|March|April|May|June|July|August|September|October|November|December"
-DATE = re.compile(rf"\b20\d\d-\d\d-\d\d\b|\b(?:{MONTHS}|(?:Jan|Feb|Mar|Apr|Jun|Jul|Aug|Sep|Sept|Oct|Nov|Dec)\.?)\s+(?:\d{{1,2}},?\s+)?20\d\d\b")
+SHORT_MONTHS = r"(?:Jan|Feb|Mar|Apr|Jun|Jul|Aug|Sep|Sept|Oct|Nov|Dec)\.?"
+# an ISO date, or a month name (full or short) followed by a year, with or without a day between
+DATE = re.compile(rf"\b20\d\d-\d\d-\d\d\b|\b(?:{MONTHS}|{SHORT_MONTHS})\s+(?:\d{{1,2}},?\s+)?20\d\d\b")
 OUTSIDE_PATH = re.compile(r"/tmp/|/work/|\.\./shared|/home/")
 
 
