@@ -669,6 +669,21 @@ def loader_checks(n_layers: int, rows: list[dict]) -> list[benchlib.Check]:
     return checks
 
 
+def merged(checks: list[list[benchlib.Check]]) -> list[benchlib.Check]:
+    """One summary row per target over the caches: every cache's figure, met where all met it."""
+    by_target: dict[str, list[benchlib.Check]] = {}
+    for c in (c for cs in checks for c in cs):
+        by_target.setdefault(c.target.rsplit(" (", 1)[0], []).append(c)
+    return [
+        benchlib.Check(
+            target,
+            ", ".join(f"{c.figure} ({c.target.rsplit(' (', 1)[1]}" for c in cs),
+            all(c.met for c in cs),
+        )
+        for target, cs in by_target.items()
+    ]
+
+
 def side_checks(rows: list[dict]) -> list[str]:
     """The shuffled rows' other checks (entropy, first batch, memory) that some row missed."""
     missed = [
@@ -710,7 +725,7 @@ def render(caches: list[dict], buffer_bytes: int, batch_size: int) -> tuple[str,
     tables = [f"{c['caption']}\n\n{pivot(c['rows'])}" for c in caches]
     tables.append("![loader throughput](docs/bench_loaders.png)")
     body = benchlib.section_body([line.format(**fill) for line in SETUP], tables, conclusions(caches, checks))
-    return body, [c for cs in checks for c in cs]
+    return body, merged(checks)
 
 
 def main() -> None:

@@ -29,7 +29,8 @@ RERUN = (
     "How to re-run: each section names the command that measured it; run it from the repository\n"
     "root and it replaces its own section and its rows above (`--help` lists the options). Every\n"
     "figure is a ratio against a reference measured in the same run on the same machine, so compare\n"
-    "ratios, not absolute rates, across machines. Raw measurements: the scripts' `--json` output.\n"
+    "ratios, not absolute rates, across machines. Columns left out of a section's table: the\n"
+    "script's `--json` output (bench_loaders.py, bench_kernel.py).\n"
 )
 SUMMARY_HEAD = "| " + " | ".join(SUMMARY_COLUMNS) + " |\n|" + "|".join("---" for _ in SUMMARY_COLUMNS) + "|\n"
 HEADER = f"# Benchmarks\n\n<!-- bench:summary -->\n{SUMMARY_HEAD}<!-- /bench:summary -->\n\n{RERUN}"
