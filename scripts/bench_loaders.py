@@ -766,6 +766,7 @@ def main() -> None:
     for n_layers in [] if args.render else [int(x) for x in args.layers.split(",")]:
         run = bench_cache(args, n_layers)
         run.update(batch_size=args.batch_size, buffer_bytes=args.buffer_bytes, load=os.getloadavg(), argv=sys.argv)
+        run.update(machine=benchlib.machine(), machine_short=benchlib.machine_short())
         run["measured"] = {m: {"date": run["date"], "argv": sys.argv} for m in args.modes}
         run = merge_stored(args, run)
         runs.append(run)
@@ -800,8 +801,12 @@ def main() -> None:
     png = os.path.join(benchlib.ROOT, "docs", "bench_loaders.png")
     plot(stored, png)
     caches = [{"caption": caption(run), "n_layers": run["n_layers"], "rows": summarize(run)} for run in stored]
-    body, checks = render(caches, args.buffer_bytes, args.batch_size)
-    benchlib.record("loaders", TITLE, body, when=when, checks=checks)
+    first = stored[0] if stored else {}
+    body, checks = render(
+        caches, first.get("buffer_bytes", args.buffer_bytes), first.get("batch_size", args.batch_size)
+    )
+    machines = (first["machine"], first["machine_short"]) if args.render and "machine" in first else None
+    benchlib.record("loaders", TITLE, body, when=when, checks=checks, machines=machines)
 
 
 if __name__ == "__main__":

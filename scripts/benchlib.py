@@ -213,15 +213,18 @@ def record(
     path: str = BENCH_MD,
     when: float | None = None,
     checks: list[Check] | None = None,
+    machines: tuple[str, str] | None = None,
 ) -> None:
     """Replace (or append) section ``name`` of BENCHMARKS.md with title, command, machine, date
     (``when``, a Unix time: when the figures were measured; default now), body; with ``checks``,
-    also replace the section's rows of the summary table."""
+    also replace the section's rows of the summary table. ``machines``: (machine(), machine_short())
+    of the machine that measured the figures, when that is not this one (a re-render)."""
+    long_machine, short_machine = machines or (machine(), machine_short())
     stamp = datetime.datetime.now(datetime.UTC) if when is None else datetime.datetime.fromtimestamp(when, datetime.UTC)
     now = stamp.strftime("%Y-%m-%d %H:%M UTC")
     section = (
         f"<!-- bench:{name} -->\n## {title}\n\n"
-        f"- command: `{command_line()}`\n- machine: {machine()}\n- date: {now}\n\n{body.rstrip()}\n"
+        f"- command: `{command_line()}`\n- machine: {long_machine}\n- date: {now}\n\n{body.rstrip()}\n"
         f"<!-- /bench:{name} -->\n"
     )
     lock = path + ".lock"
@@ -237,7 +240,7 @@ def record(
         else:
             text = text.rstrip() + "\n\n" + section
         if checks is not None:
-            text = summary_rows(text, name, checks, machine_short(), stamp.strftime("%Y-%m-%d"))
+            text = summary_rows(text, name, checks, short_machine, stamp.strftime("%Y-%m-%d"))
         tmp = path + ".tmp"
         with open(tmp, "w") as fd:
             fd.write(text)
