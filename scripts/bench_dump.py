@@ -23,9 +23,9 @@ over the same preprocessed images up to the same block, same batches. The dump's
 everything it does (listing, metadata, model load, decoding, forward, writing, fsync).
 Target: dump wall time <= 1.10 x forward-only time.
 
-Rounds alternate the order of the measurements. The machine this was written on is shared (other
-jobs take the CPU at random moments), so each figure is the best (minimum) time over the rounds,
-as timeit does: interference only ever slows a run down. The per-round ratios are printed too.
+Rounds alternate the order of the measurements. On a shared machine other jobs take the CPU at
+random moments, so each figure is the best (minimum) time over the rounds, as timeit does:
+interference only ever slows a run down. The per-round ratios are printed too.
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def dump(exp, directory: str) -> tuple[float, float]:
 # ---- scenarios -----------------------------------------------------------------------------------
 
 
-def io_bound(root: str, n_imgs: int, rounds: int, workers: int, batch: int) -> tuple[list[dict], str]:
+def io_bound(root: str, n_imgs: int, rounds: int, workers: int, batch: int) -> tuple[list[dict], tuple]:
     ckpt = make_ckpt(root, "tiny", hidden_size=32, intermediate_size=32, num_hidden_layers=4, num_attention_heads=1,
                      image_size=32, patch_size=4)  # fmt: skip
     exp = make_exp(ckpt, n_imgs, 32, [0, 1, 2, 3], max_patches=4096 * 65 * 4, batch=batch, workers=workers)
@@ -214,25 +214,22 @@ def io_bound(root: str, n_imgs: int, rounds: int, workers: int, batch: int) -> t
             "vs seq write": med["seq"] / med[key],
             "CPU s": min(cpus[key]) if key in cpus else "",
         })  # fmt: skip
-    verdict = "met" if ratio >= 0.70 else "MISSED"
-    why = (
-        f" The forward pass alone produces activations slower than the disk takes them, so on this {'GPU' if DEV.cuda else 'CPU'} the dump "
-        "is compute-bound, not I/O-bound; compare dump with forward only, and write path with seq write."
-        if med["fwd"] > med["seq"]
-        else ""
+    check = benchlib.check("dump MB/s >= 0.70 x seq write MB/s (I/O-bound)", ratio, 0.70, "x seq write")
+    setup = (
+        f"I/O-bound, on {where()}: {md.n_imgs:,} synthetic 32x32 images, d=32, 4 blocks recorded "
+        f"({md.bytes_per_img / 1e3:.1f} KB/image), {total / 1e9:.2f} GB in {md.n_shards} shards, batch {batch}, "
+        f"{workers} worker(s); best of {rounds} rounds (per-round ratios {', '.join(f'{x:.3f}' for x in ratios)})."
     )
-    text = (
-        f"I/O-bound, on {where()}: {md.n_imgs:,} synthetic 32x32 images, d=32, 4 blocks recorded, 65 tokens "
-        f"({md.bytes_per_img / 1e3:.1f} KB/image), {total / 1e9:.2f} GB in {md.n_shards} shards of "
-        f"{md.shard_nbytes / MiB:.0f} MiB, batch {batch}, {workers} worker(s). Dump MB/s / seq-write MB/s: "
-        f"{ratio:.3f} (best times; per round {', '.join(f'{x:.3f}' for x in ratios)}; target >= 0.70: {verdict}). "
-        f"Dump / forward-only: {med['fwd'] / med['dump']:.2f}; write path / seq write: {med['seq'] / med['sink']:.2f}."
-        + why
-    )
+    bound = "compute" if med["fwd"] > med["seq"] else "I/O"
+    notes = [
+        f"I/O-bound scenario: the dump is {bound}-bound here (forward only {med['fwd']:.2f} s, seq write "
+        f"{med['seq']:.2f} s); the write path runs at {med['seq'] / med['sink']:.2f} x seq write"
+    ]
+    text = (setup, check, notes)
     return rows, text
 
 
-def compute_bound(root: str, n_imgs: int, rounds: int, workers: int, batch: int) -> tuple[list[dict], str]:
+def compute_bound(root: str, n_imgs: int, rounds: int, workers: int, batch: int) -> tuple[list[dict], tuple]:
     ckpt = make_ckpt(root, "vitb16", hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
                      num_attention_heads=12, image_size=224, patch_size=16)  # fmt: skip
     exp = make_exp(ckpt, n_imgs, 224, [-2], max_patches=32 * 197, batch=batch, workers=workers)
@@ -259,16 +256,18 @@ def compute_bound(root: str, n_imgs: int, rounds: int, workers: int, batch: int)
         {"compute-bound": "dump (end to end, incl. model load)", "seconds": dmp, "images/s": n_imgs / dmp,
          "x forward": dmp / fwd, "CPU s": dmp_cpu, "x forward (CPU)": dmp_cpu / fwd_cpu},
     ]  # fmt: skip
-    verdict = "met" if dmp / fwd <= 1.10 else "MISSED"
-    text = (
-        f"Compute-bound: ViT-B/16-sized random CLIP (d=768, 12 blocks, 12 heads, MLP 3072, 224x224, patch 16), "
-        f"layer -2, {n_imgs} synthetic 224x224 images, batch {batch}, {workers} worker(s), {where()}, "
-        f"{md.n_shards} shards. Dump wall time / forward-only time: "
-        f"{dmp / fwd:.3f} (best times; per round {', '.join(f'{x:.3f}' for x in ratios)}; target <= 1.10: "
-        f"{verdict}). CPU seconds (process + image workers), which other jobs on a shared machine disturb much "
-        f"less than wall time: dump / forward-only {dmp_cpu / fwd_cpu:.3f}. Model load (part of the dump's time): "
-        f"{min(res['load']):.2f} s."
+    check = benchlib.check("dump wall time <= 1.10 x forward only (compute-bound)", dmp / fwd, 1.10,
+                           "x forward", at_least=False)  # fmt: skip
+    setup = (
+        f"Compute-bound: ViT-B/16-sized random CLIP, layer -2, {n_imgs} synthetic 224x224 images, batch {batch}, "
+        f"{workers} worker(s), {where()}, {md.n_shards} shards; best of {rounds} rounds (per-round ratios "
+        f"{', '.join(f'{x:.3f}' for x in ratios)})."
     )
+    notes = [
+        f"Compute-bound scenario: CPU seconds, which other jobs disturb less than wall time, give dump / forward "
+        f"{dmp_cpu / fwd_cpu:.3f}; the model load takes {min(res['load']):.2f} s of the dump's time"
+    ]
+    text = (setup, check, notes)
     return rows, text
 
 
@@ -304,28 +303,30 @@ def main() -> None:
     os.makedirs(args.dir, exist_ok=True)
     root = tempfile.mkdtemp(prefix="run-", dir=args.dir)
     load0 = os.getloadavg()[0]
-    parts = []
+    setup, tables, checks, notes = [], [], [], []
     try:
-        if only in ("io", "both"):
-            print("I/O-bound", flush=True)
-            io_rows, io_text = io_bound(root, args.io_imgs, args.rounds, args.workers, args.io_batch)
-            print(io_text, flush=True)
-            parts.append(f"{io_text}\n\n{benchlib.table(io_rows)}")
-        if only in ("compute", "both"):
-            print("compute-bound", flush=True)
-            cb_rows, cb_text = compute_bound(root, args.vit_imgs, args.vit_rounds, args.workers, args.vit_batch)
-            print(cb_text, flush=True)
-            parts.append(f"{cb_text}\n\n{benchlib.table(cb_rows)}")
+        for name, run, n_rounds, n_imgs, batch in [("io", io_bound, args.rounds, args.io_imgs, args.io_batch),
+                                                   ("compute", compute_bound, args.vit_rounds, args.vit_imgs,
+                                                    args.vit_batch)]:  # fmt: skip
+            if only not in (name, "both"):
+                continue
+            print(name, flush=True)
+            rows, (line, check, note) = run(root, n_imgs, n_rounds, args.workers, batch)
+            setup.append(line)
+            tables.append(benchlib.table(rows))
+            checks.append(check)
+            notes += note
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    body = (
-        "\n".join(parts) + f"\nBest of {args.rounds} (I/O) and {args.vit_rounds} (compute) rounds with alternating "
-        f"order. 1-minute load average at the start / end: {load0:.1f} / {os.getloadavg()[0]:.1f} "
-        f"(on {os.cpu_count()} cores; above the core count, other jobs were competing for the CPU).\n"
+    setup.append(
+        f"Rounds alternate the order; each figure is the best time. 1-minute load average at the start / end: "
+        f"{load0:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores."
     )
+    body = benchlib.section_body(setup, tables, [c.bullet() for c in checks] + notes)
     print(body)
     if not args.no_record:
-        benchlib.record(*DEV.section("dump", "dump: activations written vs. disk speed and forward-pass time"), body)
+        title = "dump: activations written vs. disk speed and forward-pass time"
+        benchlib.record(*DEV.section("dump", title), body, checks=checks)
 
 
 if __name__ == "__main__":

@@ -3,19 +3,18 @@ and without software prefetch.
 
     python scripts/bench_kernel.py [--rows 768,1536,3072,4096,6144,16384] [--rounds 5] [--no-record]
 
-The shuffled loader spends ~70-80% of its CPU in this gather when the cache is warm, so the
+The shuffled loader spends most of its CPU in this gather when the cache is warm, so the
 kernel's speed is most of the loader's. The script builds several variants of
 ``src/actcache/_native.c`` with the C compiler Python was built with, differing only in the
 prefetch macros (PREFETCH_SPAN, PREFETCH_LOCALITY, WHOLE_MAX, HEAD_BYTES, MIN_AHEAD), plus a tiny
 C entry point each, loads them with ctypes, and times them alternately in one process (the speed
-of this VM's memory drifts by +-20% over minutes, so only ratios within a round mean anything):
+of a VM's memory can drift over minutes, so only ratios within a round mean anything):
 
 - ``none``: no prefetch, the reference;
-- ``before``: the scheme shipped until 2026-11-25 (prefetchnta; rows up to 2 KiB whole, 8 KiB
-  of rows ahead; of a larger row its first 512 bytes, 2 rows ahead);
+- ``before``: an earlier scheme (prefetchnta; rows up to 2 KiB whole, 8 KiB of rows ahead; of a
+  larger row its first 512 bytes, 2 rows ahead);
 - ``nta``: the whole-row span (whole rows, 24 KiB of rows ahead) with the non-temporal hint;
-- ``whole``: the committed macros, scheme 0 (whole rows into L2, prefetcht1; called ``shipped``
-  before 2026-11-26, when it was the only scheme);
+- ``whole``: the committed macros, scheme 0 (whole rows into L2, prefetcht1);
 - ``heads``: the committed macros, scheme 1 (a row's first 256 bytes, 4 rows ahead, into L3 with
   prefetcht2); the shuffled loader times both on its own copies and keeps the faster
   (kernels.PrefetchChooser);
@@ -33,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import os
 import subprocess
 import sys
@@ -76,19 +76,6 @@ VARIANTS = {
     "whole": [],
     "heads": ["-DBENCH_SCHEME=1"],
 }
-
-
-# Earlier runs on other hosts, kept because which scheme is faster depends on the CPU.
-EARLIER = (
-    "Earlier run, Zen-4 VM (family 25 model 17), 2026-11-25 03:21 UTC, before `heads` existed (`whole` then "
-    "called `shipped`), x none by row bytes 768 / 1,536 / 2,048 / 3,072 / 4,096 / 6,144 / 16,384: whole 1.63, "
-    "1.83, 1.73, 1.68, 1.40, 1.37, 1.16; before 1.35, 1.23, 1.11, 1.18, 1.22, 1.17, 1.03; nta 1.39, 1.18, 1.22, "
-    "1.11, 1.00, 0.97, 0.90; seq 2.78, 2.71, 2.35, 2.35, 1.92, 1.79, 1.51 (none 8.3-17.0 GB/s). "
-    "Earlier still, Zen-5 VM (family 26), 2026-11-24 22:28 UTC, `before` then shipped, whole rows 24 KiB ahead "
-    "non-temporally then called `whole` (x none): 768-byte rows before 1.29, nta 1.27; 1,536: 1.27, 1.15; "
-    "3,072: 1.09, 1.03; 6,144: 1.19, 0.95; 16,384: 1.05, 0.93; a sequential copy 1.22-1.53 (random rows "
-    "without prefetch 17-24 GB/s, sequential 24-29). The prefetch into L2 was not measured on that host."
-)
 
 
 def build(tmp: str) -> dict:
@@ -155,6 +142,24 @@ def pmd_mapped_kib() -> int:
     return 0
 
 
+def render(setup: list[str], rows: list[dict]) -> tuple[str, list[benchlib.Check]]:
+    """The section's body (ratios only) and its summary line: the committed schemes at d=768 rows."""
+    cols = ["row bytes", "none GB/s", *(k for k in rows[0] if k.endswith(" x none"))]
+    row = next((r for r in rows if r["row bytes"] == 3072), rows[0])
+    best = max(("whole", "heads"), key=lambda k: row.get(f"{k} x none", 0.0))
+    info = benchlib.Check(
+        f"committed prefetch vs none ({row['row bytes']:,}-byte rows; no target)",
+        f"{row[f'{best} x none']:.3f} x none ({best})",
+        None,
+    )
+    gains = [max(r["whole x none"], r["heads x none"]) for r in rows]
+    notes = [
+        f"the faster committed scheme runs at {min(gains):.2f}-{max(gains):.2f} x none over the row sizes; which "
+        "scheme wins depends on the CPU, so the loader times both on its own copies (kernels.PrefetchChooser)",
+    ]
+    return benchlib.section_body(setup, [benchlib.table(rows, cols)], notes), [info]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="768,1536,2048,3072,4096,6144,16384", help="row sizes in bytes")
@@ -164,6 +169,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=30, help="batches per thread per measurement")
     ap.add_argument("--source-gib", type=float, default=4.0)
     ap.add_argument("--dir", default=os.path.join(benchlib.ROOT, "bench-out", "kernel"))
+    ap.add_argument("--json", help="write every variant's GB/s and ratios here")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
     path = make_source(args.dir, args.source_gib)
@@ -201,22 +207,21 @@ def main() -> None:
                     row[f"{k} x none"] = float(np.median(np.array(v) / ref))
             print(row, flush=True)
             rows_out.append(row)
-    body = (
-        f"{args.threads} threads, each copying {args.batch_mib} MiB batches of rows drawn uniformly at random from a "
-        f"{size / 2**30:.1f} GiB page-cache file mapped with 2 MiB pages ({pmd:.0%} of it PMD-mapped in this run) into "
-        f"its own destination with non-temporal stores: the shuffled loader's warm gather. Variants of "
-        f"src/actcache/_native.c, built by this script and alternated in one process: `none` = no prefetch "
-        f"(the reference), `before` = the prefetch shipped until 2026-11-25 (prefetchnta: whole rows up to 2 KiB, "
-        f"8 KiB of rows ahead; the first 512 bytes of a larger row, 2 rows ahead), `nta` = whole rows 24 KiB "
-        f"ahead, non-temporal, `whole` = the committed scheme 0 (whole rows up to 16 KiB into L2 with "
-        f"prefetcht1, 24 KiB of rows ahead, 2-16 rows; `shipped` in earlier runs), `heads` = the committed "
-        f"scheme 1 (a row's first 256 bytes, 4 rows ahead, into L3 with prefetcht2; the shuffled loader times "
-        f"both and keeps the faster); `seq` = the `whole` kernel copying consecutive rows (a "
-        f"sequential copy). GB/s: medians of {args.rounds} rounds; x none: median "
-        f"over rounds of the ratio within the round.\n\n" + benchlib.table(rows_out) + "\n" + EARLIER
-    )
+    if args.json:
+        with open(args.json, "w") as fd:
+            json.dump(rows_out, fd, indent=1)
+    setup = [
+        f"{args.threads} threads, each copying {args.batch_mib} MiB batches of random rows out of a "
+        f"{size / 2**30:.1f} GiB page-cache file mapped with 2 MiB pages ({pmd:.0%} PMD-mapped) with non-temporal "
+        "stores: the shuffled loader's warm gather.",
+        "Variants of src/actcache/_native.c, alternated in one process: `none` (no prefetch, the reference), "
+        "`before` (an earlier scheme), `nta` (whole rows, non-temporal), `whole` and `heads` (the committed "
+        "schemes 0 and 1), `seq` (consecutive rows).",
+        f"x none: median over {args.rounds} rounds of the ratio within a round; GB/s of every variant: `--json`.",
+    ]
+    body, checks = render(setup, rows_out)
     if not args.no_record:
-        benchlib.record("kernel", "Copy kernel: random-row gather with and without prefetch", body)
+        benchlib.record("kernel", "Copy kernel: random-row gather with and without prefetch", body, checks=checks)
     print(body)
 
 

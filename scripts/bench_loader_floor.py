@@ -9,7 +9,7 @@ measures, in alternating fresh processes (warm page cache, as bench_loaders.py's
   first part of every shard; on one layer of four a quarter of ref2's bytes);
 - ``floor``: the least work any loader that hands out shuffled batches of the layer does in a
   fresh process, and nothing else: two threads, each with one fresh batch buffer (4 KiB pages,
-  populated with MADV_POPULATE_WRITE, the VM's fastest way: buffers.py), one uniform random order
+  populated with MADV_POPULATE_WRITE, as buffers.py does), one uniform random order
   of all the layer's patch-token rows (C Fisher-Yates), and each thread gathering every other batch
   straight out of the memory-mapped shards with the loader's C copy kernel. No shuffle-window
   bound, planner, reader threads, residency checks, partitions, hand-off to a consumer (which
@@ -19,7 +19,7 @@ measures, in alternating fresh processes (warm page cache, as bench_loaders.py's
 If ``floor`` stays below 0.9 x ref2, no loader built from these parts can meet that target on the
 machine measured.
 
-    python scripts/bench_loader_floor.py --layers 4 --rounds 8 --cache-dir /tmp/bl
+    python scripts/bench_loader_floor.py --layers 4 --rounds 8 [--cache-dir bench-out/loaders]
 """
 
 from __future__ import annotations
@@ -116,6 +116,21 @@ def measure(spec: dict, files: list[str]) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def render(setup: list[str], rows: list[dict], n_layers: int) -> tuple[str, list[benchlib.Check]]:
+    """The section's body and its summary line (the floor has no target of its own: info)."""
+    by = {r["kind"]: r for r in rows}
+    floor, loader = by["floor"]["x ref2"], by["shuffled"]["x ref2"]
+    info = benchlib.Check(f"lower bound of a shuffled first epoch ({n_layers} layer(s); no target)",
+                          f"{floor:.3f} x ref2", None)  # fmt: skip
+    target = dict(bl.TARGETS[("shuffled", "warm")])["ref2"]
+    can = "can" if floor >= target else "cannot"
+    notes = [
+        f"the floor runs at {floor:.3f} x ref2: a loader built from these parts {can} reach {target:g} x ref2 here",
+        f"the ShuffledLoader runs at {loader:.3f} x ref2, {loader / floor:.2f} of the floor",
+    ]
+    return benchlib.section_body(setup, [benchlib.table(rows)], notes), [info]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -156,24 +171,20 @@ def main() -> None:
     ]
     layer_gb = bl.layer_bytes(path) / 1e9
     cache_gb = sum(size for _, size in bl.shard_files(path)) / 1e9
-    body = (
-        f"Warm page cache, a cache of {args.layers} recorded layer(s) ({cache_gb:.2f} GB, "
-        f"~{args.shard_gib:g} GiB shards) of which one layer's patch tokens are read ({layer_gb:.2f} GB), batch "
-        f"{args.batch_size}; each measurement in a fresh process, {args.rounds} alternating rounds. ref2 = 2 threads "
-        "reading every shard into 48 MiB buffers; ref2 same bytes = the same reading only as many bytes as one "
-        "epoch of the layer (the first part of every shard); floor = the least any shuffled loader does in a fresh "
-        "process: two threads, one fresh batch buffer each, one uniform random order of the layer's rows, every "
-        "other batch gathered by each thread with the loader's C kernel straight out of the mapped shards (no "
-        "shuffle-window bound, planner, readers, second buffer set for the consumer's hand-off, or consumer: see "
-        "the script's docstring); shuffled = the ShuffledLoader's first epoch (bench_loaders.py's worker, buffer "
-        f"{args.buffer_bytes / 1e9:.1f} GB). MB/s count the layer's bytes for floor and shuffled; x: median over "
-        "rounds of the ratio within the round. The loader issue's target is shuffled >= 0.9 x ref2.\n\n"
-        + benchlib.table(rows)
-    )
+    setup = [
+        f"Warm page cache; a cache of {args.layers} recorded layer(s) ({cache_gb:.2f} GB) of which one layer's patch "
+        f"tokens are read ({layer_gb:.2f} GB), batch {args.batch_size}; {args.rounds} alternating rounds, each "
+        "measurement in a fresh process.",
+        "ref2 and ref2 same bytes as in the loaders' section; floor = two threads, one fresh batch buffer each, "
+        "one random order, the loader's C kernel and nothing else (the script's docstring);",
+        f"shuffled = the ShuffledLoader's first epoch (buffer {args.buffer_bytes / 1e9:.1f} GB). x: median over "
+        "rounds of the ratio within the round.",
+    ]
+    body, checks = render(setup, rows, args.layers)
     print(body)
     if not args.no_record:
         title = f"Shuffled first epoch against a lower bound and ref2 ({args.layers} recorded layer(s))"
-        benchlib.record(f"loader-floor-L{args.layers}", title, body)
+        benchlib.record(f"loader-floor-L{args.layers}", title, body, checks=checks)
 
 
 if __name__ == "__main__":

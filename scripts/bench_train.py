@@ -100,6 +100,20 @@ def memory_run(cache: str, args, n_saes: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
+def render(setup: list[str], rows: list[dict]) -> tuple[str, list[benchlib.Check]]:
+    """The section's body and its check: the loader costs at most 5% of the in-memory step rate."""
+    worst = min(rows, key=lambda r: r["vs in-memory"])
+    check = benchlib.check(
+        "training through the loader >= 0.95 x in-memory steps/s (every SAE count)",
+        worst["vs in-memory"],
+        0.95,
+        f"x in-memory at {worst['SAEs per pass']} SAE(s)",
+    )
+    wait = max(r["loader wait share"] for r in rows)
+    notes = [check.bullet(), f"the trainer waits for the loader at most {wait:.1%} of the wall time"]
+    return benchlib.section_body(setup, [benchlib.table(rows)], notes), [check]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N (section train-cuda; its defaults: "
@@ -145,18 +159,17 @@ def main() -> int:
         })  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     width = int(args.d * args.exp_factor)
-    body = (
-        f"TopK SAEs (d={args.d}, width {width}, k={args.k}) on {dev.words} (torch threads: {torch.get_num_threads()}), "
-        f"batch {args.batch}, {args.steps} steps (best of {args.repeats}), fed by the ShuffledLoader from a {args.n_imgs}-image "
-        "synthetic cache (warm page cache). All SAEs of a pass step on the same batch. The loader's "
-        "wait share is the time the trainer waited for a batch over the wall time; 'vs in-memory' "
-        "compares with the same SAEs stepping on a batch already in memory. Load average (1 min) at "
-        f"start / end: {load0:.1f} / {os.getloadavg()[0]:.1f} (other jobs on the machine shift the "
-        "absolute rates; compare the ratios).\n\n" + benchlib.table(rows)
-    )
+    setup = [
+        f"TopK SAEs (d={args.d}, width {width}, k={args.k}) on {dev.words} (torch threads: "
+        f"{torch.get_num_threads()}), batch {args.batch}, {args.steps} steps, best of {args.repeats}.",
+        f"Fed by the ShuffledLoader from a {args.n_imgs}-image synthetic cache (warm); all SAEs of a pass share "
+        "each batch. 'vs in-memory': the same SAEs stepping on a batch already in memory.",
+        f"Load average (1 min) at start / end: {load0:.1f} / {os.getloadavg()[0]:.1f}.",
+    ]
+    body, checks = render(setup, rows)
     print(body)
     if not args.no_record:
-        benchlib.record(*dev.section("train", "SAE training (scripts/bench_train.py)"), body)
+        benchlib.record(*dev.section("train", "SAE training (scripts/bench_train.py)"), body, checks=checks)
     return 0
 
 

@@ -2,11 +2,16 @@
 
 Each benchmark owns one section of BENCHMARKS.md, delimited by
 ``<!-- bench:NAME -->`` ... ``<!-- /bench:NAME -->``; re-running a benchmark replaces only its
-own section (under a lock file, so benchmarks can run at the same time).
+own section (under a lock file, so benchmarks can run at the same time). A section is rendered
+by ``section_body`` from a short template: at most 5 setup lines, tables of at most
+``MAX_COLUMNS`` columns, at most 5 conclusion bullets. The targets a benchmark checks
+(``Check``) also replace that benchmark's rows of the summary table at the top of the file
+(between ``<!-- bench:summary -->`` markers).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import fcntl
 import os
@@ -19,17 +24,58 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_MD = os.path.join(ROOT, "BENCHMARKS.md")
-HEADER = (
-    "# Benchmarks\n\n"
-    "Every figure is produced by a script in `scripts/` (command given per section) and is reported\n"
-    "as a ratio against a reference measured in the same run on the same machine. Re-run a script\n"
-    "to refresh its section.\n"
+SUMMARY_COLUMNS = ("Target", "Figure", "Machine", "Date", "Result", "Section")
+RERUN = (
+    "How to re-run: each section names the command that measured it; run it from the repository\n"
+    "root and it replaces its own section and its rows above (`--help` lists the options). Every\n"
+    "figure is a ratio against a reference measured in the same run on the same machine, so compare\n"
+    "ratios, not absolute rates, across machines. Columns left out of a section's table: the\n"
+    "script's `--json` output (bench_loaders.py, bench_kernel.py).\n"
 )
+SUMMARY_HEAD = "| " + " | ".join(SUMMARY_COLUMNS) + " |\n|" + "|".join("---" for _ in SUMMARY_COLUMNS) + "|\n"
+HEADER = f"# Benchmarks\n\n<!-- bench:summary -->\n{SUMMARY_HEAD}<!-- /bench:summary -->\n\n{RERUN}"
+MAX_SETUP, MAX_CONCLUSIONS, MAX_COLUMNS = 5, 5, 10
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """One target of a benchmark: what it asks, the figure measured, and whether it was met."""
+
+    target: str  # e.g. "warm shuffled >= 0.9 x ref2 (1 layer)"
+    figure: str  # e.g. "0.965 x ref2"
+    met: bool | None  # None: a figure reported without a target
+
+    @property
+    def result(self) -> str:
+        return "info" if self.met is None else "met" if self.met else "missed"
+
+    def bullet(self) -> str:
+        return f"{self.result}: {self.target}, measured {self.figure}"
+
+
+def check(target: str, value: float, limit: float, unit: str = "", at_least: bool = True) -> Check:
+    """A Check of ``value >= limit`` (``at_least``) or ``value <= limit``, its figure ``value unit``."""
+    met = value >= limit if at_least else value <= limit
+    return Check(target, f"{fmt(value)}{' ' + unit if unit else ''}", met)
+
+
+def section_body(setup: list[str], tables: list[str], conclusions: list[str]) -> str:
+    """A section's body from its template parts: setup lines, tables, conclusion bullets."""
+    if len(setup) > MAX_SETUP or len(conclusions) > MAX_CONCLUSIONS:
+        raise ValueError(f"a section has at most {MAX_SETUP} setup lines and {MAX_CONCLUSIONS} conclusions")
+    for t in tables:
+        header = next((line for line in t.splitlines() if line.startswith("|")), "|")
+        if header.count("|") - 1 > MAX_COLUMNS:
+            raise ValueError(f"a section's table has at most {MAX_COLUMNS} columns: {header}")
+    parts = ["\n".join(f"- {line}" for line in setup), *(t.rstrip() for t in tables)]
+    if conclusions:
+        parts.append("Conclusions:\n\n" + "\n".join(f"- {c}" for c in conclusions))
+    return "\n\n".join(p for p in parts if p) + "\n"
 
 
 def _amd_generation(family: int, model: int) -> str | None:
-    """Zen generation of an AMD CPU family/model (the VM's "model name" says only "AMD EPYC", and
-    the project VM has been a Zen-4 and a Zen-5 host on different days, with different memory)."""
+    """Zen generation of an AMD CPU family/model: a VM's "model name" may say only "AMD EPYC", and
+    the generations differ in memory speed, which the benchmarks' ratios depend on."""
     if family == 26:
         return "Zen 5"
     if family == 25:
@@ -75,6 +121,20 @@ def machine() -> str:
     )
 
 
+def machine_short() -> str:
+    """The machine in a few words for the summary table: cores, and the GPU when there is one."""
+    gpu = ""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=10
+        )
+        if out.returncode == 0 and out.stdout.strip():
+            gpu = ", " + out.stdout.strip().splitlines()[0].removeprefix("NVIDIA ")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return f"{platform.node()}, {os.cpu_count()} cores{gpu}"
+
+
 def command_line(argv: list[str] | None = None) -> str:
     """The command as typed from the repository root (``argv``: default this process's)."""
     argv = sys.argv if argv is None else argv
@@ -107,35 +167,64 @@ class Device:
         return (f"{name}-cuda", f"{title} (CUDA)") if self.cuda else (name, title)
 
 
+def fmt(v) -> str:
+    """A table cell: floats with 3 significant digits, integers with thousands separators."""
+    if isinstance(v, float):
+        if v != 0 and (abs(v) >= 1e5 or abs(v) < 1e-2):
+            return f"{v:.3g}"
+        return f"{v:,.3f}".rstrip("0").rstrip(".") if abs(v) < 100 else f"{v:,.0f}"
+    if isinstance(v, int) and not isinstance(v, bool):
+        return f"{v:,}"
+    return str(v)
+
+
 def table(rows: list[dict], columns: list[str] | None = None) -> str:
     """Markdown table from a list of dicts (floats shown with 3 significant digits)."""
     if not rows:
         return "(no rows)\n"
     columns = columns or list(rows[0])
-
-    def fmt(v) -> str:
-        if isinstance(v, float):
-            if v != 0 and (abs(v) >= 1e5 or abs(v) < 1e-2):
-                return f"{v:.3g}"
-            return f"{v:,.3f}".rstrip("0").rstrip(".") if abs(v) < 100 else f"{v:,.0f}"
-        if isinstance(v, int) and not isinstance(v, bool):
-            return f"{v:,}"
-        return str(v)
-
     lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
     for r in rows:
         lines.append("| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |")
     return "\n".join(lines) + "\n"
 
 
-def record(name: str, title: str, body: str, path: str = BENCH_MD, when: float | None = None) -> None:
+def summary_rows(text: str, name: str, checks: list[Check], machine: str, date: str) -> str:
+    """``text`` with the summary table's rows of section ``name`` replaced by ``checks``."""
+    start, end = "<!-- bench:summary -->\n", "<!-- /bench:summary -->\n"
+    if start not in text:
+        title, _, rest = text.partition("\n")
+        text = HEADER + rest.lstrip("\n").removeprefix(RERUN) if title.startswith("# ") else HEADER + text
+    head, _, rest = text.partition(start)
+    table_text, _, tail = rest.partition(end)
+    lines = table_text.splitlines()
+    new = [f"| {c.target} | {c.figure} | {machine} | {date} | {c.result} | {name} |" for c in checks]
+    rows = lines[2:]
+    at = next((i for i, r in enumerate(rows) if r.rstrip(" |").endswith(f"| {name}")), len(rows))
+    rows = [r for r in rows if not r.rstrip(" |").endswith(f"| {name}")]
+    rows[at:at] = new
+    return head + start + "\n".join([*lines[:2], *rows]) + "\n" + end + tail
+
+
+def record(
+    name: str,
+    title: str,
+    body: str,
+    path: str = BENCH_MD,
+    when: float | None = None,
+    checks: list[Check] | None = None,
+    machines: tuple[str, str] | None = None,
+) -> None:
     """Replace (or append) section ``name`` of BENCHMARKS.md with title, command, machine, date
-    (``when``, a Unix time: when the figures were measured; default now), body."""
+    (``when``, a Unix time: when the figures were measured; default now), body; with ``checks``,
+    also replace the section's rows of the summary table. ``machines``: (machine(), machine_short())
+    of the machine that measured the figures, when that is not this one (a re-render)."""
+    long_machine, short_machine = machines or (machine(), machine_short())
     stamp = datetime.datetime.now(datetime.UTC) if when is None else datetime.datetime.fromtimestamp(when, datetime.UTC)
     now = stamp.strftime("%Y-%m-%d %H:%M UTC")
     section = (
         f"<!-- bench:{name} -->\n## {title}\n\n"
-        f"- command: `{command_line()}`\n- machine: {machine()}\n- date: {now}\n\n{body.rstrip()}\n"
+        f"- command: `{command_line()}`\n- machine: {long_machine}\n- date: {now}\n\n{body.rstrip()}\n"
         f"<!-- /bench:{name} -->\n"
     )
     lock = path + ".lock"
@@ -150,6 +239,8 @@ def record(name: str, title: str, body: str, path: str = BENCH_MD, when: float |
             text = pat.sub(lambda _m: section, text)
         else:
             text = text.rstrip() + "\n\n" + section
+        if checks is not None:
+            text = summary_rows(text, name, checks, short_machine, stamp.strftime("%Y-%m-%d"))
         tmp = path + ".tmp"
         with open(tmp, "w") as fd:
             fd.write(text)
@@ -236,7 +327,7 @@ def huge_share(paths: list[str]) -> float | None:
     cached are read) and the growth of FilePmdMapped read, then unmapped. None where the kernel
     cannot tell (no MADV_POPULATE_READ, no FilePmdMapped line). A plain sequential read of a whole
     file that was not cached leaves it almost all in such folios; reads that fill holes, or
-    random reads, leave small ones, and a gather out of small folios runs ~1.4x slower."""
+    random reads, leave small ones, and a gather out of small folios runs slower."""
     import ctypes
     import mmap
 
@@ -267,7 +358,7 @@ def huge_share(paths: list[str]) -> float | None:
 
 def damon_pageout() -> str | None:
     """A description of a DAMON scheme that pages out file pages left unused (proactive reclaim,
-    as on the project's Firecracker VMs), or None. Such a scheme evicts "warm" cache files that
+    as on some VMs), or None. Such a scheme evicts "warm" cache files that
     a benchmark has not read for a while, whatever memory is free."""
     root = "/sys/kernel/mm/damon/admin/kdamonds"
 

@@ -16,8 +16,8 @@
  * numpy's take copies row by row with regular stores (the destination is read into the cache
  * first, then written back) and nothing asks for the next random row ahead of time; here the
  * source rows are prefetched a few rows ahead and, for batches larger than the CPU cache
- * (``stream``), written with non-temporal stores that skip that read. Measured on the project
- * VM (2 cores, scripts/bench_loaders.py): see BENCHMARKS.md. The GIL is released while copying.
+ * (``stream``), written with non-temporal stores that skip that read (scripts/bench_loaders.py
+ * measures the loaders: see BENCHMARKS.md). The GIL is released while copying.
  */
 #define PY_SSIZE_T_CLEAN
 #ifndef _GNU_SOURCE
@@ -37,19 +37,13 @@
 
 /* Software prefetch of the rows ahead of the one being copied: whole rows, PREFETCH_SPAN bytes of
  * rows ahead (at least MIN_AHEAD rows, at most MAX_AHEAD), into the L2 cache (prefetcht1,
- * PREFETCH_LOCALITY 2). Measured by scripts/bench_kernel.py (2 threads gathering 48 MiB batches of
- * random rows out of a 4 GiB huge-page mapping; variants built from this file, alternated in one
- * process; BENCHMARKS.md, "Copy kernel"). On the Zen-4 project VM (2026-11-25), against no
- * prefetch: x1.63 at 768-byte rows, x1.83 at 1536, x1.68 at 3072 (d=768 float32), x1.40 at 4 KiB,
- * x1.37 at 6 KiB, x1.16 at 16 KiB. The scheme before it (prefetchnta; whole rows up to 2 KiB, 8 KiB
- * of rows ahead, else a row's first 512 bytes 2 rows ahead, the rest left to the hardware
- * prefetcher): x1.35, 1.23, 1.18, 1.22, 1.17, 1.03; the same span as now with prefetchnta: x1.38,
- * 1.18, 1.11, 1.00, 0.96, 0.90; into L1 (prefetcht0) no better than none (3072). On the Zen-5 VM
- * (2026-11-24) the scheme before had measured x1.09 at 3072, whole rows with prefetchnta x1.03;
- * prefetcht1 was not measured there. Rows over WHOLE_MAX bytes (the ordered loader's whole
- * images, ~600 KB) have only their first HEAD_BYTES prefetched (prefetchnta, as before),
- * MIN_AHEAD rows ahead: whole, they would flush the L2 cache, and the hardware prefetcher follows
- * a long row anyway. The macros can be overridden (-DPREFETCH_SPAN=0 turns prefetching off). */
+ * PREFETCH_LOCALITY 2). Whole rows into L2 beat a row's first bytes and non-temporal prefetches on
+ * some hosts; into L1 (prefetcht0) was no better than none. scripts/bench_kernel.py measures the
+ * variants (built from this file, alternated in one process); its figures are in BENCHMARKS.md,
+ * "Copy kernel". Rows over WHOLE_MAX bytes (the ordered loader's whole images) have only their
+ * first HEAD_BYTES prefetched (prefetchnta), MIN_AHEAD rows ahead: whole, they would flush the L2
+ * cache, and the hardware prefetcher follows a long row anyway. The macros can be overridden
+ * (-DPREFETCH_SPAN=0 turns prefetching off). */
 #ifndef PREFETCH_SPAN
 #define PREFETCH_SPAN (24 << 10)
 #endif
@@ -70,12 +64,9 @@
 #endif
 /* The second scheme, "heads" (prefetch=1 in gather_multi): only the first HEADS_BYTES of the row
  * HEADS_AHEAD rows ahead, into L3 (prefetcht2); the hardware prefetcher brings in the rest of
- * the row once the copy reaches it. On the Intel Xeon project VM (family 6 model 207,
- * 2026-11-26, scripts/bench_kernel.py, BENCHMARKS.md "Copy kernel", x none): 768-byte rows 1.13
- * against 0.97 for whole rows, 1,536: 1.15 / 1.03, 3,072: 1.13 / 1.00 (1.29 / 1.08 in a run
- * before), 4,096: 1.22 / 1.00, 16,384: 1.02 / 0.89; on the Zen-4 VM whole rows won (3,072: 1.68
- * against 1.18 for a 512-byte head). Which one a machine prefers is measured by the loader on
- * its own copies (kernels.PrefetchChooser). */
+ * the row once the copy reaches it. Which scheme is faster depends on the CPU (BENCHMARKS.md,
+ * "Copy kernel"), so the loader measures both on its own copies and keeps the faster one
+ * (kernels.PrefetchChooser). */
 #ifndef HEADS_BYTES
 #define HEADS_BYTES 256
 #endif
@@ -84,8 +75,8 @@
 #endif
 
 /* The prefetch helpers must be inlined before GCC's interprocedural passes see them: on their own
- * they have no visible side effect, GCC marks them const and drops every call. (That happened to
- * the previous helper: gcc 12 -O2 left no prefetch instruction in the module.) */
+ * they have no visible side effect, GCC marks them const and drops every call (an out-of-line
+ * helper once left no prefetch instruction in the module at -O2). */
 #if defined(__GNUC__) || defined(__clang__)
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 #else
@@ -529,9 +520,8 @@ static PyObject *touch(PyObject *self, PyObject *args) {
  * cached when its first and last bytes are in the page cache (preadv2 of one byte with RWF_NOWAIT,
  * which fails with EAGAIN rather than wait for the disk); with `advise`, each range that is not is
  * asked for (posix_fadvise WILLNEED, asynchronous). The loop runs without the GIL: done from
- * Python, a warm pass over one layer of four (1,774 ranges a 1 GB epoch, in 4 reader threads beside
- * the gathers) cost ~25 ms of CPU against ~5 ms for the same calls in one thread alone (the rest,
- * we think, the GIL changing hands around each of the ~3,500 system calls). */
+ * Python, the GIL changes hands around each of the two system calls per range, which costs
+ * several times the calls themselves when reader threads run beside the gathers. */
 static PyObject *probe(PyObject *self, PyObject *args) {
     int fd, advise;
     unsigned long long starts_addr, ends_addr;
