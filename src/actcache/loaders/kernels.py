@@ -23,6 +23,9 @@ import threading
 
 import numpy as np
 
+# gather_multi's ``prefetch`` is an index into PREFETCH_SCHEMES (defined with the other option values)
+from actcache.loaders.options import PREFETCH_SCHEMES
+
 try:
     from actcache import _native
 except ImportError:  # not built (no C compiler at install time): numpy fallback
@@ -33,14 +36,6 @@ if os.environ.get("ACTCACHE_NATIVE", "1") == "0":
 # Batches at least this large are written with non-temporal stores: they do not fit in the CPU
 # cache anyway, and the consumer reads them later. Smaller ones stay cached for the consumer.
 STREAM_MIN_BYTES = 16 * 2**20
-
-
-# The C kernel's two prefetch schemes (gather_multi's ``prefetch``, an index into this tuple):
-# whole rows into L2 some rows ahead, or only their first bytes into L3. Which is faster depends
-# on the CPU (_native.c, 3 KiB rows against no prefetch: whole rows x1.68 against x1.18 for heads
-# on a Zen-4 VM, heads x1.13-1.29 against x1.00-1.08 on an Intel Xeon VM), so the shuffled loader
-# measures both on its own copies (PrefetchChooser).
-PREFETCH_SCHEMES = ("whole", "heads")
 
 
 def _median(values) -> float:

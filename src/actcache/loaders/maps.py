@@ -33,6 +33,7 @@ import numpy as np
 
 from actcache.errors import LoaderError
 from actcache.loaders import kernels
+from actcache.loaders.options import COLD_READS
 
 PAGE = mmap.PAGESIZE
 HUGE = 2 * 2**20  # x86-64 PMD size
@@ -41,7 +42,6 @@ MADV_POPULATE_READ = 22  # Linux >= 5.14
 # huge mode, cold_read="read": uncached ranges are read with preadv calls of this size into a
 # per-thread scratch buffer (it stays in the CPU cache; the kernel's read-ahead runs ahead of it)
 READ_CHUNK = 2 * 2**20
-COLD_READS = ("read", "fault")
 
 try:
     _libc = ctypes.CDLL(None, use_errno=True)

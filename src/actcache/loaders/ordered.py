@@ -68,7 +68,8 @@ import numpy as np
 
 from actcache.errors import ConfigError, LoaderError
 from actcache.loaders import kernels
-from actcache.loaders.base import BaseLoader, Iteration, check_number
+from actcache.loaders.base import BaseLoader, Iteration
+from actcache.loaders.options import LoaderOptions, check_number
 from actcache.loaders.partition import Partition
 from actcache.loaders.runtime import Stopped
 
@@ -164,23 +165,23 @@ class OrderedLoader(BaseLoader):
         if io not in IO_MODES:
             raise ConfigError(f"io={io!r} is not allowed; use one of {', '.join(IO_MODES)}")
         check_number("end_img", end_img, 0, integer=True, allow_none=True)
-        check_number("n_readers", n_readers, 1, integer=True, allow_none=True)
-        super().__init__(
-            path,
-            batch_size,
-            patches,
-            layer,
-            drop_last,
-            batch_timeout_s,
-            scale_norm,
-            rank,
-            world_size,
-            worker_id,
-            n_workers,
-            n_threads,
-            read_ahead,
-            evict,
+        options = LoaderOptions(
+            batch_size=batch_size,
+            patches=patches,
+            layer=layer,
+            drop_last=drop_last,
+            batch_timeout_s=batch_timeout_s,
+            scale_norm=scale_norm,
+            rank=rank,
+            world_size=world_size,
+            worker_id=worker_id,
+            n_workers=n_workers,
+            n_threads=n_threads,
+            n_readers=n_readers,
+            read_ahead=read_ahead,
+            evict=evict,
         )
+        super().__init__(path, options=options)
         n = self.metadata.n_imgs
         end_img = n if end_img is None else end_img
         if not start_img <= end_img <= n:

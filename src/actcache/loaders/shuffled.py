@@ -59,7 +59,7 @@ BENCHMARKS.md. Since 2026-11-24 that machine is a Zen-5 VM whose page cache -> b
     one layer of four, warm, fresh processes, 14 alternating rounds: first epoch x0.96 (the
     gather threads' CPU 289 -> 256 ms).
 
-    The copy kernel prefetches the next random rows in one of two ways (kernels.PREFETCH_SCHEMES):
+    The copy kernel prefetches the next random rows in one of two ways (PREFETCH_SCHEMES):
     whole rows into L2, or only their first 256 bytes into L3, leaving the rest to the hardware
     prefetcher. Which is faster depends on the CPU (the kernel alone, 3 KiB rows: whole rows x1.68
     against x1.18 on a Zen-4 VM; row heads x1.13-1.29 against x1.00-1.08 on an Intel Xeon VM), so with
@@ -148,9 +148,10 @@ import numpy as np
 
 from actcache.errors import ConfigError
 from actcache.loaders import kernels
-from actcache.loaders.base import BaseLoader, Iteration, check_number
+from actcache.loaders.base import BaseLoader, Iteration
 from actcache.loaders.buffers import populate_small
-from actcache.loaders.maps import COLD_READS, HUGE, block_range
+from actcache.loaders.maps import HUGE, block_range
+from actcache.loaders.options import COLD_READS, PREFETCH_SCHEMES, LoaderOptions, check_number
 from actcache.loaders.partition import Partition
 from actcache.loaders.plan import EpochPlan, cut_points, epoch_runs, part_runs
 from actcache.loaders.runtime import Stopped
@@ -253,7 +254,6 @@ class ShuffledLoader(BaseLoader):
         check_number("buffer_bytes", buffer_bytes, 1, integer=True)
         check_number("seed", seed, integer=True)
         check_number("n_epochs", n_epochs, 0, integer=True, allow_none=True)
-        check_number("n_readers", n_readers, 1, integer=True, allow_none=True)
         check_number("run_bytes", run_bytes, 1, integer=True)
         check_number("n_strips", n_strips, 1, integer=True)
         if not isinstance(deterministic, bool):
@@ -262,10 +262,8 @@ class ShuffledLoader(BaseLoader):
             raise ConfigError(f"io={io!r} is not allowed; use one of {', '.join(IO_MODES)}")
         if cold_read not in COLD_READS:
             raise ConfigError(f"cold_read={cold_read!r} is not allowed; use one of {', '.join(COLD_READS)}")
-        if prefetch != "auto" and prefetch not in kernels.PREFETCH_SCHEMES:
-            raise ConfigError(
-                f"prefetch={prefetch!r} is not allowed; use one of auto, {', '.join(kernels.PREFETCH_SCHEMES)}"
-            )
+        if prefetch != "auto" and prefetch not in PREFETCH_SCHEMES:
+            raise ConfigError(f"prefetch={prefetch!r} is not allowed; use one of auto, {', '.join(PREFETCH_SCHEMES)}")
         if not (isinstance(start_at, (tuple, list)) and len(start_at) == 2):
             raise ConfigError(f"start_at={start_at!r} must be (epoch, batch)")
         for v in start_at:
@@ -274,27 +272,28 @@ class ShuffledLoader(BaseLoader):
             if not (isinstance(end_at, (tuple, list)) and len(end_at) == 2 and end_at[0] in ("epoch", "batch")):
                 raise ConfigError(f"end_at={end_at!r} must be ('epoch', n) or ('batch', n)")
             check_number("end_at", end_at[1], 0, integer=True)
-        super().__init__(
-            path,
-            batch_size,
-            patches,
-            layer,
-            drop_last,
-            batch_timeout_s,
-            scale_norm,
-            rank,
-            world_size,
-            worker_id,
-            n_workers,
-            n_threads,
-            read_ahead,
-            evict,
+        options = LoaderOptions(
+            batch_size=batch_size,
+            patches=patches,
+            layer=layer,
+            drop_last=drop_last,
+            batch_timeout_s=batch_timeout_s,
+            scale_norm=scale_norm,
+            rank=rank,
+            world_size=world_size,
+            worker_id=worker_id,
+            n_workers=n_workers,
+            n_threads=n_threads,
+            n_readers=n_readers,
+            read_ahead=read_ahead,
+            evict=evict,
         )
+        super().__init__(path, options=options)
         self.buffer_bytes, self.seed, self.n_epochs = buffer_bytes, seed, n_epochs
         self.start_at, self.end_at = tuple(start_at), end_at
         self.deterministic, self.io, self.cold_read = deterministic, io, cold_read
         self.prefetch = prefetch
-        fixed = None if prefetch == "auto" else kernels.PREFETCH_SCHEMES.index(prefetch)
+        fixed = None if prefetch == "auto" else PREFETCH_SCHEMES.index(prefetch)
         if not kernels.native_info()["native"]:
             fixed = 0  # numpy copies: nothing to choose
         self._prefetch = kernels.PrefetchChooser(fixed)  # kept across iterations
@@ -433,7 +432,7 @@ class ShuffledLoader(BaseLoader):
             return
         self.stats.prefetch = ch.describe()
         self.stats.prefetch_GBps = {
-            name: round(r / 1e9, 3) for name, r in zip(kernels.PREFETCH_SCHEMES, ch.rates(), strict=True) if r > 0
+            name: round(r / 1e9, 3) for name, r in zip(PREFETCH_SCHEMES, ch.rates(), strict=True) if r > 0
         }
 
     def _start(self, it: Iteration) -> None:
