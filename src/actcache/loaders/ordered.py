@@ -60,6 +60,7 @@ the same number of batches per rank (see :mod:`.partition`).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import threading
 import time
@@ -213,7 +214,7 @@ class OrderedLoader(BaseLoader):
     def _make_iteration(self) -> Iteration:
         it = Iteration(self, "OrderedLoader", 0, len(self), max(3, self.read_ahead + 1))
         it.next_read = it.next_copy = it.frontier = 0
-        it.parts = collections.deque()  # (job, part) of a batch another copy thread started
+        it.parts = collections.deque()  # _CopyPart: parts of batches other copy threads started
         it.first_requested = False  # batch 0's reads have been requested (see FIRST_ALONE)
         # batch -> (mapped: copied out of the mappings; cached: all in the page cache at request;
         # CPU seconds the reader spent mapping it)
@@ -288,45 +289,52 @@ class OrderedLoader(BaseLoader):
                 it.resident[k] = (mapped, cached, mapping_s)
                 it.cond.notify_all()
 
+    def _next_task(self, it: Iteration, w: _CopyWait) -> bool:
+        """A copy thread's wait predicate (lock held): puts its next task in ``w.task``."""
+        if it.parts:  # a part of a batch another thread has started
+            w.task = it.parts.popleft()
+            return True
+        k = it.next_copy
+        if k >= it.stop:
+            raise Stopped
+        if k >= it.n_consumed + self.read_ahead or k not in it.resident:
+            return False
+        buf = it.pool.try_acquire()
+        if buf is None:
+            return False
+        w.task = _NewBatch(k, buf)
+        return True
+
+    def _start_batch(self, it: Iteration, task: _NewBatch) -> _Job:
+        """The job of a batch whose data is resident (lock held); its other parts go to ``it.parts``."""
+        mapped, cached, mapping_s = it.resident.pop(task.k)
+        a, b = self.batch_range(task.k)
+        # a batch still to be read from disk stays with one thread (see MIN_PART_ROWS)
+        job = _Job(task.k, task.buf, mapped, self._cuts(a, b) if cached else [a, b])
+        job.cost = mapping_s if cached and self.io == "auto" else None  # see EXPLORE_EVERY
+        if len(job.cuts) > 2:
+            it.parts.extend(_CopyPart(job, p) for p in range(1, len(job.cuts) - 1))
+            it.cond.notify_all()
+        return job
+
     def _copier(self, it: Iteration, name: str) -> None:
         it.rt.status(name, "allocating batch buffers")
         # all sets up front (lazily, as the shuffled loader does, measured ~10% slower with a batch
         # per thread; with shared batches one each then lazily was the same within the noise)
         for _ in range(-(-it.pool.max_sets // self.n_threads)):
             it.pool.prefill(stop=lambda: it.rt.stopping)
+        w = _CopyWait()
+        ready = lambda: self._next_task(it, w)  # noqa: E731 - made once per thread
         while True:
             with it.cond:
                 it.rt.status(name, "waiting for data or a free buffer")
-                got: dict = {}
-
-                def ready(got=got):
-                    if it.parts:
-                        got["job"], got["part"] = it.parts.popleft()
-                        return True
-                    k = it.next_copy
-                    if k >= it.stop:
-                        raise Stopped
-                    if k >= it.n_consumed + self.read_ahead or k not in it.resident:
-                        return False
-                    buf = it.pool.try_acquire()
-                    if buf is None:
-                        return False
-                    got["k"], got["buf"] = k, buf
-                    return True
-
+                w.task = None
                 it.rt.wait(ready)
-                if "job" not in got:
+                task = w.task
+                if isinstance(task, _NewBatch):
                     it.next_copy += 1
-                    mapped, cached, mapping_s = it.resident.pop(got["k"])
-                    a, b = self.batch_range(got["k"])
-                    # a batch still to be read from disk stays with one thread (see MIN_PART_ROWS)
-                    job = _Job(got["k"], got["buf"], mapped, self._cuts(a, b) if cached else [a, b])
-                    job.cost = mapping_s if cached and self.io == "auto" else None  # see EXPLORE_EVERY
-                    if len(job.cuts) > 2:
-                        it.parts.extend((job, p) for p in range(1, len(job.cuts) - 1))
-                        it.cond.notify_all()
-                    got["job"], got["part"] = job, 0
-            job, part = got["job"], got["part"]
+                    task = _CopyPart(self._start_batch(it, task), 0)
+            job, part = task.job, task.part
             k, buf = job.k, job.buf
             a0 = job.cuts[0]
             a, b = job.cuts[part], job.cuts[part + 1]
@@ -507,6 +515,29 @@ class _Job:
         self.k, self.buf, self.mapped, self.cuts = k, buf, mapped, cuts
         self.left = len(cuts) - 1
         self.cost = None  # io="auto", a cached batch: CPU seconds spent mapping and copying it
+
+
+@dataclasses.dataclass(slots=True)
+class _CopyPart:
+    """Copy task: part ``part`` of a batch (its buffer in job.buf)."""
+
+    job: _Job
+    part: int
+
+
+@dataclasses.dataclass(slots=True)
+class _NewBatch:
+    """Copy task: batch ``k`` is resident and got buffer ``buf``."""
+
+    k: int
+    buf: object
+
+
+@dataclasses.dataclass(slots=True)
+class _CopyWait:
+    """One copy thread's wait: the task its predicate found."""
+
+    task: _CopyPart | _NewBatch | None = None
 
 
 class _PathCost:
