@@ -1,70 +1,34 @@
 """The shuffled loader's plan: which examples go into which batch, and which bytes must be
 resident when. Pure numpy, no I/O; a function of (seed, epoch, part) alone.
 
-Epoch order
-    Each shard is cut into *runs*: contiguous image ranges of random length (0.5x to 1.5x
-    ``run_imgs``, about 48 MiB of the bytes read; random lengths spread out when runs end), or
-    of ``run_imgs`` images each (``equal``: io="read", whose arena slots then fit every run).
-    Read through 2 MiB (huge-page) mappings, runs are cut instead where a 2 MiB boundary of the
-    file falls between two vectors (:func:`cut_points`; through an image if need be): a run
-    then maps no block that holds a neighbour's data, so the budget holds only vectors that
-    batches can draw (image-aligned runs each mapped ~2 MiB of neighbours' data, ~4% of the
-    budget with 48 MiB runs: image-index entropy 0.944 -> 0.950 in the bench's setting).
-    The runs of all shards are put in a random order (from ``(seed, epoch)`` only, so every
-    rank computes the same order); the epoch's
-    example sequence is the runs' examples in that order, and :class:`~.partition.Partition`
-    gives each (rank, worker) one contiguous piece of it (whole runs, plus parts of the two at
-    its ends).
+Epoch order. Each shard is cut into *runs*: contiguous example ranges of random length (0.5x to
+1.5x ``run_imgs`` images, so that runs end at spread-out times), or of ``run_imgs`` images each
+(``equal``: io="read", whose arena slots then fit every run). Read through 2 MiB mappings, runs
+are cut where a 2 MiB boundary of the file falls between two vectors (:func:`cut_points`), so a
+run maps no block holding a neighbour's data. The runs of all shards are put in a random order
+from (seed, epoch) only (every rank computes the same), and :class:`~.partition.Partition` gives
+each (rank, worker) one contiguous piece of the resulting example sequence.
 
-Batches (per part)
-    Runs are *admitted* in order while the bytes they hold fit in the budget (a run admitted
-    at batch t must be resident before batch t is copied). Every batch takes from each admitted
-    run a share proportional to the run's weight (water-filling, so a nearly empty run gives
-    what it has); when no run is left to admit, shares are proportional to what each run has
-    left, so that all of them end together with the epoch (for a fixed set of resident images
-    that is the most even mix: entropy is concave).
-    Ramp: when the whole part fits in the budget, batch 0 draws only from the first eighth of
-    it (in epoch order), batch 1 from the first 3/8, batch 2 from 5/8, and from batch 3 on from
-    all of it: the first batches are gathered while the rest is still being read instead of
-    after, for a small cost in mixing (the first batches draw from fewer images). 4-layer bench
-    cache, one layer of 1 GiB, warm, first epoch in a fresh process (median of 6): eighths 0.32 s
-    (first batch 0.07 s, image-index entropy 0.968) against quarters (1/4, 1/2, 3/4) 0.36 s
-    (0.14 s, 0.980); cold, quarters measured ~1.35 against ~1.14 GB/s without a ramp (first
-    batch ~0.27 against ~0.72 s; entropy 1.00). With io="read" (``ramp_fill``), whose readers
-    copy the first fill into fresh memory, a part that does not fit ramps too: batch 0 draws from
-    the first half of the first fill (FILL_RAMP), the two-rate weights below still set over the
-    whole first fill.
-    Weights: by default equal per run. Runs of random length then end at spread-out times, and
-    the runs admitted in their place do too (equal shares measured better than shares
-    proportional to run size, whose runs all end together). When the data left out of the first
-    fill is under half of it (e.g. a 3.2 GB buffer over 4.3 GB), a plan with two rates mixes
-    better: the first ~1.05x that much of the first fill (in epoch order) is drawn about twice
-    as fast per image (2 +-20%, spreading its ends) as the rest, so it is used up near mid-epoch,
-    and the rest of the data then comes in and mixes with the remaining first fill until the
-    end. Weights are then per image (run weight = rate x images). In a fluid model this two-rate
-    plan is the best of its kind (entropy 0.961 for the bench's setting against 0.967 with all
-    resident images even); the plan measured 0.954 against 0.948 with equal shares
-    (``scripts/plan_entropy.py``, ``--equal``).
-    Within a run, examples are drawn in a random order that is balanced over its images: every
-    image's k-th example comes before any image's (k+1)-th, so a batch takes about the same
-    number of examples from each image of the run (a uniform draw would take a multinomial
-    number: fewer distinct images per batch; image-index entropy 0.929 -> 0.946 in the bench's
-    setting, image-aligned runs). The order comes from a few random draws per run
-    (kernels.balanced_order: one random order of the examples, started at a random place in each
-    image, and a random image order turned by a random amount each round), not a shuffle of
-    every image and every round: 35 us instead of 270 us for a 16k-example run, same entropy.
+Batches (:meth:`EpochPlan.batches`, per part). Runs are *admitted* in order while the bytes they
+hold fit in the budget; a run admitted at batch t must be resident before batch t is copied.
+Each batch takes from every held run a share proportional to the run's weight (water-filling:
+a nearly empty run gives what it has); once no run is left to admit, shares are proportional to
+what each run has left, so all end with the epoch. Weights are equal per run, except in the
+*two-rate plan* (the data left out of the first fill is under LATE_MAX of it): the first part of
+the first fill is drawn about FAST_RATE times as fast per image, making room mid-epoch for the
+rest. *Ramp*: when the whole part fits in the budget, batches 0-2 draw from growing prefixes of
+it (RAMP), so gathering starts before everything is read (io="read": FILL_RAMP of the first
+fill). Within a run, examples come in a random order balanced over its images (every image's
+k-th example before any image's (k+1)-th; kernels.balanced_order), so a batch takes the same
+count (+-1) from each image of the run.
 
-Progressive release (strips)
-    A batch can only mix images that are resident, so with whole-run residency the images
-    mixed per batch are capped by the budget. To mix more, each image's selected tokens are
-    split into ``n_strips`` contiguous strips (starting at a random token of the image, wrapping
-    round, so the patch positions stay uniform); a run hands out its strip-0 examples first (in
-    random order), then strip 1, ... and each strip's bytes are released as soon as it is used
-    up. A run thus holds on average (n_strips + 1) / (2 n_strips) of its bytes over its life, and
-    the admitted runs (hence the images mixed per batch) grow by 2 n_strips / (n_strips + 1)
-    for the same budget. Within one image, a batch's examples then come from one strip (a third
-    of the image with 3 strips) instead of the whole image. Releasing part of a 2 MiB huge-page
-    mapping drops all of it, so strips need 4 KiB mappings (see maps.ShardMaps).
+Strips (``n_strips`` > 1). Each image's selected tokens are split into strips (from a random
+token, wrapping round); a run hands out strip 0 of all its images first, then strip 1, ..., and
+releases each strip's bytes once used up, so the same budget holds more images. Releasing part of
+a 2 MiB mapping drops all of it, so strips need 4 KiB mappings (maps.ShardMaps).
+
+Invariants: every example of the part is yielded exactly once; the plan never holds more than
+the budget (plus what one batch needs); on_admit hears of each admitted run once, before its batch.
 """
 
 from __future__ import annotations
@@ -73,7 +37,7 @@ import dataclasses
 from collections.abc import Iterator
 
 import numpy as np
-import numpy.random  # noqa: F401 - numpy imports it on first use (~10 ms), which would fall on the first batch
+import numpy.random  # noqa: F401 - imported now: numpy imports it on first use, which would delay the first batch
 
 from actcache.loaders import kernels
 
@@ -173,8 +137,8 @@ def cut_points(geom: Geometry, n_imgs: int, unit: int) -> np.ndarray:
     within = np.clip((R % LT)[:, None] - first[None, :], 0, geom.n_tokens).sum(axis=1)
     k = (R // LT) * per + within
     k = k[ok & (k > 0) & (k < n_imgs * per)]
-    # k rises with X: drop repeats without np.unique, whose first call imports numpy.ma (~6 ms
-    # of a fresh process's first batch)
+    # k rises with X: drop repeats without np.unique, whose first call imports numpy.ma (on a
+    # fresh process's first batch)
     return k[np.r_[True, k[1:] != k[:-1]]] if len(k) else k
 
 
@@ -507,7 +471,7 @@ class EpochPlan:
 
     def _sizes(self) -> tuple[np.ndarray, np.ndarray]:
         """Every run's span and held bytes (see run_span, run_bytes), worked out once for all runs
-        (vectorised: the first batch's plan asks for them ~300 times)."""
+        (vectorised: the first batch's plan asks for them once per run it may admit)."""
         if self._size_cache is None:
             g, per = self.geom, self.geom.per_img
             img0, lo, hi = (self.runs[:, j].astype(np.int64) for j in (1, 3, 4))
@@ -645,10 +609,9 @@ class EpochPlan:
         return releases
 
     RAMP = (1 / 8, 3 / 8, 5 / 8)  # a part that fits in the budget: admission caps (fractions of it)
-    # ramp_fill, a part that does not fit: batch 0 draws from the first half of the first fill.
-    # 1-layer bench cache, io="read", 3.2 GB: plan entropy 0.9516 against 0.9523 without a ramp
-    # (first batch ~0.5 s earlier: it waited for 3.2 GB read into fresh memory); the caps of RAMP
-    # gave 0.9482 (batch 0 at 0.72), (1/4, 1/2, 3/4) 0.9499, (1/3, 2/3) 0.9509
+    # ramp_fill, a part that does not fit: batch 0 draws from the first half of the first fill
+    # (the first batch need not wait for the whole fill read into fresh memory; a shorter ramp
+    # costs more mixing than it saves: BENCHMARKS.md)
     FILL_RAMP = (1 / 2,)
 
     def _ramp(self) -> tuple[list[float], bool]:
@@ -667,7 +630,7 @@ class EpochPlan:
 
     # Two-rate plan (module doc): used while the data left out of the first fill is under
     # LATE_MAX of it; the first FAST_SPAN x that much of the fill is drawn FAST_RATE (+-
-    # FAST_SPREAD) times as fast per image as the rest. Tuned on the plan alone (tests/bench).
+    # FAST_SPREAD) times as fast per image as the rest. Tuned on the plan alone (its mixing).
     LATE_MAX, FAST_SPAN, FAST_RATE, FAST_SPREAD = 0.5, 1.05, 2.0, 0.2
 
     def _fill_rates(self, held: np.ndarray) -> np.ndarray | None:

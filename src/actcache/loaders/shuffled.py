@@ -5,136 +5,32 @@
     for batch in loader:   # act (B, D) float32; image_i, patch_i, layer (B,) int64 tensors
         ...
 
-Design (measured on the project machine, 2 cores, with ``scripts/bench_loaders.py``; figures in
-BENCHMARKS.md. Since 2026-11-24 that machine is a Zen-5 VM whose page cache -> buffer copies run
-~5x faster than on the VM this design was first tuned on, so the CPU work around the copy weighs
-5x more; the figures below say which machine.)
-    Warm, the CPU is the limit: every vector must be copied once into its batch, and copying is
-    all the two cores can do. So the page cache IS the shuffle buffer and each vector is copied
-    exactly once, page cache -> batch: the shards are memory-mapped; reader threads make runs of
-    ~48 MiB of images resident ahead of use (madvise MADV_POPULATE_READ through ctypes, so without
-    the GIL); gather threads copy each batch straight out of the mappings into reused batch
-    buffers (transparent huge pages) with the C kernel (kernels.take_multi: the next random rows
-    prefetched, non-temporal stores for batches larger than the CPU cache, one pass over all the
-    batch's shards; numpy's take when the kernel is not built). All gather threads copy the same
-    batch, each a share of its rows (``_copy``), rather than one batch each: a batch is ready
-    sooner and fewer batch buffers are in flight. Three buffer sets (MIN_SETS): the next batch
-    starts while the consumer still holds the last one; more (up to ``max(3, read_ahead + 1)``)
-    only when the loader waits on the consumer (GROW_AFTER_S). The planner works out each run's
-    balanced order with few random draws (kernels.balanced_order) and the gather threads each
-    batch's rows (kernels.index_rows), both in C when built. The planner passes each run to the
-    readers as soon as the plan admits it (before drawing its order: the first batch admits the
-    whole first fill), and plans a batch with per-run numpy arrays rather than per-run Python
-    (its example ids come out as one array, kernels.concat_ranges, so that _index needs no
-    per-run Python either): on 2 cores every thread's Python work holds the GIL and takes CPU
-    from the copies. Planned alone, a steady epoch of the 1-layer bench cache now takes ~9 ms
-    (~24 before); inside the loader, beside the copies, planning runs ~2.5-5x slower than alone
-    (planner thread ~50 ms of CPU per first epoch), and a plan computed before the loader starts
-    made a first epoch x0.81-0.94 faster: what is left of the plan's cost. Intel Xeon VM,
-    alternating fresh processes against the loader before: first epoch x0.95-1.02 (noise),
-    second x0.95-1.00. Threads of each role wait on a condition of their own (runtime.py).
-    Zen-5 VM, 1-layer bench cache, one 4.3 GB epoch, warm: np.take 0.45 s -> C kernel 0.36 s ->
-    own conditions ~0.30 s -> all of this ~0.26-0.30 s (steady epochs; the machine's speed
-    drifts by +-20% over an hour, see BENCHMARKS.md for ratios measured in one run). On the
-    Zen-4 host of 2026-11-25, the kernel's prefetch of whole rows into L2 (_native.c) made first
-    and steady epochs x1.22 faster.
+Design. Warm, the CPU is the limit, so each vector is copied exactly once, page cache -> batch:
+the page cache IS the shuffle buffer. Threads, each role waiting on a condition of its own
+(runtime.py): a planner works out the epoch (plan.py: runs of ~run_bytes, which batch takes
+which examples); readers make each run resident as soon as the plan admits it (maps.py:
+MADV_POPULATE_READ on 2 MiB mappings, or preadv for runs not cached yet, ``cold_read``); gather
+threads index a batch's rows (kernels.index_rows) and copy them out of the mappings into reused
+batch buffers (buffers.py) with the C kernel (kernels.take_multi). All gather threads copy parts
+of the same batch, so a batch is ready sooner and fewer buffers are in flight.
 
-    How pages come in matters as much as the copy (maps.py): loaded through the fault path of
-    a MADV_HUGEPAGE mapping, a run lands in large page-cache folios that map 2 MiB at a time, so
-    mapping cached data costs ~nothing and random gathers run ~1.5x faster than through 4 KiB
-    page tables; posix_fadvise WILLNEED would read into 4 KiB pages and cost ~12 GB/s of mapping
-    work on every pass (first VM). A 2 MiB block stays mapped while any run, of this epoch or the
-    next, uses it (ShardMaps.block_*): at an epoch boundary only the blocks that change are
-    unmapped and mapped (pause between epochs ~58 -> ~15 ms, Zen-5 VM), and the runs of the batch
-    next in line hold (pin) the blocks they share with older runs before those let go of them
-    (PIN_SHARED). Fresh batch buffers on 2 MiB pages are faulted in by writing to them
-    (kernels.touch), not with MADV_POPULATE_WRITE, which holds the process's mmap lock while the
-    host backs the memory and stalled every numpy allocation of the planner (first batch's plan
-    80-160 -> ~20 ms); where 2 MiB pages fault in slower than 4 KiB ones (the host backing them
-    again), the sets go on 4 KiB pages until they have been used enough for 2 MiB ones to pay
-    (buffers.HUGE_FAULT_MIN_BPS). Those are populated with MADV_POPULATE_WRITE in 1 MiB calls
-    (buffers.populate_small: no page-fault exception per page, ~1.5x faster than touching them,
-    and the mmap lock held ~0.5 ms at a time), and a set made on demand is populated by each
-    gather thread for its own share of the batch, just before it copies into it. Intel Xeon VM,
-    one layer of four, warm, fresh processes, 14 alternating rounds: first epoch x0.96 (the
-    gather threads' CPU 289 -> 256 ms).
+Invariants.
+- The plan is a function of (seed, epoch, part) alone: deterministic whatever the thread timing,
+  resumable at (epoch, batch) without reading skipped data, every example once per epoch. The
+  rows of a batch come in one random order across its shards (a prefix is a random sample).
+- Memory: the plan holds at most ``buffer_bytes`` of runs (a run is charged the 2 MiB blocks its
+  mapping spans); readers may load ``read_ahead_bytes`` more; batch buffers add MIN_SETS batches,
+  up to ``max(3, read_ahead + 1)`` for a slow consumer. Nothing else grows with the dataset.
+- A 2 MiB block stays mapped while any run of this epoch or the next uses it (maps.ShardMaps
+  block_*), and the runs next in line pin the blocks they share with older runs (PIN_SHARED).
+- Python work in any thread holds the GIL and takes CPU from the copies: per-batch work is done
+  on numpy arrays or in C, never per run or per row in Python.
 
-    The copy kernel prefetches the next random rows in one of two ways (PREFETCH_SCHEMES):
-    whole rows into L2, or only their first 256 bytes into L3, leaving the rest to the hardware
-    prefetcher. Which is faster depends on the CPU (the kernel alone, 3 KiB rows: whole rows x1.68
-    against x1.18 on a Zen-4 VM; row heads x1.13-1.29 against x1.00-1.08 on an Intel Xeon VM), so with
-    ``prefetch="auto"`` the loader times both on its own first copies (thread CPU per byte,
-    alternating, 8 each, medians: single copies are noisy) and keeps the faster one, looking at
-    the other again every 16th copy (kernels.PrefetchChooser; ``stats.prefetch`` says which; it
-    chose "heads" in 10 of 10 fresh first epochs on the Intel VM, where summed CPU times over 6
-    copies each had chosen "whole" in 2 of 6). Intel Xeon VM, one layer of four, warm, 8
-    alternating rounds, "heads" against "whole": steady epochs x0.89, first x0.985.
-
-    Cold, reading through that fault path costs more than it reads: the gather threads then
-    spent 4-8 CPU-s per 4.3 GB epoch copying out of pages just read that way, against ~0.5 s
-    when the pages had come in through preadv. The first CPU touch of page-cache memory is slow
-    on this VM when that memory had been free for a while (free page reporting gives it back to
-    the host, which must back it again: see BENCHMARKS.md's machine note), as it usually has
-    before a real cold read; preadv makes that touch in its own copy, as the data arrives, in
-    reader threads that are waiting on the disk anyway. So a run whose bytes are not cached is
-    first read with sequential preadv calls into a 2 MiB scratch buffer per reader
-    (``cold_read="read"``, the default; the probe is two RWF_NOWAIT one-byte reads), then
-    mapped. 1-layer bench cache, one epoch in a fresh process, alternating rounds, page cache
-    dropped 1-4 s before: 1.6-3.0 s against 2.6-5.8 s. Dropped right before (memory still
-    backed), the two are close and "fault" is often faster (bench_loaders' cold against
-    cold-late rows). Which one wins depends on the free memory the pages land in (BENCHMARKS.md,
-    'Cold-read path'); choosing per run, by timing the first touch of a sample of each run read
-    through the fault path, measured x0.94 against "read" and was not taken. The price of
-    "read": preadv at a random offset fills the page cache with smaller folios, of which only
-    ~half then map 2 MiB at a time, so a later warm epoch over those same pages took 0.33-0.45 s
-    against 0.24-0.29 s. ``cold_read="fault"`` keeps the fault path, for a cache that fits in
-    memory and is read for many epochs. (Not measured here: on a cluster's network filesystem,
-    GPFS or Lustre, large sequential reads are also what the client's prefetching is built for,
-    which page faults through a mapping are not.)
-
-    Memory: the plan holds at most ``buffer_bytes`` of runs (a run is charged the 2 MiB blocks its
-    mapping spans; runs are cut on 2 MiB boundaries of the files, through images where needed, so
-    those blocks hold only the run's own vectors, plus CLS ones it does not use); readers may load
-    ``read_ahead_bytes`` (~2 batches) more ahead of the plan, counting the blocks really mapped;
-    a run's blocks are unmapped as soon as no run uses them (MADV_DONTNEED; with ``evict=True``
-    its bytes are also dropped from the page cache, for shared nodes); batch buffers add 3
-    batches, or up to ``max(3, read_ahead + 1)`` for a consumer slower than the loader. Nothing
-    else grows with the dataset. Held runs stay mapped until released (one layer of several: from
-    the first batch that copies from them, when the readers found them cached; maps.py), which
-    also keeps them from proactive reclaim that pages out unmapped file pages only (the project
-    VM's DAMON scheme: of 256 MB read once and left alone, 9% was gone after 45 s and 74% after
-    120 s; of 256 MB kept mapped, none).
-
-    Mixing: each batch takes a planned share from every held run and, within a run, the same
-    count (+-1) from each of its images (plan.py), so it mixes about buffer_bytes /
-    bytes-per-image images nearly evenly (3.2 GB of a 4.3 GB cache: image-index entropy 0.954
-    first epoch, 0.955 second, with plan.py's two-rate plan; 0.949 with equal shares per run; a
-    uniform draw from the same runs scored 0.93). ``n_strips=3`` releases each image a third at
-    a time (plan.py), which mixes ~1.5x more images for the same buffer (entropy ~0.98) but
-    needs 4 KiB mappings (huge ones are all-or-nothing): slower gathers, more mapping work, ~1.8x
-    the CPU per byte (first VM: 0.61 of ref2 warm against 1.15; Zen-5 VM: 0.21 against 0.62);
-    throughput is what the loader is for, hence the default 1.
-
-    ``io="read"`` reads runs with ``preadv`` into a private arena instead and gathers from there:
-    memory is then strictly the arena and does not rely on the page cache (for filesystems whose
-    client cache is small or bypassed: Lustre, GPFS), reads are still large and sequential, but
-    every byte is copied twice and a fresh arena must first be touched (0.3-20 GB/s on these VMs,
-    as the host backs it; once per loader: a pass hands its slots to the next): it measured ~0.1
-    of ref2 for a first epoch in a fresh process (Zen-5 VM: 0.07, or 0.3 in rounds where the host
-    backed the arena fast) and ~1.8x the CPU per byte of the default afterwards. Each slot is
-    faulted in by the reader that first needs it, on the page size batch buffers use
-    (buffers.FreshPages: 4 KiB pages once 2 MiB ones fault in slowly; _arena_slot): first epoch
-    x0.52 on the project VM. Its runs are all ``run_imgs`` images long
-    (but a shard's last), so that each fills its slot and the arena mixes buffer_bytes of images
-    (image-index entropy 0.952 on the bench's 1-layer cache, where runs of random length in
-    slots fitting the longest gave 0.913).
-
-    Which examples go into which batch is planned by :mod:`actcache.loaders.plan` from
-    ``(seed, epoch, part)`` alone: deterministic whatever the thread timing, resumable at
-    ``(epoch, batch)`` without reading skipped data, every example exactly once per epoch.
-    The rows of a batch come in one random order, across shards (a prefix of a batch, e.g. a
-    micro-batch, is a random sample of it); kernels.index_rows works out which row of which shard
-    goes where, and the C kernel copies from all the batch's shards in one pass.
+Other modes: ``io="read"`` reads runs with preadv into a private arena (memory is strictly the
+arena, for filesystems whose client cache is small; each byte is copied twice), its runs all
+``run_imgs`` long so each fills an arena slot. ``n_strips=3`` releases each image a third at a
+time (more images mixed per batch, slower: 4 KiB mappings). ``prefetch`` picks the copy
+kernel's prefetch scheme (kernels.PrefetchChooser). Figures for all of these: BENCHMARKS.md.
 
 Options: see :class:`ShuffledLoader`. Partitioning over ranks/workers: :mod:`.partition`.
 """
@@ -166,9 +62,7 @@ PARTS_PER_THREAD = 2
 BUFFER_POLL_S = 0.002  # how often a gather thread waiting for a buffer the consumer holds looks again
 # Batch buffer sets the pool grows to when none is free (more only for a slow or keeping consumer):
 # with 2, the next batch could only start once the consumer had taken the last one and dropped
-# the one before (both gather threads idle meanwhile); with 3 it starts at once. 1-layer bench
-# cache, steady epoch, 9 alternating rounds: 0.51 -> 0.56 of ref2 (first epoch 0.50 / 0.47: the
-# third set's fresh memory).
+# the one before (both gather threads idle meanwhile); with 3 it starts at once.
 MIN_SETS = 3
 # Batch buffers (module doc): a third set only once the gather threads have waited this long for
 # a free one while the consumer was not waiting for a batch (or at once when it waits holding
@@ -181,11 +75,8 @@ HUGE_MIN_RUN = 8 * HUGE
 # blocks it shares with runs still mapped, and while the first waits for memory a reader may take
 # one whose blocks are all held. Without this, at an epoch boundary (the old epoch's last runs all
 # end with its last batch, and the next one's first batch needs its whole first fill) releasing
-# the old runs unmapped blocks that the first fill then mapped again. 1-layer bench cache, 3.2 GB
-# buffer, epochs 2-5 in one process (/tmp/mc/bnd.py): page cache filled by the loader's own cold
-# read (small folios), 4 alternating rounds: pause between epochs 36-44 -> 15-22 ms, 12.5 -> 13.5
-# GB/s; filled by one sequential read (2 MiB folios), 6 rounds: 17 -> 10 ms, 14.7 -> 15.4 GB/s.
-# First epoch unchanged (10 rounds: 0.335 -> 0.338 s).
+# the old runs unmapped blocks that the first fill then mapped again (a longer pause between
+# epochs).
 PIN_SHARED = True
 
 
@@ -205,7 +96,8 @@ class ShuffledLoader(BaseLoader):
             batches, possibly reordered).
         n_threads: gather threads; n_readers: reader threads (default 4); read_ahead: batches
             prepared ahead.
-        run_bytes: bytes per run (the unit read sequentially and held), ~48 MiB (0.5-1.5x at random).
+        run_bytes: bytes per run (the unit read sequentially and held; each run 0.5-1.5x that, at
+            random).
         n_strips: 1 holds whole runs; 3 releases each image a third at a time (more mixing for
             the same buffer, slower: see the module docstring and plan.py).
         io: "mmap" (page cache as shuffle buffer) or "read" (private arena; see the module doc).
@@ -305,10 +197,8 @@ class ShuffledLoader(BaseLoader):
         run_max = (self.run_imgs + self.run_imgs // 2 + 1) * g.img_bytes
         if io == "read":
             # Runs of one length (plan.cut_runs, equal), each read into an arena slot of exactly
-            # that size: with runs of random length (0.5x-1.5x) a slot had to fit the longest and
-            # held ~2/3 of its size on average, so the arena mixed 2/3 of buffer_bytes of images
-            # (1-layer bench cache, 3.2 GB: plan image-index entropy 0.913 -> 0.952 with equal
-            # runs; the default io="mmap" plan, random lengths, 0.954).
+            # that size: with runs of random length a slot must fit the longest, and the arena
+            # then mixes fewer images than buffer_bytes could hold.
             run_max = self.run_imgs * g.img_bytes
         self.slot_bytes = run_max
         self._spare_slots: list[_Slot] = []  # io="read": free arena slots a finished iteration left
@@ -326,10 +216,8 @@ class ShuffledLoader(BaseLoader):
             self.map_mode = "pte"  # strips need 4 KiB mappings; huge ones only pay for big runs
         else:
             self.map_mode = "huge"  # whole runs held: 2 MiB mappings, their edges charged to the run
-        # cold, each reader waits on one run's reads at a time: 4 keep more of them in flight.
-        # 1-layer bench cache, cold, 5 alternating rounds: first epoch 0.46 -> 0.59 x ref2 with 4
-        # (and no more bimodal: 2.6-3.1 s each round, where 2 gave 2.6 or 5.1 s); 8 no better;
-        # warm, no difference (0.63 / 0.61 first epoch, 7 rounds)
+        # cold, each reader waits on one run's reads at a time: 4 keep more of them in flight
+        # (warm, the count makes no difference)
         self.n_readers = n_readers or 4
 
     # ---- sizes --------------------------------------------------------------------------------
@@ -457,8 +345,8 @@ class ShuffledLoader(BaseLoader):
 
             # Each run goes to the readers as soon as the plan admits it, before the plan draws
             # its example order and the batch's shares (EpochPlan.batches): the first batch
-            # admits the whole first fill (~60 runs, ~10-14 ms of planning), which the readers
-            # then map meanwhile instead of after.
+            # admits the whole first fill, which the readers then map while it is planned
+            # instead of after.
             def admit(r, t, held, epoch=epoch):
                 key = epoch * nb + t
                 if it.stop is not None and key >= it.stop:
@@ -587,14 +475,9 @@ class ShuffledLoader(BaseLoader):
         """io="read": a free arena slot, or a new one whose first ``nbytes`` (the run to be read
         into it; a slot fits a run, a shard's last run may be shorter) this reader faults in. New
         slots go on the page size the iteration's fresh memory uses (buffers.FreshPages, shared with
-        the batch buffer sets): 2 MiB pages until they fault in slowly, where 4 KiB ones are ~2x
-        faster (a VM host backing the memory again); one on 4 KiB pages is replaced after
-        SMALL_SET_USES reads into it, as batch sets are. 1-layer bench cache, warm, 6 alternating
-        rounds of fresh processes against slots always on 2 MiB pages and faulted in by the reads:
-        first epoch x0.52 (median 2.86 -> 1.56 s), first batch 1.75 -> 0.69 s, second epoch x0.93,
-        reader CPU over both 5.7 -> 3.0 s; faulting whole slots in measured x0.60 (runs of random
-        length then filled ~2/3 of a slot on average, and the arena's memory grew to all of
-        buffer_bytes)."""
+        the batch buffer sets): 2 MiB pages until they fault in slowly (a VM host backing the
+        memory again), then 4 KiB ones; one on 4 KiB pages is replaced after SMALL_SET_USES reads
+        into it, as batch sets are. Only the run's bytes are faulted in, not the whole slot."""
         pages = it.pool.pages
         with it.cond:
             slot = it.slots.pop() if it.slots else None
@@ -773,8 +656,8 @@ class ShuffledLoader(BaseLoader):
             sources = [r.slot.arr[: (r.hi - r.lo) * g.D].reshape(-1, g.D) for r in runs]
             run_src = np.arange(len(runs), dtype=np.int64)
             run_sub = np.array([r.lo for r in runs], np.int64)
-        # the batch's row order (kernels.permutation: C Fisher-Yates, 0.07 against 0.22 ms for
-        # numpy's Generator.permutation of 16384 rows on the project VM)
+        # the batch's row order (kernels.permutation: a C Fisher-Yates, cheaper than numpy's
+        # Generator.permutation)
         perm = kernels.permutation(
             len(x), kernels.permutation_key(self.seed, spec.epoch, self.world.part, spec.index, 7)
         )
