@@ -23,16 +23,15 @@ Invariants.
   up to ``max(3, read_ahead + 1)`` for a slow consumer. Nothing else grows with the dataset.
 - A 2 MiB block stays mapped while any run of this epoch or the next uses it (maps.ShardMaps
   block_*), and the runs next in line pin the blocks they share with older runs (PIN_SHARED).
-- Python work in any thread holds the GIL and takes CPU from the copies: per-batch work is done
-  on numpy arrays or in C, never per run or per row in Python.
+- Python work in any thread holds the GIL and takes CPU from the copies: a batch's plan and
+  index are worked out on numpy arrays or in C, not by Python loops over its runs or rows.
 
 Other modes: ``io="read"`` reads runs with preadv into a private arena (memory is strictly the
 arena, for filesystems whose client cache is small; each byte is copied twice), its runs all
 ``run_imgs`` long so each fills an arena slot. ``n_strips=3`` releases each image a third at a
 time (more images mixed per batch, slower: 4 KiB mappings). ``prefetch`` picks the copy
-kernel's prefetch scheme (kernels.PrefetchChooser). Figures for all of these: BENCHMARKS.md.
-
-Options: see :class:`ShuffledLoader`. Partitioning over ranks/workers: :mod:`.partition`.
+kernel's prefetch scheme (kernels.PrefetchChooser). Options: :class:`ShuffledLoader`;
+partitioning over ranks/workers: :mod:`.partition`; figures: BENCHMARKS.md.
 """
 
 from __future__ import annotations
