@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import abc
-import math
 import os
 import time
 import warnings
@@ -16,21 +15,11 @@ from actcache.errors import ConfigError
 from actcache.loaders.buffers import BatchBuffers, BatchPool
 from actcache.loaders.common import Selection
 from actcache.loaders.maps import ShardMaps
+from actcache.loaders.options import LoaderOptions
 from actcache.loaders.partition import World
 from actcache.loaders.plan import Geometry
 from actcache.loaders.runtime import LoaderStats, Runtime
 from actcache.protocol import LayerNotRecordedError
-
-
-def check_number(name: str, value, lo=None, integer=False, allow_none=False):
-    if value is None and allow_none:
-        return
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if integer:
-        ok = ok and isinstance(value, int)
-    if not ok or (lo is not None and value < lo) or (isinstance(value, float) and math.isnan(value)):
-        what = "an integer" if integer else "a number"
-        raise ConfigError(f"{name}={value!r} must be {what}" + (f" >= {lo}" if lo is not None else ""))
 
 
 class Iteration:
@@ -133,31 +122,9 @@ class BaseLoader(abc.ABC):
     kind = "loader"
     cold_read = "fault"  # how uncached huge-mapped ranges are read (ShardMaps); ShuffledLoader has an option
 
-    def __init__(
-        self,
-        path,
-        batch_size: int,
-        patches: str,
-        layer,
-        drop_last: bool,
-        batch_timeout_s,
-        scale_norm: bool,
-        rank: int,
-        world_size: int,
-        worker_id: int,
-        n_workers: int,
-        n_threads: int,
-        read_ahead: int,
-        evict: bool,
-    ):
-        check_number("batch_size", batch_size, 1, integer=True)
-        check_number("batch_timeout_s", batch_timeout_s, allow_none=True)
-        check_number("n_threads", n_threads, 1, integer=True)
-        check_number("read_ahead", read_ahead, 1, integer=True)
-        for name, v in (("drop_last", drop_last), ("scale_norm", scale_norm), ("evict", evict)):
-            if not isinstance(v, bool):
-                raise ConfigError(f"{name}={v!r} must be true or false")
-        self.world = World(rank, world_size, worker_id, n_workers)
+    def __init__(self, path, *, options: LoaderOptions):
+        o = self.options = options
+        self.world = World(o.rank, o.world_size, o.worker_id, o.n_workers)
         if isinstance(path, ActivationCache):
             self.cache = path
         elif isinstance(path, (str, os.PathLike)):
@@ -166,13 +133,13 @@ class BaseLoader(abc.ABC):
             raise ConfigError(f"path={path!r} must be a cache directory or an ActivationCache")
         self.metadata = self.cache.metadata
         try:
-            self.sel = Selection(self.metadata, patches, layer)
+            self.sel = Selection(self.metadata, o.patches, o.layer)
         except LayerNotRecordedError as err:
-            raise ConfigError(f"layer={layer!r}: {err}") from None
+            raise ConfigError(f"layer={o.layer!r}: {err}") from None
         self.geom = Geometry.from_selection(self.sel)
-        self.batch_size, self.patches, self.layer = batch_size, patches, layer
-        self.drop_last, self.batch_timeout_s, self.scale_norm = drop_last, batch_timeout_s, scale_norm
-        self.n_threads, self.read_ahead, self.evict = n_threads, read_ahead, evict
+        self.batch_size, self.patches, self.layer = o.batch_size, o.patches, o.layer
+        self.drop_last, self.batch_timeout_s, self.scale_norm = o.drop_last, o.batch_timeout_s, o.scale_norm
+        self.n_threads, self.read_ahead, self.evict = o.n_threads, o.read_ahead, o.evict
         self.deterministic = True
         md = self.metadata
         self.shard_imgs = [s.n_imgs for s in self.cache.shards]
@@ -182,7 +149,7 @@ class BaseLoader(abc.ABC):
         self.random_access = self.geom.img_bytes * 2 < md.bytes_per_img
         self.map_mode = "random" if self.random_access else "huge"  # see ShardMaps
         self.scale = None
-        if scale_norm:
+        if o.scale_norm:
             from actcache.stats import scale_factors
 
             self.scale = scale_factors(self.cache, self.sel)  # per selected layer

@@ -29,42 +29,33 @@ FIELDS = ("act", "image_i", "patch_i", "layer")
 
 
 MADV_POPULATE_WRITE = 23
-# prefault(stop=...) looks at stop() after each piece this large: fresh memory can fault in at
-# ~0.5 GB/s on the project VM (free page reporting), so a whole 50 MB batch buffer may take
-# ~100 ms, and a loader that has finished (or was stopped) should not wait for that to end.
+# prefault(stop=...) looks at stop() after each piece this large: fresh memory can fault in
+# slowly (a VM host backing it again), so a whole batch buffer may take a while, and a loader
+# that has finished (or was stopped) should not wait for that to end.
 STOP_CHECK_BYTES = 4 * 2**20
-# populate_small: one madvise call per this much (the mmap lock is held meanwhile: ~0.3-0.5 ms at
-# the 2-3.5 GB/s 4 KiB pages populate at on the project VM, against ~2.2 GB/s by touching them)
+# populate_small: one madvise call per this much (the mmap lock is held meanwhile, so the calls
+# are kept short)
 POPULATE_CHUNK = 2**20
 # Batch buffer sets start on 2 MiB pages (huge_empty): copies into them run faster than into
-# 4 KiB pages (steady epochs x1.04-1.09 on the project VM). But where a VM host must back the
-# memory again (the project VM's free page reporting hands free 2 MiB blocks back to the host),
-# a 2 MiB page faults in at 0.45-0.9 GB/s, slower than 4 KiB pages (~1.9 GB/s: the kernel takes
-# those from smaller free blocks, which it does not report), and three fresh 50 MB sets then
-# cost a first epoch 150-330 ms of CPU. So the pool times each STOP_CHECK_BYTES piece of a set
-# it prefills (thread CPU time: host faults count as the guest's CPU); once one is slower than
-# this, the rest of that set and the next sets go on 4 KiB pages. Warm bench caches, fresh
-# processes started 4 s apart (the host has taken the freed memory back), alternating rounds
-# against the pool without this: 4-layer shuffled first epoch x1.37 (10 rounds; second x0.92),
-# ordered first pass x1.46 (6; second x0.99), 1-layer shuffled x1.24 (6; second x1.02). Started
-# back to back (memory still backed: no piece is slow), no change (x0.99, 10 rounds).
+# 4 KiB pages. But where a VM host must back the memory again (free page reporting hands free
+# 2 MiB blocks back to the host), a 2 MiB page faults in slower than 4 KiB pages (the kernel takes
+# those from smaller free blocks, which it does not report). So the pool times each
+# STOP_CHECK_BYTES piece of a set it prefills (thread CPU time: host faults count as the guest's
+# CPU); once one is slower than this many bytes per second, the rest of that set and the next
+# sets go on 4 KiB pages. Where memory is still backed no piece is slow and nothing changes.
 HUGE_FAULT_MIN_BPS = 2e9
 # ... and a set on 4 KiB pages is replaced by one on 2 MiB pages once it has been used this many
 # times (ski rental: by then its slower copies have cost about what one slow 2 MiB set costs to
-# fault in, 55-110 ms of CPU; 4-layer bench cache, slow state: steady epochs x0.92 with small
-# sets, ~0.6 ms of CPU per 50 MB batch; 1-layer: x1.02, no loss), so a long run loses nothing.
-# The io="read" arena's slots follow the same rules (FreshPages; ShuffledLoader._arena_slot):
-# there, gathers out of a slot on 4 KiB pages cost ~0.6-0.9 ms more CPU per use (1-layer bench
-# cache: ~90 slot uses and +55-85 ms of gather CPU an epoch), and a slow 2 MiB slot of ~50-75 MB
-# ~55-85 ms to fault in.
+# fault in), so a long run loses nothing. The io="read" arena's slots follow the same rules
+# (FreshPages; ShuffledLoader._arena_slot).
 SMALL_SET_USES = 128
 
 
 def populate_small(a: np.ndarray, chunk: int = POPULATE_CHUNK) -> bool:
     """Fault in a fresh writable array with MADV_POPULATE_WRITE, one call per ``chunk`` bytes (no
     GIL: ctypes); -> False where that is not available (the caller then touches the pages). The
-    edges not on whole pages are written to. The default chunk suits 4 KiB pages (populated
-    ~1.5x faster than by touching them); see prefault for 2 MiB ones."""
+    edges not on whole pages are written to. The default chunk suits 4 KiB pages (faster than
+    touching them: no page-fault exception per page); see prefault for 2 MiB ones."""
     if _madvise is None or a.nbytes < 4 * PAGE or not a.flags.c_contiguous:
         return False
     addr = a.ctypes.data
@@ -93,9 +84,8 @@ def prefault(
     With the C kernel: by writing to them (kernels.touch). Page faults lock only their memory
     area, while madvise(MADV_POPULATE_WRITE) holds the process's mmap lock, and any thread that
     maps or unmaps memory meanwhile (numpy allocating an array: the planner, the index) waits
-    for it; zeroing fresh memory is slow on this kind of VM (0.3-1.5 GB/s when the host has
-    to back it), so populating two 50 MB batch buffers slowed the first plan ~10x (measured: the
-    first batch's plan 80-160 ms against ~10 ms). Without the kernel: one madvise per ``chunk``.
+    for it; zeroing fresh memory is slow where a VM host must back it, so populating batch
+    buffers that way stalled the first batch's plan. Without the kernel: one madvise per ``chunk``.
     ``small()``, if given and true for a piece: that piece lies on 4 KiB pages and is populated
     with MADV_POPULATE_WRITE in small calls (populate_small), which is faster there: no 2 MiB
     page for the host to back, and no page-fault exception per 4 KiB page."""
@@ -283,7 +273,7 @@ class BatchPool:
     def prefill(self, stop: Callable[[], bool] | None = None) -> None:
         """Allocate one more set ahead of use and fault its memory in (call WITHOUT ``cond``
         held; gather threads do this while the first runs are being read, so first touch of
-        fresh memory, slow on this kind of VM, is off the critical path). ``stop()`` true (the
+        fresh memory, slow where a VM host must back it, is off the critical path). ``stop()`` true (the
         loader is done or stopping): give up the set half-way (prefault) rather than make the
         loader's end wait for it."""
         with self.cond:
@@ -323,9 +313,8 @@ class BatchPool:
     def handover(self, unseen: list[BatchBuffers]) -> list[BatchBuffers]:
         """Every set this pool still tracks, for the loader's next iteration (call once its
         threads have stopped; ``unseen``: sets filled but never handed out). Reusing them spares
-        the next pass fresh memory: on the project VM (free page reporting) memory freed a second
-        or more before is given back to the host and faults in again at ~1-1.5 GB/s, against
-        ~23 GB/s for memory freed just before (48 MiB: ~40 ms against ~2 ms)."""
+        the next pass fresh memory: under free page reporting, memory freed a while before is
+        given back to the VM host and faults in again far slower than memory freed just before."""
         sets = self.free + unseen + self.lent
         self.clear()
         return sets

@@ -7,9 +7,8 @@ import dataclasses
 import numpy as np
 
 from actcache.errors import ConfigError
+from actcache.loaders.options import PATCHES
 from actcache.protocol import Metadata
-
-PATCHES = ("cls", "image", "all")
 
 
 @dataclasses.dataclass(frozen=True)

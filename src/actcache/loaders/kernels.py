@@ -10,7 +10,7 @@ a file are in the page cache. Each uses the C kernel
 ``actcache._native`` when it was built (the normal install compiles it; see setup.py) and numpy
 otherwise, with the same results; the C copies prefetch the next random rows and, for batches
 larger than the CPU cache, write with non-temporal stores (a cached store first reads the line it
-overwrites). Measured on the project VM: see BENCHMARKS.md (loaders).
+overwrites). Figures: BENCHMARKS.md (loaders).
 
 ``ACTCACHE_NATIVE=0`` in the environment forces the numpy path (tests compare the two).
 """
@@ -23,6 +23,9 @@ import threading
 
 import numpy as np
 
+# gather_multi's ``prefetch`` is an index into PREFETCH_SCHEMES (defined with the other option values)
+from actcache.loaders.options import PREFETCH_SCHEMES
+
 try:
     from actcache import _native
 except ImportError:  # not built (no C compiler at install time): numpy fallback
@@ -33,14 +36,6 @@ if os.environ.get("ACTCACHE_NATIVE", "1") == "0":
 # Batches at least this large are written with non-temporal stores: they do not fit in the CPU
 # cache anyway, and the consumer reads them later. Smaller ones stay cached for the consumer.
 STREAM_MIN_BYTES = 16 * 2**20
-
-
-# The C kernel's two prefetch schemes (gather_multi's ``prefetch``, an index into this tuple):
-# whole rows into L2 some rows ahead, or only their first bytes into L3. Which is faster depends
-# on the CPU (_native.c, 3 KiB rows against no prefetch: whole rows x1.68 against x1.18 for heads
-# on a Zen-4 VM, heads x1.13-1.29 against x1.00-1.08 on an Intel Xeon VM), so the shuffled loader
-# measures both on its own copies (PrefetchChooser).
-PREFETCH_SCHEMES = ("whole", "heads")
 
 
 def _median(values) -> float:
@@ -61,7 +56,7 @@ class PrefetchChooser:
     every RECHECK_EVERY-th copy tries the other one again; the other takes over when the median
     of its last WINDOW copies beats the median of the one in use by SWITCH_BY. Medians, because
     single copies are noisy (page faults on a first touch, the other core's work: per-copy rates
-    of 1-10 GB/s in one first epoch). ``fixed``: always that scheme (an index into
+    vary several-fold within one first epoch). ``fixed``: always that scheme (an index into
     PREFETCH_SCHEMES). Thread-safe; the copies' results do not depend on the scheme."""
 
     TRIAL_COPIES = 8
@@ -95,8 +90,8 @@ class PrefetchChooser:
             self._rates[scheme].append(nbytes / cpu_s)
             self._n[scheme] += 1
             # decide when the trial ends and after each look at the other scheme, not after every
-            # copy: this runs in the gather threads, holding the GIL (np.median per copy, ~30 us
-            # under contention, measured 0.75 against 0.92 x ref2 for a fixed scheme, 1-layer bench)
+            # copy: this runs in the gather threads, holding the GIL (a median per copy took
+            # enough CPU from the copies to undo what the choice gains)
             if min(self._n) < self.TRIAL_COPIES or (self.choice is not None and scheme == self.choice):
                 return
             rate = self.rates()
@@ -180,7 +175,7 @@ def balanced_order(n: int, per: int, j0: int, lo: int, hi: int, rng: np.random.G
     its example ``pi[(k + rot[i]) % per]``: a random order of the examples, shared by the run's
     images but started at a random place for each. Drawn with the plan's numpy generator
     (2 permutations of per and n, and per + n integers, instead of a shuffle of every image and
-    every round: ~15x less work), laid out by the C kernel or, identically, by numpy.
+    every round), laid out by the C kernel or, identically, by numpy.
     """
     pi = rng.permutation(per).astype(np.int64)
     rot = rng.integers(0, per, n, dtype=np.int64)
@@ -246,8 +241,8 @@ def permutation_key(*words: int) -> int:
 
 def permutation(n: int, key: int) -> np.ndarray:
     """A random order of ``range(n)`` (int64), a function of the 64-bit ``key`` alone: Fisher-Yates
-    driven by splitmix64, in C (~10x faster than numpy's Generator.permutation for a 16384-row
-    batch) or, with the same result, in numpy and Python."""
+    driven by splitmix64, in C (much cheaper than numpy's Generator.permutation) or, with the
+    same result, in numpy and Python."""
     out = np.empty(n, np.int64)
     if _native is not None:
         _native.permutation(n, key & _MASK, out)

@@ -33,6 +33,7 @@ import numpy as np
 
 from actcache.errors import LoaderError
 from actcache.loaders import kernels
+from actcache.loaders.options import COLD_READS
 
 PAGE = mmap.PAGESIZE
 HUGE = 2 * 2**20  # x86-64 PMD size
@@ -41,7 +42,6 @@ MADV_POPULATE_READ = 22  # Linux >= 5.14
 # huge mode, cold_read="read": uncached ranges are read with preadv calls of this size into a
 # per-thread scratch buffer (it stays in the CPU cache; the kernel's read-ahead runs ahead of it)
 READ_CHUNK = 2 * 2**20
-COLD_READS = ("read", "fault")
 
 try:
     _libc = ctypes.CDLL(None, use_errno=True)
@@ -80,7 +80,7 @@ class ShardMaps:
 
     mode "huge": one MADV_HUGEPAGE mapping per shard. Loading through its fault path reads
     large chunks into large page-cache folios, which then map 2 MiB at a time: mapping cached
-    data costs almost nothing, and random gathers out of it run ~1.5x faster than through 4 KiB
+    data costs almost nothing, and random gathers out of it run faster than through 4 KiB
     page tables (fewer TLB misses). But a 2 MiB mapping is all-or-nothing: unmapping part of it
     drops all of it and the next access maps all of it again, so only whole runs can be released.
 
@@ -94,20 +94,13 @@ class ShardMaps:
 
     cold_read (huge mode): how ranges not yet in the page cache are read. "fault": through the
     mapping's fault path (2 MiB page-cache folios). "read": first with plain sequential preadv
-    calls into a small per-thread scratch buffer (``read_uncached``), then mapped. On the project
-    VM "read" made a cold shuffled epoch ~1.6x faster when the memory the pages land in had been
-    free for a while: data read through the fault path was then slow to copy out of the first
-    time (the gather threads spent 4-8 CPU-s per 4.3 GB epoch on it, against ~0.5 s), while
-    preadv's own copy, made as the data arrives, paid little (see the shuffled loader). But
-    preadv at a random offset fills the page cache with small folios (~half of them end up
-    mapped 2 MiB at a time, against all with "fault"), so a later warm pass over the same pages
-    gathers ~1.4x slower (measured: 0.33-0.45 s against 0.24-0.29 s per 4.3 GB epoch). Tried and
-    not taken (2026-11-25, 1-layer bench cache, page cache dropped 4 s before, 3 alternating
-    fresh runs of 3 epochs): the fault path followed by a one-byte read of every page in the
-    reader thread, so that the first touch falls there. It kept 2 MiB folios (92%, against 57-60%
-    for "read") but the first epoch took 4.7-5.5 s against 2.7-3.7 s, for later epochs of
-    0.23-0.30 s against 0.26-0.34 s. No pattern of preadv calls leaves 2 MiB folios reliably
-    (BENCHMARKS.md, "Warm also means large folios").
+    calls into a small per-thread scratch buffer (``read_uncached``), then mapped. "read" is
+    faster cold where the memory the pages land in must first be backed again by a VM host:
+    preadv makes that first touch in its own copy, as the data arrives, in a reader thread that
+    waits on the disk anyway, not in the gather threads. But preadv at a random offset fills the
+    page cache with smaller folios, so a later warm pass over the same pages gathers slower;
+    "fault" keeps 2 MiB folios, for a cache read for many epochs. No pattern of preadv calls
+    leaves 2 MiB folios reliably (BENCHMARKS.md, "Warm also means large folios").
     """
 
     def __init__(
@@ -200,19 +193,14 @@ class ShardMaps:
         """Start reading byte ranges into the page cache (asynchronous, exact); ranges ``gap``
         bytes apart or closer are requested as one. A range whose first and last bytes are
         cached already is skipped: posix_fadvise walks every page of a range even when all are
-        cached (~50 ms of CPU per 1 GB pass of 600 KB ranges on the project VM), where the probe
-        (two one-byte reads that must not block) costs ~2 us. Returns whether every range was
+        cached, where the probe (two one-byte reads that must not block) costs next to nothing.
+        Returns whether every range was
         found cached: False where the kernel cannot tell (no RWF_NOWAIT), so that the ordered
         loader's io="auto" then reads (see its module doc for why that is the right default).
 
         With the C kernel, one call probes (and asks for) all the ranges without the GIL
-        (kernels.probe). From Python, one layer of four's ~600 KB ranges cost ~14 us of reader
-        CPU each inside the loader (4 reader threads beside the gathers; ~3 us in one thread
-        alone: the rest is, we think, the GIL changing hands around every system call). 4-layer
-        bench cache, warm, fresh process, alternating runs against the Python loop: shuffled
-        first epoch x1.23 (10 runs; the second x0.99: the layer fits the buffer, so its runs are
-        probed during the first), ordered io=auto x1.20 every pass (8); 1-layer ordered x1.10 /
-        x1.04 (10); cold, no change (4)."""
+        (kernels.probe): from Python, the GIL changes hands around every system call, which
+        costs the other threads far more than the calls themselves."""
         fd = self.fd(shard)
         if self._nowait_ok:  # in C when built: one call for all the ranges (see _native.c, probe)
             missing = kernels.probe(fd, *_merged_arrays(starts, ends, gap), advise=True)
@@ -279,12 +267,10 @@ class ShardMaps:
             if self.prefetch(shard, starts, ends):  # (else it asked for the reads: populate waits)
                 # Every range found cached: not populated here. The copies map the pages as they
                 # first touch them, 2 MiB at a time where the page cache holds 2 MiB folios, while
-                # MADV_POPULATE_READ costs ~12 us per ~600 KB range (one layer of four: one call
-                # each, as merging them would map, and on a miss read, the other layers' bytes).
-                # 4-layer bench cache, warm, fresh process, 10 / 8 alternating runs: shuffled
-                # first epoch x1.22 (first batch 53 -> 37 ms); ordered (io="auto") x1.18 first
-                # pass, x1.17-1.29 later ones. A page the probe missed (it looks at the first and
-                # last byte of each range) is then read by the copy's fault instead of here.
+                # MADV_POPULATE_READ would cost a call per range (one layer of several: merging
+                # the ranges would map, and on a miss read, the other layers' bytes). A page the
+                # probe missed (it looks at the first and last byte of each range) is then read
+                # by the copy's fault instead of here.
                 return cold
         elif self.mode == "pte" and not self.cached(shard, starts, ends):
             # load through the huge-page staging mapping (large folios), then unmap it
@@ -361,8 +347,7 @@ class ShardMaps:
         """Sequential readers (the ordered loader): unmap everything of the shard before byte
         ``offset``, rounded down to a 2 MiB boundary (the rest goes with a later call, or with the
         shard's last call, ``offset`` = its size). Unmapping whole 2 MiB blocks never splits a
-        huge-page mapping: unmapping exactly each image's bytes did, which cost the ordered loader
-        ~0.15 s of CPU per 4.3 GB pass (measured). With ``evict``, the byte ranges ``starts`` /
+        huge-page mapping (unmapping exactly each image's bytes did, at a real CPU cost). With ``evict``, the byte ranges ``starts`` /
         ``ends`` are also dropped from the page cache."""
         arr = self._arrays.get((shard, self._main))
         if arr is None or _madvise is None:
@@ -387,8 +372,8 @@ class ShardMaps:
     def _unmap(self, arr: np.ndarray, starts: np.ndarray, ends: np.ndarray, whole: bool) -> None:
         addr, size = arr.ctypes.data, len(arr)
         if whole:  # widened to 2 MiB blocks first, then merged: one madvise per stretch of blocks
-            # (a run of one layer of several is ~600 KB ranges 2.4 MB apart, whose blocks touch:
-            # one call and one TLB flush for the run instead of one per image)
+            # (a run of one layer of several is ranges a few blocks apart whose blocks touch: one
+            # call and one TLB flush for the run instead of one per image)
             top = _page_span(addr, 0, size, inner=False)[1] - addr  # (offsets from addr)
             lo = np.maximum((addr + np.asarray(starts, np.int64)) // HUGE * HUGE - addr, 0)
             hi = np.minimum(-(-(addr + np.asarray(ends, np.int64)) // HUGE) * HUGE - addr, top)
@@ -403,9 +388,8 @@ class ShardMaps:
 
     # ---- 2 MiB blocks with users (huge mode, whole runs: the shuffled loader) ------------------
     # A block stays mapped while some run uses it. Runs of consecutive epochs share most blocks
-    # (in the bench's setting the next epoch's first fill is a random 3/4 of the data, and so is
-    # what the last one held), so at an epoch boundary only the blocks that change are unmapped
-    # and mapped: the pause between epochs fell from ~58 to ~15 ms (1-layer bench cache, warm).
+    # when the buffer holds most of the data (the next epoch's first fill overlaps what the last
+    # one held), so at an epoch boundary only the blocks that change are unmapped and mapped.
     # Call these with the loader's lock held; they only count, except block_release, which
     # unmaps (fast: whole blocks, no split mappings).
     def _block_refs(self, shard: int) -> np.ndarray:

@@ -3,63 +3,38 @@
     for batch in OrderedLoader("<dump_to>/<HASH>", batch_size=16384, patches="image", layer=-2):
         batch["act"]      # (B, D) float32; batch["image_i"], ["patch_i"], ["layer"]: (B,) int64
 
-Example ``i`` of the loader is example ``i`` of :class:`~actcache.loaders.indexed.IndexedDataset`
-(restricted to images [start_img, end_img)); batches span shard boundaries with no gap or
-duplicate; batches are yielded in order whatever the thread timing. Reader threads start the
-reads of the next batches (``read_ahead + 2`` batches ahead; the first batch's alone, before any
-other's: FIRST_ALONE) and the copy threads fill each batch already cached together, a part each
-(MIN_PART_ROWS; one to be read from disk, one thread), into ``max(3, read_ahead + 1)`` reused
-batch buffer sets:
+Invariants: example ``i`` of the loader is example ``i`` of
+:class:`~actcache.loaders.indexed.IndexedDataset` (restricted to images [start_img, end_img));
+batches span shard boundaries with no gap or duplicate and are yielded in order whatever the
+thread timing; partitioning (rank/world_size/worker_id/n_workers) gives each part a contiguous
+range with the same number of batches (:mod:`.partition`).
 
-``io="auto"`` (default): a batch whose bytes are not in the page cache yet is read as with
-``io="read"`` below. One the readers find cached is copied as with ``io="mmap"`` or read,
-whichever has cost less CPU per byte lately (EXPLORE_EVERY, _PathCost): which one wins depends
-on the folios the page cache holds the bytes in, which the loader cannot see. Mapped 2 MiB at a
-time (large folios, e.g. after ``cat`` of the shards or right after they were written), mapping
-costs almost nothing and the copy uses the C kernel's non-temporal stores; in small folios (e.g.
-after the loader's own cold pass: the kernel's WILLNEED reads make no 2 MiB folio) every 4 KiB
-page must be mapped, and preadv wins. Measured on the project VM:
-- 1-layer 4.3 GB cache, fresh process per pass, medians of 7 warm / 5 cold alternating rounds
-  (x ref), on the VM the loaders were first tuned on: warm auto 0.82, read 0.70, mmap 0.74;
-  cold auto 1.74, read 1.17, mmap 0.79 (cold figures are bimodal: see BENCHMARKS.md).
-- Zen-5 VM, 3 passes per process, warm after the loader's own cold pass (a third of the bytes
-  in 2 MiB folios; 2 and 3 alternating rounds): always mapping 11.3-13.6 GB/s first pass and
-  13.3-14.4 after, read 14.6-15.5 and 17.1-20.1, the cost-based choice 14.0 and 16.2-18.3
-  (reading ~95% of the batches); warm after ``cat``, 4 alternating rounds: always mapping 17.4-19.8
-  GB/s on a first pass, the cost-based choice 14.5-20.4 (median 19.2; mapping ~85-90% of the
-  batches), read 15.1-22.3.
-- One layer of four (~600 KB ranges, 4 KiB mappings, before the choice was cost-based: that
-  case was always read): warm after ``cat``, mmap 16.2 against read 14.1 GB/s in steady state (6
-  alternating rounds of bench_loaders' worker, higher in each), the same on a first pass (12.1 /
-  12.0); warm after the loader's own cold pass, mmap 7.2-8.9 against read 11.2-13.5 GB/s (3
-  rounds). Mapping it huge was 3.8 GB/s. Only ranges of MAP_MIN_RANGE or more are ever mapped.
-Where the kernel cannot tell what is cached (no RWF_NOWAIT, e.g. tmpfs), "auto" reads: measured
-on a tmpfs copy of the 1-layer cache, a warm pass read at 14-16 GB/s, mmap at 7-11 GB/s (tmpfs
-maps 4 KiB pages).
+Design: reader threads start the reads of the next batches (``read_ahead + 2`` ahead; the first
+batch's alone, before any other's: FIRST_ALONE); copy threads fill each batch, a part each when it
+is cached (MIN_PART_ROWS), into ``max(3, read_ahead + 1)`` reused batch buffer sets.
 
-``io="read"``: readers ask the kernel to read the batches' byte ranges ahead
-(posix_fadvise WILLNEED: asynchronous, many requests in flight); a copy thread reads its batch's
-ranges with preadv straight into the batch buffer: ranges up to MERGE_GAP apart in one call (the
-CLS vector between two images' patches goes to a scratch buffer), ranges far apart (another
-layer of a multi-layer cache) in calls of their own. One copy, done by the kernel, and nothing
-mapped (no SIGBUS if a file is cut: a LoaderError naming it). Cold it was the faster of read and
-mmap on the project VM (bench_loaders.py, 1-layer cache: 0.88 / 1.42 x ref in two runs against
-0.80 / 1.15 for io="mmap"; one layer of four: 0.63 / 0.66 against 0.62 / 0.60); warm, io="mmap"
-was faster for whole images. Caches larger than memory, read cold, often from a network
-filesystem, are what this project is for.
+``io="read"``: readers ask the kernel to read the batches' byte ranges ahead (posix_fadvise
+WILLNEED); a copy thread reads its batch's ranges with preadv straight into the batch buffer
+(ranges up to MERGE_GAP apart in one call). One copy, made by the kernel, nothing mapped (a cut
+file is a LoaderError, not SIGBUS). The right way for caches larger than memory, read cold,
+often from a network filesystem, which is what this project is for.
 
 ``io="mmap"``: readers make the ranges resident in memory-mapped shards (MADV_POPULATE_READ);
-copy threads copy runs of whole images out of the mappings with the C kernel (kernels.copy_blocks:
-one block per image and layer, non-temporal stores) or numpy's strided copies; the bytes behind
-the consumer are unmapped in whole 2 MiB blocks (maps.ShardMaps.release_before).
+copy threads copy whole images out of the mappings with the C kernel (kernels.copy_blocks,
+non-temporal stores); the bytes behind the consumer are unmapped in whole 2 MiB blocks.
 
-Partitioning (rank/world_size/worker_id/n_workers) splits the range into contiguous parts with
-the same number of batches per rank (see :mod:`.partition`).
+``io="auto"`` (default): a batch not in the page cache yet is read as with "read". A cached one
+is mapped or read, whichever has cost less CPU per byte lately (_PathCost, EXPLORE_EVERY): that
+depends on the folios the page cache holds the bytes in, which the loader cannot see (2 MiB
+folios map almost for free; 4 KiB ones make every page a mapping, and preadv wins). Where the
+kernel cannot tell what is cached (no RWF_NOWAIT, e.g. tmpfs), "auto" reads. Figures for each
+way, cold and warm: BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import threading
 import time
@@ -68,7 +43,8 @@ import numpy as np
 
 from actcache.errors import ConfigError, LoaderError
 from actcache.loaders import kernels
-from actcache.loaders.base import BaseLoader, Iteration, check_number
+from actcache.loaders.base import BaseLoader, Iteration
+from actcache.loaders.options import LoaderOptions, check_number
 from actcache.loaders.partition import Partition
 from actcache.loaders.runtime import Stopped
 
@@ -83,42 +59,30 @@ CALL_BYTES = 8 * 2**20
 SCALE_CALL_BYTES = 2 * 2**20
 IOV_MAX = 1024
 # The readers request the first batch's byte ranges before any other batch's: started together,
-# four readers' requests interleave at the disk and the first batch arrives with the fourth. One
-# layer of a 4-layer cache, cold (81 ranges of 600 KB per batch): first batch 0.11 -> 0.05 s and
-# the pass 1.7 -> 2.6 GB/s (one pass per process, medians of 8 alternating rounds); in
-# bench_loaders' rounds 0.14 -> 0.06 s and 0.70 -> 0.81 x ref, ~1.0 x a raw read of the same
-# ranges. 1-layer cache (one 48 MB request per batch, 1.5 ms to send): no difference beyond the
-# noise. Requesting every batch strictly in order was slower on the 4-layer cache (2.2 GB/s):
-# later batches gain from parallel requests.
+# four readers' requests interleave at the disk and the first batch arrives with the fourth.
+# Only the first: requesting every batch strictly in order is slower, as later batches gain from
+# parallel requests.
 FIRST_ALONE = True
 # Every copy thread works on the same cached batch, a part each (>= MIN_PART_ROWS examples, cut
 # on image boundaries), rather than a batch each: a batch is ready in half the time, and 3 batch
 # buffer sets keep both threads busy where a batch each needed 4 (read_ahead + 2), which a fresh
-# process must fault in (slow on the project VM: see BatchPool.handover). One layer of the 4-layer
-# bench cache, warm, a fresh process per round, 3 series of 6-8 alternating rounds (medians):
-# first pass 9.8 / 10.9 / 10.0 -> 12.1 / 12.9 / 11.1 GB/s, first batch 18-23 -> 13-17 ms, second
-# pass 14.1 / 15.0 / 14.6 -> 14.0 / 13.6 / 14.6 GB/s; 1-layer cache: the same within the noise.
+# process must fault in (slow where a VM host backs the memory again: see BatchPool.handover).
 # A batch whose bytes the readers did not find cached is still read by one thread: split, the
-# 1-layer cache read cold (cold-primed: bench_loaders) ran at 0.754 x ref against 0.807 (6
-# alternating rounds, lower in each).
+# parts' reads compete at the disk and a cold pass is slower.
 MIN_PART_ROWS = 2048
 # io="auto", a batch whose bytes the readers found in the page cache: copied out of the mappings
 # or read with preadv, whichever cost less CPU per byte lately (_PathCost: the reader's mapping
-# plus the copy threads' copy, per batch; measured in the module doc). Until both costs are
-# known cached batches are mapped, but for the second, which is read (again every
-# EXPLORE_EVERY-th while reading's cost is unknown); then the cheaper way, and the other one every
-# EXPLORE_EVERY-th batch to follow changes. Before 2026-11-25 every batch chosen until the first
-# read's cost came in was read, ~4 with the readers' look-ahead; one read instead made a warm
-# first pass over one layer of four 1.06-1.08x faster (medians of the ratio in 14 and 8
-# alternating rounds, bench_loaders' worker, a fresh process each) and the 1-layer cache 1.01x
-# (10 rounds); warm in small folios (reading the cheaper way) the batches chosen were the same.
-# One layer of several (4 KiB mappings) is mapped only when each image's range of a layer is
-# MAP_MIN_RANGE or more (one layer's patch tokens: ~600 KB at d=768; a CLS vector alone, 3 KiB,
-# is always read).
+# plus the copy threads' copy, per batch). Until both costs are known cached batches are mapped,
+# but for the second, which is read (again every EXPLORE_EVERY-th while reading's cost is
+# unknown): one read is enough to learn its cost, and reading every batch chosen until then
+# slowed a warm first pass. Then the cheaper way, and the other one every EXPLORE_EVERY-th batch
+# to follow changes. One layer of several (4 KiB mappings) is mapped only when each image's range
+# of a layer is MAP_MIN_RANGE or more (one layer's patch tokens at a usual d_vit; a CLS vector
+# alone is always read).
 EXPLORE_EVERY = 16
 MAP_MIN_RANGE = 64 * 2**10
 # Mapping is kept unless reading costs less than 1 / MAP_BIAS of it: per-batch costs are noisy,
-# and where mapping lost it lost by far (~1.5x CPU per byte after the loader's own cold pass).
+# and where mapping lost it lost by far (after the loader's own cold pass: small folios).
 MAP_BIAS = 1.1
 
 
@@ -164,30 +128,30 @@ class OrderedLoader(BaseLoader):
         if io not in IO_MODES:
             raise ConfigError(f"io={io!r} is not allowed; use one of {', '.join(IO_MODES)}")
         check_number("end_img", end_img, 0, integer=True, allow_none=True)
-        check_number("n_readers", n_readers, 1, integer=True, allow_none=True)
-        super().__init__(
-            path,
-            batch_size,
-            patches,
-            layer,
-            drop_last,
-            batch_timeout_s,
-            scale_norm,
-            rank,
-            world_size,
-            worker_id,
-            n_workers,
-            n_threads,
-            read_ahead,
-            evict,
+        options = LoaderOptions(
+            batch_size=batch_size,
+            patches=patches,
+            layer=layer,
+            drop_last=drop_last,
+            batch_timeout_s=batch_timeout_s,
+            scale_norm=scale_norm,
+            rank=rank,
+            world_size=world_size,
+            worker_id=worker_id,
+            n_workers=n_workers,
+            n_threads=n_threads,
+            n_readers=n_readers,
+            read_ahead=read_ahead,
+            evict=evict,
         )
+        super().__init__(path, options=options)
         n = self.metadata.n_imgs
         end_img = n if end_img is None else end_img
         if not start_img <= end_img <= n:
             raise ConfigError(f"start_img={start_img}, end_img={end_img}: need 0 <= start_img <= end_img <= {n}")
         self.start_img, self.end_img = start_img, end_img
         self.io = io
-        self.n_readers = n_readers or 4  # several batches' reads in flight: measured 1.3-1.9x faster cold than 2
+        self.n_readers = n_readers or 4  # several batches' reads in flight: faster cold than 2
         # io="auto": a cached batch may be mapped (see EXPLORE_EVERY); the costs outlive a pass
         self.may_map = self.map_mode == "huge" or self.geom.n_tokens * self.geom.vec_bytes >= MAP_MIN_RANGE
         self.path_cost = _PathCost()
@@ -212,7 +176,7 @@ class OrderedLoader(BaseLoader):
     def _make_iteration(self) -> Iteration:
         it = Iteration(self, "OrderedLoader", 0, len(self), max(3, self.read_ahead + 1))
         it.next_read = it.next_copy = it.frontier = 0
-        it.parts = collections.deque()  # (job, part) of a batch another copy thread started
+        it.parts = collections.deque()  # _CopyPart: parts of batches other copy threads started
         it.first_requested = False  # batch 0's reads have been requested (see FIRST_ALONE)
         # batch -> (mapped: copied out of the mappings; cached: all in the page cache at request;
         # CPU seconds the reader spent mapping it)
@@ -287,45 +251,52 @@ class OrderedLoader(BaseLoader):
                 it.resident[k] = (mapped, cached, mapping_s)
                 it.cond.notify_all()
 
+    def _next_task(self, it: Iteration, w: _CopyWait) -> bool:
+        """A copy thread's wait predicate (lock held): puts its next task in ``w.task``."""
+        if it.parts:  # a part of a batch another thread has started
+            w.task = it.parts.popleft()
+            return True
+        k = it.next_copy
+        if k >= it.stop:
+            raise Stopped
+        if k >= it.n_consumed + self.read_ahead or k not in it.resident:
+            return False
+        buf = it.pool.try_acquire()
+        if buf is None:
+            return False
+        w.task = _NewBatch(k, buf)
+        return True
+
+    def _start_batch(self, it: Iteration, task: _NewBatch) -> _Job:
+        """The job of a batch whose data is resident (lock held); its other parts go to ``it.parts``."""
+        mapped, cached, mapping_s = it.resident.pop(task.k)
+        a, b = self.batch_range(task.k)
+        # a batch still to be read from disk stays with one thread (see MIN_PART_ROWS)
+        job = _Job(task.k, task.buf, mapped, self._cuts(a, b) if cached else [a, b])
+        job.cost = mapping_s if cached and self.io == "auto" else None  # see EXPLORE_EVERY
+        if len(job.cuts) > 2:
+            it.parts.extend(_CopyPart(job, p) for p in range(1, len(job.cuts) - 1))
+            it.cond.notify_all()
+        return job
+
     def _copier(self, it: Iteration, name: str) -> None:
         it.rt.status(name, "allocating batch buffers")
-        # all sets up front (lazily, as the shuffled loader does, measured ~10% slower with a batch
-        # per thread; with shared batches one each then lazily was the same within the noise)
+        # all sets up front (lazily, as the shuffled loader does, was slower with a batch per
+        # thread, and no faster with shared batches)
         for _ in range(-(-it.pool.max_sets // self.n_threads)):
             it.pool.prefill(stop=lambda: it.rt.stopping)
+        w = _CopyWait()
+        ready = lambda: self._next_task(it, w)  # noqa: E731 - made once per thread
         while True:
             with it.cond:
                 it.rt.status(name, "waiting for data or a free buffer")
-                got: dict = {}
-
-                def ready(got=got):
-                    if it.parts:
-                        got["job"], got["part"] = it.parts.popleft()
-                        return True
-                    k = it.next_copy
-                    if k >= it.stop:
-                        raise Stopped
-                    if k >= it.n_consumed + self.read_ahead or k not in it.resident:
-                        return False
-                    buf = it.pool.try_acquire()
-                    if buf is None:
-                        return False
-                    got["k"], got["buf"] = k, buf
-                    return True
-
+                w.task = None
                 it.rt.wait(ready)
-                if "job" not in got:
+                task = w.task
+                if isinstance(task, _NewBatch):
                     it.next_copy += 1
-                    mapped, cached, mapping_s = it.resident.pop(got["k"])
-                    a, b = self.batch_range(got["k"])
-                    # a batch still to be read from disk stays with one thread (see MIN_PART_ROWS)
-                    job = _Job(got["k"], got["buf"], mapped, self._cuts(a, b) if cached else [a, b])
-                    job.cost = mapping_s if cached and self.io == "auto" else None  # see EXPLORE_EVERY
-                    if len(job.cuts) > 2:
-                        it.parts.extend((job, p) for p in range(1, len(job.cuts) - 1))
-                        it.cond.notify_all()
-                    got["job"], got["part"] = job, 0
-            job, part = got["job"], got["part"]
+                    task = _CopyPart(self._start_batch(it, task), 0)
+            job, part = task.job, task.part
             k, buf = job.k, job.buf
             a0 = job.cuts[0]
             a, b = job.cuts[part], job.cuts[part + 1]
@@ -508,6 +479,29 @@ class _Job:
         self.cost = None  # io="auto", a cached batch: CPU seconds spent mapping and copying it
 
 
+@dataclasses.dataclass(slots=True)
+class _CopyPart:
+    """Copy task: part ``part`` of a batch (its buffer in job.buf)."""
+
+    job: _Job
+    part: int
+
+
+@dataclasses.dataclass(slots=True)
+class _NewBatch:
+    """Copy task: batch ``k`` is resident and got buffer ``buf``."""
+
+    k: int
+    buf: object
+
+
+@dataclasses.dataclass(slots=True)
+class _CopyWait:
+    """One copy thread's wait: the task its predicate found."""
+
+    task: _CopyPart | _NewBatch | None = None
+
+
 class _PathCost:
     """io="auto": which way to copy a batch found in the page cache (see EXPLORE_EVERY). ``cost``:
     moving averages of the CPU seconds per byte of each way (True: mapped, False: preadv)."""
@@ -533,8 +527,8 @@ class _PathCost:
             return
         x = cpu_s / nbytes
         with self.lock:
-            # the mean of the first samples, then a moving average over ~10 (one batch's cost
-            # varies by +-30% on the project VM; the two ways differed by ~15% warm after cat)
+            # the mean of the first samples, then a moving average over ~10: one batch's cost is
+            # noisy, and the two ways differ by less than that noise when both are warm
             self.samples[mapped] += 1
             old = self.cost[mapped]
             self.cost[mapped] = x if old is None else old + max(0.1, 1 / self.samples[mapped]) * (x - old)

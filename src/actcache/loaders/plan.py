@@ -1,70 +1,34 @@
 """The shuffled loader's plan: which examples go into which batch, and which bytes must be
 resident when. Pure numpy, no I/O; a function of (seed, epoch, part) alone.
 
-Epoch order
-    Each shard is cut into *runs*: contiguous image ranges of random length (0.5x to 1.5x
-    ``run_imgs``, about 48 MiB of the bytes read; random lengths spread out when runs end), or
-    of ``run_imgs`` images each (``equal``: io="read", whose arena slots then fit every run).
-    Read through 2 MiB (huge-page) mappings, runs are cut instead where a 2 MiB boundary of the
-    file falls between two vectors (:func:`cut_points`; through an image if need be): a run
-    then maps no block that holds a neighbour's data, so the budget holds only vectors that
-    batches can draw (image-aligned runs each mapped ~2 MiB of neighbours' data, ~4% of the
-    budget with 48 MiB runs: image-index entropy 0.944 -> 0.950 in the bench's setting).
-    The runs of all shards are put in a random order (from ``(seed, epoch)`` only, so every
-    rank computes the same order); the epoch's
-    example sequence is the runs' examples in that order, and :class:`~.partition.Partition`
-    gives each (rank, worker) one contiguous piece of it (whole runs, plus parts of the two at
-    its ends).
+Epoch order. Each shard is cut into *runs*: contiguous example ranges of random length (0.5x to
+1.5x ``run_imgs`` images, so that runs end at spread-out times), or of ``run_imgs`` images each
+(``equal``: io="read", whose arena slots then fit every run). Read through 2 MiB mappings, runs
+are cut where a 2 MiB boundary of the file falls between two vectors (:func:`cut_points`), so a
+run maps no block holding a neighbour's data. The runs of all shards are put in a random order
+from (seed, epoch) only (every rank computes the same), and :class:`~.partition.Partition` gives
+each (rank, worker) one contiguous piece of the resulting example sequence.
 
-Batches (per part)
-    Runs are *admitted* in order while the bytes they hold fit in the budget (a run admitted
-    at batch t must be resident before batch t is copied). Every batch takes from each admitted
-    run a share proportional to the run's weight (water-filling, so a nearly empty run gives
-    what it has); when no run is left to admit, shares are proportional to what each run has
-    left, so that all of them end together with the epoch (for a fixed set of resident images
-    that is the most even mix: entropy is concave).
-    Ramp: when the whole part fits in the budget, batch 0 draws only from the first eighth of
-    it (in epoch order), batch 1 from the first 3/8, batch 2 from 5/8, and from batch 3 on from
-    all of it: the first batches are gathered while the rest is still being read instead of
-    after, for a small cost in mixing (the first batches draw from fewer images). 4-layer bench
-    cache, one layer of 1 GiB, warm, first epoch in a fresh process (median of 6): eighths 0.32 s
-    (first batch 0.07 s, image-index entropy 0.968) against quarters (1/4, 1/2, 3/4) 0.36 s
-    (0.14 s, 0.980); cold, quarters measured ~1.35 against ~1.14 GB/s without a ramp (first
-    batch ~0.27 against ~0.72 s; entropy 1.00). With io="read" (``ramp_fill``), whose readers
-    copy the first fill into fresh memory, a part that does not fit ramps too: batch 0 draws from
-    the first half of the first fill (FILL_RAMP), the two-rate weights below still set over the
-    whole first fill.
-    Weights: by default equal per run. Runs of random length then end at spread-out times, and
-    the runs admitted in their place do too (equal shares measured better than shares
-    proportional to run size, whose runs all end together). When the data left out of the first
-    fill is under half of it (e.g. a 3.2 GB buffer over 4.3 GB), a plan with two rates mixes
-    better: the first ~1.05x that much of the first fill (in epoch order) is drawn about twice
-    as fast per image (2 +-20%, spreading its ends) as the rest, so it is used up near mid-epoch,
-    and the rest of the data then comes in and mixes with the remaining first fill until the
-    end. Weights are then per image (run weight = rate x images). In a fluid model this two-rate
-    plan is the best of its kind (entropy 0.961 for the bench's setting against 0.967 with all
-    resident images even); the plan measured 0.954 against 0.948 with equal shares
-    (``scripts/plan_entropy.py``, ``--equal``).
-    Within a run, examples are drawn in a random order that is balanced over its images: every
-    image's k-th example comes before any image's (k+1)-th, so a batch takes about the same
-    number of examples from each image of the run (a uniform draw would take a multinomial
-    number: fewer distinct images per batch; image-index entropy 0.929 -> 0.946 in the bench's
-    setting, image-aligned runs). The order comes from a few random draws per run
-    (kernels.balanced_order: one random order of the examples, started at a random place in each
-    image, and a random image order turned by a random amount each round), not a shuffle of
-    every image and every round: 35 us instead of 270 us for a 16k-example run, same entropy.
+Batches (:meth:`EpochPlan.batches`, per part). Runs are *admitted* in order while the bytes they
+hold fit in the budget; a run admitted at batch t must be resident before batch t is copied.
+Each batch takes from every held run a share proportional to the run's weight (water-filling:
+a nearly empty run gives what it has); once no run is left to admit, shares are proportional to
+what each run has left, so all end with the epoch. Weights are equal per run, except in the
+*two-rate plan* (the data left out of the first fill is under LATE_MAX of it): the first part of
+the first fill is drawn about FAST_RATE times as fast per image, making room mid-epoch for the
+rest. *Ramp*: when the whole part fits in the budget, batches 0-2 draw from growing prefixes of
+it (RAMP), so gathering starts before everything is read (io="read": FILL_RAMP of the first
+fill). Within a run, examples come in a random order balanced over its images (every image's
+k-th example before any image's (k+1)-th; kernels.balanced_order), so a batch takes the same
+count (+-1) from each image of the run.
 
-Progressive release (strips)
-    A batch can only mix images that are resident, so with whole-run residency the images
-    mixed per batch are capped by the budget. To mix more, each image's selected tokens are
-    split into ``n_strips`` contiguous strips (starting at a random token of the image, wrapping
-    round, so the patch positions stay uniform); a run hands out its strip-0 examples first (in
-    random order), then strip 1, ... and each strip's bytes are released as soon as it is used
-    up. A run thus holds on average (n_strips + 1) / (2 n_strips) of its bytes over its life, and
-    the admitted runs (hence the images mixed per batch) grow by 2 n_strips / (n_strips + 1)
-    for the same budget. Within one image, a batch's examples then come from one strip (a third
-    of the image with 3 strips) instead of the whole image. Releasing part of a 2 MiB huge-page
-    mapping drops all of it, so strips need 4 KiB mappings (see maps.ShardMaps).
+Strips (``n_strips`` > 1). Each image's selected tokens are split into strips (from a random
+token, wrapping round); a run hands out strip 0 of all its images first, then strip 1, ..., and
+releases each strip's bytes once used up, so the same budget holds more images. Releasing part of
+a 2 MiB mapping drops all of it, so strips need 4 KiB mappings (maps.ShardMaps).
+
+Invariants: every example of the part is yielded exactly once; the plan never holds more than
+the budget (plus what one batch needs); on_admit hears of each admitted run once, before its batch.
 """
 
 from __future__ import annotations
@@ -73,7 +37,7 @@ import dataclasses
 from collections.abc import Iterator
 
 import numpy as np
-import numpy.random  # noqa: F401 - numpy imports it on first use (~10 ms), which would fall on the first batch
+import numpy.random  # noqa: F401 - imported now: numpy imports it on first use, which would delay the first batch
 
 from actcache.loaders import kernels
 
@@ -173,8 +137,8 @@ def cut_points(geom: Geometry, n_imgs: int, unit: int) -> np.ndarray:
     within = np.clip((R % LT)[:, None] - first[None, :], 0, geom.n_tokens).sum(axis=1)
     k = (R // LT) * per + within
     k = k[ok & (k > 0) & (k < n_imgs * per)]
-    # k rises with X: drop repeats without np.unique, whose first call imports numpy.ma (~6 ms
-    # of a fresh process's first batch)
+    # k rises with X: drop repeats without np.unique, whose first call imports numpy.ma (on a
+    # fresh process's first batch)
     return k[np.r_[True, k[1:] != k[:-1]]] if len(k) else k
 
 
@@ -348,6 +312,62 @@ class Run:
         return int(self.strip_bytes[self.done :].sum())
 
 
+class _HeldRuns:
+    """The runs a plan holds, in admission order, with per-run arrays so that a batch's shares
+    and example ids need no Python per run: examples ``left``, share ``weight``, ``cursor`` in
+    the run's order, the order's address (kernels.concat_ranges), first image and shard."""
+
+    __slots__ = ("runs", "left", "weight", "cursor", "order_addr", "img0", "shard")
+
+    def __init__(self):
+        self.runs: list[Run] = []
+        self.left, self.cursor, self.order_addr, self.img0, self.shard = (np.zeros(0, np.int64) for _ in range(5))
+        self.weight = np.zeros(0, np.float64)
+
+    def add(self, admitted: list[Run]) -> None:
+        self.runs.extend(admitted)
+        if not admitted:
+            return
+        cat = lambda a, vals, dt=np.int64: np.concatenate([a, np.array(vals, dt)])  # noqa: E731
+        self.left = cat(self.left, [r.n_ex for r in admitted])
+        self.cursor = cat(self.cursor, [0] * len(admitted))
+        self.order_addr = cat(self.order_addr, [kernels.address(r.order) for r in admitted])
+        self.img0 = cat(self.img0, [r.img0 for r in admitted])
+        self.shard = cat(self.shard, [r.shard for r in admitted])
+        self.weight = cat(self.weight, [r.weight for r in admitted], np.float64)
+
+    def examples(self, shares: np.ndarray) -> tuple:
+        """A batch's (runs, x, run_start, run_img0, run_shard) for BatchSpec: each run's next
+        ``shares`` examples. img0 and shard are never changed in place, so the spec may keep them."""
+        runs = list(self.runs)
+        x = kernels.concat_ranges(lambda: [r.order for r in runs], self.order_addr, self.cursor, shares)
+        run_start = np.zeros(len(shares) + 1, np.int64)
+        np.cumsum(shares, out=run_start[1:])
+        return runs, x, run_start, self.img0, self.shard
+
+    def keep(self, mask: np.ndarray) -> None:
+        """Drop the runs where ``mask`` is False (new arrays, not in place)."""
+        self.runs = [r for r, k in zip(self.runs, mask.tolist(), strict=True) if k]
+        self.left, self.cursor, self.order_addr = self.left[mask], self.cursor[mask], self.order_addr[mask]
+        self.img0, self.shard, self.weight = self.img0[mask], self.shard[mask], self.weight[mask]
+
+
+class _Walk:
+    """Where EpochPlan.batches stands: the runs held, the next run to admit, the bytes held, the
+    examples the held runs have left (``available``) and those left in the part, and the
+    two-rate plan's per-image rates of the first fill (None: equal weights per run)."""
+
+    __slots__ = ("active", "next_run", "held_bytes", "available", "examples_left", "rates")
+
+    def __init__(self, n_examples: int):
+        self.active = _HeldRuns()
+        self.next_run = 0
+        self.held_bytes = 0
+        self.available = 0
+        self.examples_left = n_examples
+        self.rates: np.ndarray | None = None
+
+
 @dataclasses.dataclass
 class BatchSpec:
     """One batch of the plan. Its examples, run by run: run ``runs[i]`` gives the run-local ids
@@ -392,9 +412,9 @@ class EpochPlan:
         ramp_fill: bool = False,
     ):
         self.geom, self.runs, self.epoch = geom, runs, epoch
-        self.B, self.n_examples, self.budget = batch_size, n_examples, budget
-        self.nT = geom.n_tokens
-        self.G = max(1, min(n_strips, self.nT))
+        self.batch_size, self.n_examples, self.budget = batch_size, n_examples, budget
+        self.n_tokens = geom.n_tokens
+        self.n_strips = max(1, min(n_strips, self.n_tokens))  # at most one strip per token
         self.rng = rng
         self.fixed = fixed_run_bytes  # io="read": every run holds one arena slot
         self.ramp_fill = ramp_fill  # ramp over the first fill when the part does not fit (_ramp)
@@ -405,21 +425,21 @@ class EpochPlan:
 
     @property
     def n_batches(self) -> int:
-        return -(-self.n_examples // self.B)
+        return -(-self.n_examples // self.batch_size)
 
     def _admit(self, i: int) -> Run:
         """Run ``i`` as admitted: where it lies and what it holds (all a reader needs); its
         example order is drawn by :meth:`_draw_order`, after the batch's admissions."""
         g, per = self.geom, self.geom.per_img
-        r = Run((self.epoch, i), self.runs[i], self.G, self.nT)
+        r = Run((self.epoch, i), self.runs[i], self.n_strips, self.n_tokens)
         r.j0, r.j1 = r.lo // per, -(-r.hi // per)
         if self.fixed is not None:
-            r.strip_bytes = np.full(self.G, self.fixed // self.G, np.int64)
-        elif self.G == 1:
+            r.strip_bytes = np.full(self.n_strips, self.fixed // self.n_strips, np.int64)
+        elif self.n_strips == 1:
             r.strip_bytes = np.array([self.run_bytes(i)], np.int64)
             r.span = self.run_span(i)
         else:
-            tok = np.array([r.strip_tokens(k) for k in range(self.G)])
+            tok = np.array([r.strip_tokens(k) for k in range(self.n_strips)])
             r.strip_bytes = (tok[:, 1] - tok[:, 0]) * (r.j1 - r.j0) * len(g.layer_idx) * g.vec_bytes
         return r
 
@@ -428,21 +448,21 @@ class EpochPlan:
         from the plan's generator: runs are drawn in admission order, so the plan does not
         depend on when this happens."""
         rng, per = self.rng, self.geom.per_img
-        if self.G > 1:
-            r.off = rng.integers(0, self.nT, size=r.j1 - r.j0)
+        if self.n_strips > 1:
+            r.off = rng.integers(0, self.n_tokens, size=r.j1 - r.j0)
         else:  # one strip: no rotation (keeps each image's bytes one range)
             r.off = np.zeros(r.j1 - r.j0, np.int64)
         # Balanced: the k-th example of each image (in a random order) comes before the
         # (k+1)-th of any image, so a batch's share of the run takes the same count (+-1) from
         # every image of it rather than a multinomial draw (more images per batch, same
         # examples in expectation).
-        if self.G > 1:  # strip-major: strip 0's examples (balanced), then strip 1's, ...
+        if self.n_strips > 1:  # strip-major: strip 0's examples (balanced), then strip 1's, ...
             x = rng.permutation(np.arange(r.lo, r.hi, dtype=np.int64))
             img = x // per - r.j0
-            strip = ((x % per) % self.nT - r.off[img]) % self.nT * self.G // self.nT
-            rank = _rank_within(img * self.G + strip, (r.j1 - r.j0) * self.G)
+            strip = ((x % per) % self.n_tokens - r.off[img]) % self.n_tokens * self.n_strips // self.n_tokens
+            rank = _rank_within(img * self.n_strips + strip, (r.j1 - r.j0) * self.n_strips)
             x = x[np.lexsort((rank, strip))]
-            r.strip_end = np.cumsum(np.bincount(strip, minlength=self.G))
+            r.strip_end = np.cumsum(np.bincount(strip, minlength=self.n_strips))
         else:  # round by round over the run's images (kernels.balanced_order); a part's end may cut an image
             x = kernels.balanced_order(r.j1 - r.j0, per, r.j0, r.lo, r.hi, rng)
             r.strip_end = np.array([len(x)])
@@ -451,7 +471,7 @@ class EpochPlan:
 
     def _sizes(self) -> tuple[np.ndarray, np.ndarray]:
         """Every run's span and held bytes (see run_span, run_bytes), worked out once for all runs
-        (vectorised: the first batch's plan asks for them ~300 times)."""
+        (vectorised: the first batch's plan asks for them once per run it may admit)."""
         if self._size_cache is None:
             g, per = self.geom, self.geom.per_img
             img0, lo, hi = (self.runs[:, j].astype(np.int64) for j in (1, 3, 4))
@@ -459,8 +479,8 @@ class EpochPlan:
             last = g.decode(img0 + (hi - 1) // per, (hi - 1) % per)[0]
             spans = np.stack([first * g.vec_bytes, (last + 1) * g.vec_bytes], axis=1)
             if self.fixed is not None:
-                held = np.full(len(self.runs), self.fixed // self.G * self.G, np.int64)
-            elif self.G > 1:
+                held = np.full(len(self.runs), self.fixed // self.n_strips * self.n_strips, np.int64)
+            elif self.n_strips > 1:
                 held = (-(-hi // per) - lo // per) * g.img_bytes
             elif not self.map_unit:
                 held = (hi - lo) * g.vec_bytes
@@ -488,106 +508,110 @@ class EpochPlan:
         ``on_admit(run, t, held)``, if given, is called for each run that batch ``t >= start``
         admits (``held``: the bytes the plan holds with it) as soon as the run is admitted,
         before the plan draws its example order and works out the batch's shares (the loader's
-        readers start on it meanwhile: the first batch admits the whole first fill, ~60 runs);
-        with strips the call comes after the draws (a reader needs each image's starting
-        token), and the runs a resumed plan still holds at batch ``start`` are passed then too.
+        readers start on it meanwhile: the first batch admits the whole first fill); with
+        strips the call comes after the draws (a reader needs each image's starting token),
+        and the runs a resumed plan still holds at batch ``start`` are passed then too.
         Every run of a yielded spec's ``admit`` has been passed exactly once."""
-        active: list[Run] = []
-        # per active run (in `active` order): examples left, share weight, cursor in its order,
-        # its order's address (kernels.concat_ranges), first image, shard
-        rem, ptr, addr, img0, shard = (np.zeros(0, np.int64) for _ in range(5))
-        w = np.zeros(0, np.float64)
-        per_image = False  # weights per image (two-rate plan) or equal per run
-        ramp, fill_ramp = self._ramp()
-        rates = None  # two-rate plan: per-image rates of the first fill's runs (by run index)
-        early = on_admit is not None and self.G == 1
-        nxt = 0  # next run to admit
-        mem = 0
-        avail = 0  # examples the active runs have left
-        left = self.n_examples
-        for t in range(self.n_batches):
-            need = min(self.B, left)
-            # admit while the budget allows (and always enough to fill the batch)
-            admitted = []
-            cap = self.budget if t >= len(ramp) else ramp[t]
-            while nxt < len(self.runs) and (mem + self.run_bytes(nxt) <= cap or avail < need):
-                r = self._admit(nxt)
-                nxt += 1
-                admitted.append(r)
-                mem += r.held_bytes()
-                avail += r.n_ex
-                if early and t >= start:
-                    on_admit(r, t, mem)
+        walk = _Walk(self.n_examples)
+        caps, fill_ramp = self._ramp()
+        early = on_admit is not None and self.n_strips == 1  # pass runs on before their draws
+        for batch in range(self.n_batches):
+            need = min(self.batch_size, walk.examples_left)
+            cap = caps[batch] if batch < len(caps) else self.budget
+            admitted = self._admit_within(walk, cap, need, on_admit if early and batch >= start else None, batch)
             for r in admitted:
                 self._draw_order(r)
-            active.extend(admitted)
-            held = mem  # what the plan holds while this batch is gathered
-            if t == 0:  # the first fill: what batch 0 admits, or would without a ramp over it
-                sizes = self._sizes()[1]
-                n_fill = len(admitted)
-                if fill_ramp:
-                    n_fill = max(n_fill, int(np.searchsorted(np.cumsum(sizes), self.budget, side="right")))
-                rates = self._fill_rates(sizes[:n_fill].astype(np.float64))
-                per_image = rates is not None
-            if per_image:  # the first fill's runs at their rates, later ones at 1 (per image)
+            held = walk.held_bytes  # what the plan holds while this batch is gathered
+            if batch == 0:
+                walk.rates = self._first_fill_rates(len(admitted), fill_ramp)
+            if walk.rates is not None:
+                self._weigh_per_image(admitted, walk.rates)
+            walk.active.add(admitted)
+            if batch == start:  # resuming: load what the held runs still hold (not used-up strips)
+                admitted = self._resume(walk.active.runs, admitted if early else [], batch, held, on_admit)
+            elif on_admit is not None and not early and batch > start:
                 for r in admitted:
-                    i = r.key[1]
-                    r.weight = (float(rates[i]) if i < len(rates) else 1.0) * (r.j1 - r.j0)
-            if admitted:
-                cat = lambda a, vals, dt=np.int64: np.concatenate([a, np.array(vals, dt)])  # noqa: E731
-                rem = cat(rem, [r.n_ex for r in admitted])
-                ptr = cat(ptr, [0] * len(admitted))
-                addr = cat(addr, [kernels.address(r.order) for r in admitted])
-                img0 = cat(img0, [r.img0 for r in admitted])
-                shard = cat(shard, [r.shard for r in admitted])
-                w = cat(w, [r.weight for r in admitted], np.float64)
-            if t == start:  # resuming: load what the active runs still hold (not used-up strips)
-                fresh = {id(r) for r in admitted} if early else set()
-                for r in active:
-                    r.first_strip = r.done
-                    if on_admit is not None and id(r) not in fresh:
-                        on_admit(r, t, held)
-                admitted = list(active)
-            elif on_admit is not None and not early and t > start:
-                for r in admitted:
-                    on_admit(r, t, held)
-            q = self._shares(rem, need, tail=nxt >= len(self.runs), w=w)
-            if t >= start:  # (img0 and shard are never changed in place: the spec may keep them)
-                runs = list(active)
-                x = kernels.concat_ranges(lambda runs=runs: [r.order for r in runs], addr, ptr, q)
-                run_start = np.zeros(len(q) + 1, np.int64)
-                np.cumsum(q, out=run_start[1:])
-                spec_arrays = (runs, x, run_start, img0, shard)
-            releases = []
-            if self.G > 1:  # strips used up (a run's order is strip-major)
-                for j in np.flatnonzero(q).tolist():
-                    r, p = active[j], int(ptr[j] + q[j])
-                    while r.done < self.G and p >= r.strip_end[r.done]:
-                        mem -= int(r.strip_bytes[r.done])
-                        releases.append((r, r.done if r.done < self.G - 1 else -1))
-                        r.done += 1
-            ptr += q
-            rem -= q
-            avail -= int(q.sum())
-            keep = rem > 0  # the runs used up leave
-            if self.G == 1:  # one strip: a run is released whole once used up
-                for j in np.flatnonzero(~keep & (q > 0)).tolist():
-                    r = active[j]
-                    mem -= int(r.strip_bytes[0])
-                    releases.append((r, -1))
-                    r.done = 1
-            if not keep.all():
-                active = [r for r, k in zip(active, keep.tolist(), strict=True) if k]
-                rem, ptr, addr, img0, shard, w = (a[keep] for a in (rem, ptr, addr, img0, shard, w))
-            left -= need
-            if t >= start:
-                yield BatchSpec(self.epoch, t, need, admitted, *spec_arrays, releases, held)
+                    on_admit(r, batch, held)
+            tail = walk.next_run >= len(self.runs)  # every run admitted
+            shares = self._shares(walk.active.left, need, tail, walk.active.weight)
+            if batch >= start:
+                examples = walk.active.examples(shares)
+            releases = self._take(walk, shares)
+            walk.examples_left -= need
+            if batch >= start:
+                yield BatchSpec(self.epoch, batch, need, admitted, *examples, releases, held)
+
+    def _admit_within(self, walk: _Walk, cap: float, need: int, on_admit, t: int) -> list[Run]:
+        """Admit runs in epoch order while the bytes held stay within ``cap``, and always enough
+        to fill a batch of ``need``; ``on_admit`` (if given) hears of each at once."""
+        admitted = []
+        while walk.next_run < len(self.runs) and (
+            walk.held_bytes + self.run_bytes(walk.next_run) <= cap or walk.available < need
+        ):
+            r = self._admit(walk.next_run)
+            walk.next_run += 1
+            admitted.append(r)
+            walk.held_bytes += r.held_bytes()
+            walk.available += r.n_ex
+            if on_admit is not None:
+                on_admit(r, t, walk.held_bytes)
+        return admitted
+
+    def _first_fill_rates(self, n_admitted: int, fill_ramp: bool) -> np.ndarray | None:
+        """Two-rate plan rates of the first fill: what batch 0 admits, or would without a ramp."""
+        sizes = self._sizes()[1]
+        n_fill = n_admitted
+        if fill_ramp:
+            n_fill = max(n_fill, int(np.searchsorted(np.cumsum(sizes), self.budget, side="right")))
+        return self._fill_rates(sizes[:n_fill].astype(np.float64))
+
+    @staticmethod
+    def _weigh_per_image(admitted: list[Run], rates: np.ndarray) -> None:
+        """Two-rate plan: the first fill's runs at their rates, later ones at 1, per image."""
+        for r in admitted:
+            i = r.key[1]
+            r.weight = (float(rates[i]) if i < len(rates) else 1.0) * (r.j1 - r.j0)
+
+    @staticmethod
+    def _resume(held: list[Run], passed: list[Run], t: int, held_bytes: int, on_admit) -> list[Run]:
+        """Batch ``start`` of a resumed plan: every held run is to be loaded from its first strip
+        not used up; those not ``passed`` on yet go to ``on_admit``. -> the batch's admissions."""
+        fresh = {id(r) for r in passed}
+        for r in held:
+            r.first_strip = r.done
+            if on_admit is not None and id(r) not in fresh:
+                on_admit(r, t, held_bytes)
+        return list(held)
+
+    def _take(self, walk: _Walk, shares: np.ndarray) -> list:
+        """Advance every held run by its share; -> (run, strip) releases: strips used up (strip
+        -1: the run's last), and runs used up leave the held set."""
+        active, releases = walk.active, []
+        if self.n_strips > 1:  # a run's order is strip-major: strips end as its cursor passes them
+            for j in np.flatnonzero(shares).tolist():
+                r, p = active.runs[j], int(active.cursor[j] + shares[j])
+                while r.done < self.n_strips and p >= r.strip_end[r.done]:
+                    walk.held_bytes -= int(r.strip_bytes[r.done])
+                    releases.append((r, r.done if r.done < self.n_strips - 1 else -1))
+                    r.done += 1
+        active.cursor += shares
+        active.left -= shares
+        walk.available -= int(shares.sum())
+        keep = active.left > 0
+        if self.n_strips == 1:  # one strip: a run is released whole once used up
+            for j in np.flatnonzero(~keep & (shares > 0)).tolist():
+                r = active.runs[j]
+                walk.held_bytes -= int(r.strip_bytes[0])
+                releases.append((r, -1))
+                r.done = 1
+        if not keep.all():
+            active.keep(keep)
+        return releases
 
     RAMP = (1 / 8, 3 / 8, 5 / 8)  # a part that fits in the budget: admission caps (fractions of it)
-    # ramp_fill, a part that does not fit: batch 0 draws from the first half of the first fill.
-    # 1-layer bench cache, io="read", 3.2 GB: plan entropy 0.9516 against 0.9523 without a ramp
-    # (first batch ~0.5 s earlier: it waited for 3.2 GB read into fresh memory); the caps of RAMP
-    # gave 0.9482 (batch 0 at 0.72), (1/4, 1/2, 3/4) 0.9499, (1/3, 2/3) 0.9509
+    # ramp_fill, a part that does not fit: batch 0 draws from the first half of the first fill
+    # (the first batch need not wait for the whole fill read into fresh memory; a shorter ramp
+    # costs more mixing than it saves: BENCHMARKS.md)
     FILL_RAMP = (1 / 2,)
 
     def _ramp(self) -> tuple[list[float], bool]:
@@ -606,7 +630,7 @@ class EpochPlan:
 
     # Two-rate plan (module doc): used while the data left out of the first fill is under
     # LATE_MAX of it; the first FAST_SPAN x that much of the fill is drawn FAST_RATE (+-
-    # FAST_SPREAD) times as fast per image as the rest. Tuned on the plan alone (tests/bench).
+    # FAST_SPREAD) times as fast per image as the rest. Tuned on the plan alone (its mixing).
     LATE_MAX, FAST_SPAN, FAST_RATE, FAST_SPREAD = 0.5, 1.05, 2.0, 0.2
 
     def _fill_rates(self, held: np.ndarray) -> np.ndarray | None:
@@ -626,30 +650,32 @@ class EpochPlan:
         fast = self.FAST_RATE * (1 + self.FAST_SPREAD * (1 - 2 * u / span))
         return np.where(u < span, fast, 1.0)
 
-    def _shares(self, rem: np.ndarray, need: int, tail: bool, w: np.ndarray) -> np.ndarray:
-        """Examples each active run gives to a batch of ``need`` (sums to ``need``)."""
-        n = len(rem)
-        total = int(rem.sum())
+    def _shares(self, left: np.ndarray, need: int, tail: bool, weight: np.ndarray) -> np.ndarray:
+        """Examples each held run gives to a batch of ``need`` (sums to ``need``), from what each
+        has ``left``: proportional to ``weight`` while runs are still to be admitted, else
+        (``tail``) to what is left."""
+        n = len(left)
+        total = int(left.sum())
         if need >= total:
-            return rem.copy()
+            return left.copy()
         if tail:  # proportional to what is left: every run ends with the epoch
-            exact = rem * (need / total)
-        else:  # shares proportional to w, capped by what is left (water-filling)
-            ratio = rem / w
+            exact = left * (need / total)
+        else:  # shares proportional to weight, capped by what is left (water-filling)
+            ratio = left / weight
             o = np.argsort(ratio, kind="stable")
             before = np.zeros(n, np.int64)
-            np.cumsum(rem[o][:-1], out=before[1:])
-            w_after = np.cumsum(w[o][::-1])[::-1]
-            fits = before + ratio[o] * w_after >= need
+            np.cumsum(left[o][:-1], out=before[1:])
+            weight_after = np.cumsum(weight[o][::-1])[::-1]
+            fits = before + ratio[o] * weight_after >= need
             i = int(np.argmax(fits))
-            level = (need - before[i]) / w_after[i]
-            exact = np.minimum(rem, level * w)
-        q = np.minimum(np.floor(exact).astype(np.int64), rem)
-        short = need - int(q.sum())
-        if short:
-            frac = exact - q
+            level = (need - before[i]) / weight_after[i]
+            exact = np.minimum(left, level * weight)
+        shares = np.minimum(np.floor(exact).astype(np.int64), left)
+        short = need - int(shares.sum())
+        if short:  # the remainders go to the largest fractions (ties in random order)
+            frac = exact - shares
             order = self.rng.permutation(n)
             order = order[np.argsort(-frac[order], kind="stable")]
-            order = order[q[order] < rem[order]]
-            q[order[:short]] += 1
-        return q
+            order = order[shares[order] < left[order]]
+            shares[order[:short]] += 1
+        return shares

@@ -7,7 +7,7 @@ carrying that text. Threads report what they are doing (:meth:`Runtime.status`),
 measures a stall, not a slow start: the consumer gives up only when it has waited
 ``batch_timeout_s`` and no reader has finished a read (:meth:`Runtime.progressed`) within that
 time. A cold shuffled loader's first batch needs its whole first fill (``buffer_bytes`` of
-reads: ~40 s for 32 GB at 800 MB/s), which is slow but not stalled.
+reads), which is slow but not stalled.
 
 The consumer waits in short slices, so a Ctrl-C (KeyboardInterrupt) in the consuming thread is
 seen at once; the loader's cleanup then stops and joins its threads. Threads only; no process,
@@ -15,9 +15,8 @@ no shared-memory segment.
 
 One lock guards an iteration's state. Threads of different roles may wait on conditions of
 their own on that lock (:meth:`Runtime.condition`), so that an event wakes only the threads it
-concerns: on 2 cores, waking every thread of the loader for every event (a run read, a batch
-taken) cost measurable copy time (the shuffled loader has up to 6 threads). Errors and shutdown
-wake every condition.
+concerns: on few cores, waking every thread of the loader for every event (a run read, a batch
+taken) takes CPU from the copies. Errors and shutdown wake every condition.
 """
 
 from __future__ import annotations
@@ -139,10 +138,8 @@ class Runtime:
     def spawn_all(self, roles: list[tuple[str, Callable[[], None]]]) -> None:
         """Start a thread per (name, fn), all held until the last has started. Thread.start()
         returns only once the new thread runs, and a thread that went straight to its work (the
-        planner's Python) kept the GIL from the one starting the next for up to a switch interval
-        (5 ms): one layer of four, the second gather thread started 10-14 ms after the first
-        and the planner 3-4 ms after the iteration began. Held, each new thread gives the GIL
-        back at once."""
+        planner's Python) kept the GIL from the one starting the next for up to a switch
+        interval, delaying the others' start. Held, each new thread gives the GIL back at once."""
         go = threading.Event()
         try:
             for name, fn in roles:

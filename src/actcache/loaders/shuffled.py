@@ -5,154 +5,51 @@
     for batch in loader:   # act (B, D) float32; image_i, patch_i, layer (B,) int64 tensors
         ...
 
-Design (measured on the project machine, 2 cores, with ``scripts/bench_loaders.py``; figures in
-BENCHMARKS.md. Since 2026-11-24 that machine is a Zen-5 VM whose page cache -> buffer copies run
-~5x faster than on the VM this design was first tuned on, so the CPU work around the copy weighs
-5x more; the figures below say which machine.)
-    Warm, the CPU is the limit: every vector must be copied once into its batch, and copying is
-    all the two cores can do. So the page cache IS the shuffle buffer and each vector is copied
-    exactly once, page cache -> batch: the shards are memory-mapped; reader threads make runs of
-    ~48 MiB of images resident ahead of use (madvise MADV_POPULATE_READ through ctypes, so without
-    the GIL); gather threads copy each batch straight out of the mappings into reused batch
-    buffers (transparent huge pages) with the C kernel (kernels.take_multi: the next random rows
-    prefetched, non-temporal stores for batches larger than the CPU cache, one pass over all the
-    batch's shards; numpy's take when the kernel is not built). All gather threads copy the same
-    batch, each a share of its rows (``_copy``), rather than one batch each: a batch is ready
-    sooner and fewer batch buffers are in flight. Three buffer sets (MIN_SETS): the next batch
-    starts while the consumer still holds the last one; more (up to ``max(3, read_ahead + 1)``)
-    only when the loader waits on the consumer (GROW_AFTER_S). The planner works out each run's
-    balanced order with few random draws (kernels.balanced_order) and the gather threads each
-    batch's rows (kernels.index_rows), both in C when built. The planner passes each run to the
-    readers as soon as the plan admits it (before drawing its order: the first batch admits the
-    whole first fill), and plans a batch with per-run numpy arrays rather than per-run Python
-    (its example ids come out as one array, kernels.concat_ranges, so that _index needs no
-    per-run Python either): on 2 cores every thread's Python work holds the GIL and takes CPU
-    from the copies. Planned alone, a steady epoch of the 1-layer bench cache now takes ~9 ms
-    (~24 before); inside the loader, beside the copies, planning runs ~2.5-5x slower than alone
-    (planner thread ~50 ms of CPU per first epoch), and a plan computed before the loader starts
-    made a first epoch x0.81-0.94 faster: what is left of the plan's cost. Intel Xeon VM,
-    alternating fresh processes against the loader before: first epoch x0.95-1.02 (noise),
-    second x0.95-1.00. Threads of each role wait on a condition of their own (runtime.py).
-    Zen-5 VM, 1-layer bench cache, one 4.3 GB epoch, warm: np.take 0.45 s -> C kernel 0.36 s ->
-    own conditions ~0.30 s -> all of this ~0.26-0.30 s (steady epochs; the machine's speed
-    drifts by +-20% over an hour, see BENCHMARKS.md for ratios measured in one run). On the
-    Zen-4 host of 2026-11-25, the kernel's prefetch of whole rows into L2 (_native.c) made first
-    and steady epochs x1.22 faster.
+Design. Warm, the CPU is the limit, so each vector is copied exactly once, page cache -> batch:
+the page cache IS the shuffle buffer. Threads, each role waiting on a condition of its own
+(runtime.py): a planner works out the epoch (plan.py: runs of ~run_bytes, which batch takes
+which examples); readers make each run resident as soon as the plan admits it (maps.py:
+MADV_POPULATE_READ on 2 MiB mappings, or preadv for runs not cached yet, ``cold_read``); gather
+threads index a batch's rows (kernels.index_rows) and copy them out of the mappings into reused
+batch buffers (buffers.py) with the C kernel (kernels.take_multi). All gather threads copy parts
+of the same batch, so a batch is ready sooner and fewer buffers are in flight.
 
-    How pages come in matters as much as the copy (maps.py): loaded through the fault path of
-    a MADV_HUGEPAGE mapping, a run lands in large page-cache folios that map 2 MiB at a time, so
-    mapping cached data costs ~nothing and random gathers run ~1.5x faster than through 4 KiB
-    page tables; posix_fadvise WILLNEED would read into 4 KiB pages and cost ~12 GB/s of mapping
-    work on every pass (first VM). A 2 MiB block stays mapped while any run, of this epoch or the
-    next, uses it (ShardMaps.block_*): at an epoch boundary only the blocks that change are
-    unmapped and mapped (pause between epochs ~58 -> ~15 ms, Zen-5 VM), and the runs of the batch
-    next in line hold (pin) the blocks they share with older runs before those let go of them
-    (PIN_SHARED). Fresh batch buffers on 2 MiB pages are faulted in by writing to them
-    (kernels.touch), not with MADV_POPULATE_WRITE, which holds the process's mmap lock while the
-    host backs the memory and stalled every numpy allocation of the planner (first batch's plan
-    80-160 -> ~20 ms); where 2 MiB pages fault in slower than 4 KiB ones (the host backing them
-    again), the sets go on 4 KiB pages until they have been used enough for 2 MiB ones to pay
-    (buffers.HUGE_FAULT_MIN_BPS). Those are populated with MADV_POPULATE_WRITE in 1 MiB calls
-    (buffers.populate_small: no page-fault exception per page, ~1.5x faster than touching them,
-    and the mmap lock held ~0.5 ms at a time), and a set made on demand is populated by each
-    gather thread for its own share of the batch, just before it copies into it. Intel Xeon VM,
-    one layer of four, warm, fresh processes, 14 alternating rounds: first epoch x0.96 (the
-    gather threads' CPU 289 -> 256 ms).
+Invariants.
+- The plan is a function of (seed, epoch, part) alone: deterministic whatever the thread timing,
+  resumable at (epoch, batch) without reading skipped data, every example once per epoch. The
+  rows of a batch come in one random order across its shards (a prefix is a random sample).
+- Memory: the plan holds at most ``buffer_bytes`` of runs (a run is charged the 2 MiB blocks its
+  mapping spans); readers may load ``read_ahead_bytes`` more; batch buffers add MIN_SETS batches,
+  up to ``max(3, read_ahead + 1)`` for a slow consumer. Nothing else grows with the dataset.
+- A 2 MiB block stays mapped while any run of this epoch or the next uses it (maps.ShardMaps
+  block_*), and the runs next in line pin the blocks they share with older runs (PIN_SHARED).
+- Python work in any thread holds the GIL and takes CPU from the copies: a batch's plan and
+  index are worked out on numpy arrays or in C, not by Python loops over its runs or rows.
 
-    The copy kernel prefetches the next random rows in one of two ways (kernels.PREFETCH_SCHEMES):
-    whole rows into L2, or only their first 256 bytes into L3, leaving the rest to the hardware
-    prefetcher. Which is faster depends on the CPU (the kernel alone, 3 KiB rows: whole rows x1.68
-    against x1.18 on a Zen-4 VM; row heads x1.13-1.29 against x1.00-1.08 on an Intel Xeon VM), so with
-    ``prefetch="auto"`` the loader times both on its own first copies (thread CPU per byte,
-    alternating, 8 each, medians: single copies are noisy) and keeps the faster one, looking at
-    the other again every 16th copy (kernels.PrefetchChooser; ``stats.prefetch`` says which; it
-    chose "heads" in 10 of 10 fresh first epochs on the Intel VM, where summed CPU times over 6
-    copies each had chosen "whole" in 2 of 6). Intel Xeon VM, one layer of four, warm, 8
-    alternating rounds, "heads" against "whole": steady epochs x0.89, first x0.985.
-
-    Cold, reading through that fault path costs more than it reads: the gather threads then
-    spent 4-8 CPU-s per 4.3 GB epoch copying out of pages just read that way, against ~0.5 s
-    when the pages had come in through preadv. The first CPU touch of page-cache memory is slow
-    on this VM when that memory had been free for a while (free page reporting gives it back to
-    the host, which must back it again: see BENCHMARKS.md's machine note), as it usually has
-    before a real cold read; preadv makes that touch in its own copy, as the data arrives, in
-    reader threads that are waiting on the disk anyway. So a run whose bytes are not cached is
-    first read with sequential preadv calls into a 2 MiB scratch buffer per reader
-    (``cold_read="read"``, the default; the probe is two RWF_NOWAIT one-byte reads), then
-    mapped. 1-layer bench cache, one epoch in a fresh process, alternating rounds, page cache
-    dropped 1-4 s before: 1.6-3.0 s against 2.6-5.8 s. Dropped right before (memory still
-    backed), the two are close and "fault" is often faster (bench_loaders' cold against
-    cold-late rows). Which one wins depends on the free memory the pages land in (BENCHMARKS.md,
-    'Cold-read path'); choosing per run, by timing the first touch of a sample of each run read
-    through the fault path, measured x0.94 against "read" and was not taken. The price of
-    "read": preadv at a random offset fills the page cache with smaller folios, of which only
-    ~half then map 2 MiB at a time, so a later warm epoch over those same pages took 0.33-0.45 s
-    against 0.24-0.29 s. ``cold_read="fault"`` keeps the fault path, for a cache that fits in
-    memory and is read for many epochs. (Not measured here: on a cluster's network filesystem,
-    GPFS or Lustre, large sequential reads are also what the client's prefetching is built for,
-    which page faults through a mapping are not.)
-
-    Memory: the plan holds at most ``buffer_bytes`` of runs (a run is charged the 2 MiB blocks its
-    mapping spans; runs are cut on 2 MiB boundaries of the files, through images where needed, so
-    those blocks hold only the run's own vectors, plus CLS ones it does not use); readers may load
-    ``read_ahead_bytes`` (~2 batches) more ahead of the plan, counting the blocks really mapped;
-    a run's blocks are unmapped as soon as no run uses them (MADV_DONTNEED; with ``evict=True``
-    its bytes are also dropped from the page cache, for shared nodes); batch buffers add 3
-    batches, or up to ``max(3, read_ahead + 1)`` for a consumer slower than the loader. Nothing
-    else grows with the dataset. Held runs stay mapped until released (one layer of several: from
-    the first batch that copies from them, when the readers found them cached; maps.py), which
-    also keeps them from proactive reclaim that pages out unmapped file pages only (the project
-    VM's DAMON scheme: of 256 MB read once and left alone, 9% was gone after 45 s and 74% after
-    120 s; of 256 MB kept mapped, none).
-
-    Mixing: each batch takes a planned share from every held run and, within a run, the same
-    count (+-1) from each of its images (plan.py), so it mixes about buffer_bytes /
-    bytes-per-image images nearly evenly (3.2 GB of a 4.3 GB cache: image-index entropy 0.954
-    first epoch, 0.955 second, with plan.py's two-rate plan; 0.949 with equal shares per run; a
-    uniform draw from the same runs scored 0.93). ``n_strips=3`` releases each image a third at
-    a time (plan.py), which mixes ~1.5x more images for the same buffer (entropy ~0.98) but
-    needs 4 KiB mappings (huge ones are all-or-nothing): slower gathers, more mapping work, ~1.8x
-    the CPU per byte (first VM: 0.61 of ref2 warm against 1.15; Zen-5 VM: 0.21 against 0.62);
-    throughput is what the loader is for, hence the default 1.
-
-    ``io="read"`` reads runs with ``preadv`` into a private arena instead and gathers from there:
-    memory is then strictly the arena and does not rely on the page cache (for filesystems whose
-    client cache is small or bypassed: Lustre, GPFS), reads are still large and sequential, but
-    every byte is copied twice and a fresh arena must first be touched (0.3-20 GB/s on these VMs,
-    as the host backs it; once per loader: a pass hands its slots to the next): it measured ~0.1
-    of ref2 for a first epoch in a fresh process (Zen-5 VM: 0.07, or 0.3 in rounds where the host
-    backed the arena fast) and ~1.8x the CPU per byte of the default afterwards. Each slot is
-    faulted in by the reader that first needs it, on the page size batch buffers use
-    (buffers.FreshPages: 4 KiB pages once 2 MiB ones fault in slowly; _arena_slot): first epoch
-    x0.52 on the project VM. Its runs are all ``run_imgs`` images long
-    (but a shard's last), so that each fills its slot and the arena mixes buffer_bytes of images
-    (image-index entropy 0.952 on the bench's 1-layer cache, where runs of random length in
-    slots fitting the longest gave 0.913).
-
-    Which examples go into which batch is planned by :mod:`actcache.loaders.plan` from
-    ``(seed, epoch, part)`` alone: deterministic whatever the thread timing, resumable at
-    ``(epoch, batch)`` without reading skipped data, every example exactly once per epoch.
-    The rows of a batch come in one random order, across shards (a prefix of a batch, e.g. a
-    micro-batch, is a random sample of it); kernels.index_rows works out which row of which shard
-    goes where, and the C kernel copies from all the batch's shards in one pass.
-
-Options: see :class:`ShuffledLoader`. Partitioning over ranks/workers: :mod:`.partition`.
+Other modes: ``io="read"`` reads runs with preadv into a private arena (memory is strictly the
+arena, for filesystems whose client cache is small; each byte is copied twice), its runs all
+``run_imgs`` long so each fills an arena slot. ``n_strips=3`` releases each image a third at a
+time (more images mixed per batch, slower: 4 KiB mappings). ``prefetch`` picks the copy
+kernel's prefetch scheme (kernels.PrefetchChooser). Options: :class:`ShuffledLoader`;
+partitioning over ranks/workers: :mod:`.partition`; figures: BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 
 import numpy as np
 
 from actcache.errors import ConfigError
 from actcache.loaders import kernels
-from actcache.loaders.base import BaseLoader, Iteration, check_number
-from actcache.loaders.buffers import populate_small
-from actcache.loaders.maps import COLD_READS, HUGE, block_range
+from actcache.loaders.base import BaseLoader, Iteration
+from actcache.loaders.buffers import BatchBuffers, populate_small
+from actcache.loaders.maps import HUGE, block_range
+from actcache.loaders.options import COLD_READS, PREFETCH_SCHEMES, LoaderOptions, check_number
 from actcache.loaders.partition import Partition
-from actcache.loaders.plan import EpochPlan, cut_points, epoch_runs, part_runs
+from actcache.loaders.plan import BatchSpec, EpochPlan, cut_points, epoch_runs, part_runs
 from actcache.loaders.runtime import Stopped
 
 IO_MODES = ("mmap", "read")
@@ -164,9 +61,7 @@ PARTS_PER_THREAD = 2
 BUFFER_POLL_S = 0.002  # how often a gather thread waiting for a buffer the consumer holds looks again
 # Batch buffer sets the pool grows to when none is free (more only for a slow or keeping consumer):
 # with 2, the next batch could only start once the consumer had taken the last one and dropped
-# the one before (both gather threads idle meanwhile); with 3 it starts at once. 1-layer bench
-# cache, steady epoch, 9 alternating rounds: 0.51 -> 0.56 of ref2 (first epoch 0.50 / 0.47: the
-# third set's fresh memory).
+# the one before (both gather threads idle meanwhile); with 3 it starts at once.
 MIN_SETS = 3
 # Batch buffers (module doc): a third set only once the gather threads have waited this long for
 # a free one while the consumer was not waiting for a batch (or at once when it waits holding
@@ -179,11 +74,8 @@ HUGE_MIN_RUN = 8 * HUGE
 # blocks it shares with runs still mapped, and while the first waits for memory a reader may take
 # one whose blocks are all held. Without this, at an epoch boundary (the old epoch's last runs all
 # end with its last batch, and the next one's first batch needs its whole first fill) releasing
-# the old runs unmapped blocks that the first fill then mapped again. 1-layer bench cache, 3.2 GB
-# buffer, epochs 2-5 in one process (/tmp/mc/bnd.py): page cache filled by the loader's own cold
-# read (small folios), 4 alternating rounds: pause between epochs 36-44 -> 15-22 ms, 12.5 -> 13.5
-# GB/s; filled by one sequential read (2 MiB folios), 6 rounds: 17 -> 10 ms, 14.7 -> 15.4 GB/s.
-# First epoch unchanged (10 rounds: 0.335 -> 0.338 s).
+# the old runs unmapped blocks that the first fill then mapped again (a longer pause between
+# epochs).
 PIN_SHARED = True
 
 
@@ -203,7 +95,8 @@ class ShuffledLoader(BaseLoader):
             batches, possibly reordered).
         n_threads: gather threads; n_readers: reader threads (default 4); read_ahead: batches
             prepared ahead.
-        run_bytes: bytes per run (the unit read sequentially and held), ~48 MiB (0.5-1.5x at random).
+        run_bytes: bytes per run (the unit read sequentially and held; each run 0.5-1.5x that, at
+            random).
         n_strips: 1 holds whole runs; 3 releases each image a third at a time (more mixing for
             the same buffer, slower: see the module docstring and plan.py).
         io: "mmap" (page cache as shuffle buffer) or "read" (private arena; see the module doc).
@@ -253,7 +146,6 @@ class ShuffledLoader(BaseLoader):
         check_number("buffer_bytes", buffer_bytes, 1, integer=True)
         check_number("seed", seed, integer=True)
         check_number("n_epochs", n_epochs, 0, integer=True, allow_none=True)
-        check_number("n_readers", n_readers, 1, integer=True, allow_none=True)
         check_number("run_bytes", run_bytes, 1, integer=True)
         check_number("n_strips", n_strips, 1, integer=True)
         if not isinstance(deterministic, bool):
@@ -262,10 +154,8 @@ class ShuffledLoader(BaseLoader):
             raise ConfigError(f"io={io!r} is not allowed; use one of {', '.join(IO_MODES)}")
         if cold_read not in COLD_READS:
             raise ConfigError(f"cold_read={cold_read!r} is not allowed; use one of {', '.join(COLD_READS)}")
-        if prefetch != "auto" and prefetch not in kernels.PREFETCH_SCHEMES:
-            raise ConfigError(
-                f"prefetch={prefetch!r} is not allowed; use one of auto, {', '.join(kernels.PREFETCH_SCHEMES)}"
-            )
+        if prefetch != "auto" and prefetch not in PREFETCH_SCHEMES:
+            raise ConfigError(f"prefetch={prefetch!r} is not allowed; use one of auto, {', '.join(PREFETCH_SCHEMES)}")
         if not (isinstance(start_at, (tuple, list)) and len(start_at) == 2):
             raise ConfigError(f"start_at={start_at!r} must be (epoch, batch)")
         for v in start_at:
@@ -274,27 +164,28 @@ class ShuffledLoader(BaseLoader):
             if not (isinstance(end_at, (tuple, list)) and len(end_at) == 2 and end_at[0] in ("epoch", "batch")):
                 raise ConfigError(f"end_at={end_at!r} must be ('epoch', n) or ('batch', n)")
             check_number("end_at", end_at[1], 0, integer=True)
-        super().__init__(
-            path,
-            batch_size,
-            patches,
-            layer,
-            drop_last,
-            batch_timeout_s,
-            scale_norm,
-            rank,
-            world_size,
-            worker_id,
-            n_workers,
-            n_threads,
-            read_ahead,
-            evict,
+        options = LoaderOptions(
+            batch_size=batch_size,
+            patches=patches,
+            layer=layer,
+            drop_last=drop_last,
+            batch_timeout_s=batch_timeout_s,
+            scale_norm=scale_norm,
+            rank=rank,
+            world_size=world_size,
+            worker_id=worker_id,
+            n_workers=n_workers,
+            n_threads=n_threads,
+            n_readers=n_readers,
+            read_ahead=read_ahead,
+            evict=evict,
         )
+        super().__init__(path, options=options)
         self.buffer_bytes, self.seed, self.n_epochs = buffer_bytes, seed, n_epochs
         self.start_at, self.end_at = tuple(start_at), end_at
         self.deterministic, self.io, self.cold_read = deterministic, io, cold_read
         self.prefetch = prefetch
-        fixed = None if prefetch == "auto" else kernels.PREFETCH_SCHEMES.index(prefetch)
+        fixed = None if prefetch == "auto" else PREFETCH_SCHEMES.index(prefetch)
         if not kernels.native_info()["native"]:
             fixed = 0  # numpy copies: nothing to choose
         self._prefetch = kernels.PrefetchChooser(fixed)  # kept across iterations
@@ -305,10 +196,8 @@ class ShuffledLoader(BaseLoader):
         run_max = (self.run_imgs + self.run_imgs // 2 + 1) * g.img_bytes
         if io == "read":
             # Runs of one length (plan.cut_runs, equal), each read into an arena slot of exactly
-            # that size: with runs of random length (0.5x-1.5x) a slot had to fit the longest and
-            # held ~2/3 of its size on average, so the arena mixed 2/3 of buffer_bytes of images
-            # (1-layer bench cache, 3.2 GB: plan image-index entropy 0.913 -> 0.952 with equal
-            # runs; the default io="mmap" plan, random lengths, 0.954).
+            # that size: with runs of random length a slot must fit the longest, and the arena
+            # then mixes fewer images than buffer_bytes could hold.
             run_max = self.run_imgs * g.img_bytes
         self.slot_bytes = run_max
         self._spare_slots: list[_Slot] = []  # io="read": free arena slots a finished iteration left
@@ -326,10 +215,8 @@ class ShuffledLoader(BaseLoader):
             self.map_mode = "pte"  # strips need 4 KiB mappings; huge ones only pay for big runs
         else:
             self.map_mode = "huge"  # whole runs held: 2 MiB mappings, their edges charged to the run
-        # cold, each reader waits on one run's reads at a time: 4 keep more of them in flight.
-        # 1-layer bench cache, cold, 5 alternating rounds: first epoch 0.46 -> 0.59 x ref2 with 4
-        # (and no more bimodal: 2.6-3.1 s each round, where 2 gave 2.6 or 5.1 s); 8 no better;
-        # warm, no difference (0.63 / 0.61 first epoch, 7 rounds)
+        # cold, each reader waits on one run's reads at a time: 4 keep more of them in flight
+        # (warm, the count makes no difference)
         self.n_readers = n_readers or 4
 
     # ---- sizes --------------------------------------------------------------------------------
@@ -433,7 +320,7 @@ class ShuffledLoader(BaseLoader):
             return
         self.stats.prefetch = ch.describe()
         self.stats.prefetch_GBps = {
-            name: round(r / 1e9, 3) for name, r in zip(kernels.PREFETCH_SCHEMES, ch.rates(), strict=True) if r > 0
+            name: round(r / 1e9, 3) for name, r in zip(PREFETCH_SCHEMES, ch.rates(), strict=True) if r > 0
         }
 
     def _start(self, it: Iteration) -> None:
@@ -457,8 +344,8 @@ class ShuffledLoader(BaseLoader):
 
             # Each run goes to the readers as soon as the plan admits it, before the plan draws
             # its example order and the batch's shares (EpochPlan.batches): the first batch
-            # admits the whole first fill (~60 runs, ~10-14 ms of planning), which the readers
-            # then map meanwhile instead of after.
+            # admits the whole first fill, which the readers then map while it is planned
+            # instead of after.
             def admit(r, t, held, epoch=epoch):
                 key = epoch * nb + t
                 if it.stop is not None and key >= it.stop:
@@ -587,14 +474,9 @@ class ShuffledLoader(BaseLoader):
         """io="read": a free arena slot, or a new one whose first ``nbytes`` (the run to be read
         into it; a slot fits a run, a shard's last run may be shorter) this reader faults in. New
         slots go on the page size the iteration's fresh memory uses (buffers.FreshPages, shared with
-        the batch buffer sets): 2 MiB pages until they fault in slowly, where 4 KiB ones are ~2x
-        faster (a VM host backing the memory again); one on 4 KiB pages is replaced after
-        SMALL_SET_USES reads into it, as batch sets are. 1-layer bench cache, warm, 6 alternating
-        rounds of fresh processes against slots always on 2 MiB pages and faulted in by the reads:
-        first epoch x0.52 (median 2.86 -> 1.56 s), first batch 1.75 -> 0.69 s, second epoch x0.93,
-        reader CPU over both 5.7 -> 3.0 s; faulting whole slots in measured x0.60 (runs of random
-        length then filled ~2/3 of a slot on average, and the arena's memory grew to all of
-        buffer_bytes)."""
+        the batch buffer sets): 2 MiB pages until they fault in slowly (a VM host backing the
+        memory again), then 4 KiB ones; one on 4 KiB pages is replaced after SMALL_SET_USES reads
+        into it, as batch sets are. Only the run's bytes are faulted in, not the whole slot."""
         pages = it.pool.pages
         with it.cond:
             slot = it.slots.pop() if it.slots else None
@@ -612,98 +494,122 @@ class ShuffledLoader(BaseLoader):
 
     def _gatherer(self, it: Iteration, name: str) -> None:
         it.rt.status(name, "allocating batch buffers")
-        # one set each before the first batch; the pool allocates the rest when first needed (the
-        # first batch no longer waits for all of them: measured 0.20-0.27 s against 0.34-0.38 s warm)
+        # one set each before the first batch; the pool allocates the rest when first needed, so
+        # the first batch does not wait for all of them
         it.pool.prefill(stop=lambda: it.rt.stopping)
+        w = _GatherWait()
+        ready = lambda: self._next_task(it, name, w)  # noqa: E731 - made once per thread
+        poll = lambda: BUFFER_POLL_S if w.poll else None  # noqa: E731
         while True:
             with it.cond:
                 it.rt.status(name, "waiting for a batch plan")
-                got: dict = {}
-
-                def ready(got=got, name=name):
-                    got["poll"] = False
-                    if it.parts:  # a part of a batch another thread has started
-                        got["job"], got["part"] = it.parts.popleft()
-                        return True
-                    k = it.next_gather
-                    if it.stop is not None and k >= it.stop:
-                        raise Stopped
-                    spec = it.specs.get(k)
-                    if spec is None or k >= it.start + it.n_consumed + self.read_ahead:
-                        return False
-                    if not self._reads_done(it, k):
-                        it.rt.status(name, f"waiting for reads for batch {self._describe_key(k)}")
-                        return False
-                    if k in it.indexing:  # another thread is indexing it (and notifies when done)
-                        return False
-                    now = time.monotonic()
-                    if it.rt.consumer_waiting:  # the loader is the slow side: more buffers would not help
-                        it.buf_wait = None
-                    slow_consumer = it.buf_wait is not None and now - it.buf_wait >= GROW_AFTER_S
-                    kept = it.rt.consumer_waiting and it.pool.all_lent()  # it holds >= 2 while waiting
-                    buf = it.pool.try_acquire(grow=it.pool.n_owned < MIN_SETS or slow_consumer or kept)
-                    if buf is None:
-                        it.rt.status(name, f"waiting for a free batch buffer for batch {self._describe_key(k)}")
-                        if it.buf_wait is None and not it.rt.consumer_waiting:
-                            it.buf_wait = now
-                        got["poll"] = True  # a buffer frees when the consumer drops it: nothing notifies
-                        if k not in it.indexed:  # meanwhile, work out the batch's rows
-                            it.indexing.add(k)
-                            got["index"] = (spec, k)
-                            return True
-                        return False
-                    it.buf_wait = None
-                    got["buf"], got["spec"], got["key"] = buf, spec, k
-                    got["ahead"] = it.indexed.pop(k, None)
-                    return True
-
-                it.rt.wait(ready, lambda got=got: BUFFER_POLL_S if got["poll"] else None, cond=it.c_gather)
-                if "buf" in got:
+                w.task, w.poll = None, False
+                it.rt.wait(ready, poll, cond=it.c_gather)
+                task = w.task
+                if isinstance(task, _NewBatch):
                     it.next_gather += 1
-            if "index" in got:
-                spec, k = got["index"]
-                it.rt.status(name, f"indexing batch {self._describe_key(k)} (ahead)")
-                job = self._index(it, spec, k)
-                with it.cond:
-                    it.indexed[k] = job
-                    it.indexing.discard(k)
-                    it.c_gather.notify_all()
-                continue
-            if "job" in got:
-                job, part = got["job"], got["part"]
+            if isinstance(task, _IndexAhead):
+                self._index_ahead(it, name, task)
+            elif isinstance(task, _NewBatch):
+                job = self._start_batch(it, name, task)
+                self._copy_part(it, name, job, 0)
             else:
-                job = got["ahead"]
-                if job is None:
-                    it.rt.status(name, f"indexing batch {self._describe_key(got['key'])}")
-                    job = self._index(it, got["spec"], got["key"])
-                job.attach(got["buf"])
-                if job.n_parts > 1:
-                    with it.cond:
-                        it.parts.extend((job, p) for p in range(1, job.n_parts))
-                        it.c_gather.notify_all()
-                part = 0
-            key = job.key
-            it.rt.status(name, f"copying batch {self._describe_key(key)} (part {part + 1} of {job.n_parts})")
-            self._hook("gather", batch=key)
-            self._copy(job, part)
+                self._copy_part(it, name, task.job, task.part)
+
+    def _next_task(self, it: Iteration, name: str, w: _GatherWait) -> bool:
+        """A gather thread's wait predicate (lock held): puts its next task in ``w.task`` and
+        returns True, or returns False to wait on (``w.poll``: look again soon, since a buffer
+        frees when the consumer drops it and nothing notifies that)."""
+        w.poll = False
+        if it.parts:  # a part of a batch another thread has started
+            w.task = it.parts.popleft()
+            return True
+        k = it.next_gather
+        if it.stop is not None and k >= it.stop:
+            raise Stopped
+        spec = it.specs.get(k)
+        if spec is None or k >= it.start + it.n_consumed + self.read_ahead:
+            return False
+        if not self._reads_done(it, k):
+            it.rt.status(name, f"waiting for reads for batch {self._describe_key(k)}")
+            return False
+        if k in it.indexing:  # another thread is indexing it (and notifies when done)
+            return False
+        buf = self._try_buffer(it)
+        if buf is None:
+            it.rt.status(name, f"waiting for a free batch buffer for batch {self._describe_key(k)}")
+            w.poll = True
+            if k not in it.indexed:  # meanwhile, work out the batch's rows
+                it.indexing.add(k)
+                w.task = _IndexAhead(spec, k)
+                return True
+            return False
+        w.task = _NewBatch(buf, spec, k, it.indexed.pop(k, None))
+        return True
+
+    @staticmethod
+    def _try_buffer(it: Iteration):
+        """A free batch buffer set, or None (lock held). The pool grows past MIN_SETS only for a
+        consumer that has been slow for GROW_AFTER_S, or that waits holding every set."""
+        now = time.monotonic()
+        if it.rt.consumer_waiting:  # the loader is the slow side: more buffers would not help
+            it.buf_wait = None
+        slow_consumer = it.buf_wait is not None and now - it.buf_wait >= GROW_AFTER_S
+        kept = it.rt.consumer_waiting and it.pool.all_lent()  # it holds >= 2 while waiting
+        buf = it.pool.try_acquire(grow=it.pool.n_owned < MIN_SETS or slow_consumer or kept)
+        if buf is None:
+            if it.buf_wait is None and not it.rt.consumer_waiting:
+                it.buf_wait = now
+        else:
+            it.buf_wait = None
+        return buf
+
+    def _index_ahead(self, it: Iteration, name: str, task: _IndexAhead) -> None:
+        it.rt.status(name, f"indexing batch {self._describe_key(task.key)} (ahead)")
+        job = self._index(it, task.spec, task.key)
+        with it.cond:
+            it.indexed[task.key] = job
+            it.indexing.discard(task.key)
+            it.c_gather.notify_all()
+
+    def _start_batch(self, it: Iteration, name: str, task: _NewBatch) -> _Job:
+        """Index the batch (unless done ahead), attach its buffer and offer its other parts."""
+        job = task.ahead
+        if job is None:
+            it.rt.status(name, f"indexing batch {self._describe_key(task.key)}")
+            job = self._index(it, task.spec, task.key)
+        job.attach(task.buf)
+        if job.n_parts > 1:
             with it.cond:
-                job.left -= 1
-                if job.left:
-                    continue  # the thread copying the last part publishes the batch
-                job.buf.faulted = True
-                it.ready[key] = job.buf
-                it.done.add(key)
-                rel = []
-                while it.frontier in it.done:
-                    it.done.discard(it.frontier)
-                    rel.extend(it.specs.pop(it.frontier).releases)
-                    it.frontier += 1
-                it.rt.consumer_cond.notify_all()
-            if rel:
-                freed = self._release(it, rel)
-                with it.cond:
-                    it.outstanding -= freed
-                    it.c_read.notify_all()
+                it.parts.extend(_CopyPart(job, p) for p in range(1, job.n_parts))
+                it.c_gather.notify_all()
+        return job
+
+    def _copy_part(self, it: Iteration, name: str, job: _Job, part: int) -> None:
+        """Copy one part of the batch; the thread that copies its last part publishes it and
+        releases the runs that batches up to the new frontier used up."""
+        key = job.key
+        it.rt.status(name, f"copying batch {self._describe_key(key)} (part {part + 1} of {job.n_parts})")
+        self._hook("gather", batch=key)
+        self._copy(job, part)
+        with it.cond:
+            job.left -= 1
+            if job.left:
+                return
+            job.buf.faulted = True
+            it.ready[key] = job.buf
+            it.done.add(key)
+            rel = []
+            while it.frontier in it.done:
+                it.done.discard(it.frontier)
+                rel.extend(it.specs.pop(it.frontier).releases)
+                it.frontier += 1
+            it.rt.consumer_cond.notify_all()
+        if rel:
+            freed = self._release(it, rel)
+            with it.cond:
+                it.outstanding -= freed
+                it.c_read.notify_all()
 
     def _release(self, it: Iteration, releases) -> int:
         freed = 0
@@ -749,8 +655,8 @@ class ShuffledLoader(BaseLoader):
             sources = [r.slot.arr[: (r.hi - r.lo) * g.D].reshape(-1, g.D) for r in runs]
             run_src = np.arange(len(runs), dtype=np.int64)
             run_sub = np.array([r.lo for r in runs], np.int64)
-        # the batch's row order (kernels.permutation: C Fisher-Yates, 0.07 against 0.22 ms for
-        # numpy's Generator.permutation of 16384 rows on the project VM)
+        # the batch's row order (kernels.permutation: a C Fisher-Yates, cheaper than numpy's
+        # Generator.permutation)
         perm = kernels.permutation(
             len(x), kernels.permutation_key(self.seed, spec.epoch, self.world.part, spec.index, 7)
         )
@@ -788,6 +694,41 @@ class ShuffledLoader(BaseLoader):
         c0 = time.thread_time()
         kernels.take_multi(job.sources, o["src"][a:b], o["rows"][a:b], act[a:b], prefetch=scheme, **kw)
         chooser.record(scheme, act[a:b].nbytes, time.thread_time() - c0)
+
+
+@dataclasses.dataclass(slots=True)
+class _CopyPart:
+    """Gather task: copy part ``part`` of a batch another thread has started (job.buf attached)."""
+
+    job: _Job
+    part: int
+
+
+@dataclasses.dataclass(slots=True)
+class _IndexAhead:
+    """Gather task: no batch buffer is free yet; work out batch ``key``'s rows meanwhile."""
+
+    spec: BatchSpec
+    key: int
+
+
+@dataclasses.dataclass(slots=True)
+class _NewBatch:
+    """Gather task: batch ``key`` got buffer ``buf``; index it (unless ``ahead`` holds its job,
+    indexed while waiting for the buffer) and copy its first part."""
+
+    buf: BatchBuffers
+    spec: BatchSpec
+    key: int
+    ahead: _Job | None
+
+
+@dataclasses.dataclass(slots=True)
+class _GatherWait:
+    """One gather thread's wait: the task its predicate found, and whether to look again soon."""
+
+    task: _CopyPart | _IndexAhead | _NewBatch | None = None
+    poll: bool = False
 
 
 class _Slot:

@@ -21,6 +21,8 @@ from actcache.loaders.runtime import Stopped
 from actcache.stats import STATS_FILE
 from conftest import make_cache
 
+from .test_buffers import vm_flags
+
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
@@ -148,29 +150,6 @@ def test_the_prefetch_scheme_does_not_change_the_batches(cache):
         for a, b in zip(runs[pf], runs["auto"], strict=True):
             for name in ("act", "image_i", "patch_i", "layer"):
                 np.testing.assert_array_equal(a[name], b[name])
-
-
-def test_populate_small_faults_a_fresh_array_in_and_keeps_to_its_bytes():
-    """A set on 4 KiB pages is faulted in with MADV_POPULATE_WRITE (~1.5x faster than writing
-    into each page on the project VM); the ends that are not whole pages are written to, and
-    nothing outside the array is."""
-    import ctypes
-    import mmap as _mmap
-
-    from actcache.loaders.buffers import huge_empty, populate_small
-
-    page = _mmap.PAGESIZE
-    a = huge_empty((4096, 768), np.float32, huge=False)
-    raw = a.reshape(-1).view(np.uint8)
-    raw[-page:] = 9  # the last page, touched, holds data that must not change
-    part = raw[100 : raw.nbytes - page - 3]  # neither end on a page boundary
-    assert populate_small(part)
-    vec = (ctypes.c_ubyte * (raw.nbytes // page))()
-    libc = ctypes.CDLL(None, use_errno=True)
-    assert libc.mincore(ctypes.c_void_p(raw.ctypes.data), ctypes.c_size_t(raw.nbytes), vec) == 0
-    assert all(v & 1 for v in vec), "populate_small left pages out"
-    assert (raw[: raw.nbytes - page] == 0).all() and (raw[-page:] == 9).all()
-    assert not populate_small(np.zeros(16, np.uint8))  # too small to bother: the caller touches it
 
 
 def test_deterministic_regardless_of_threads(cache):
@@ -342,115 +321,6 @@ def test_a_slow_consumer_gets_a_deeper_queue(cache):
     assert ld.stats.wait_s < 0.5 * len(batches) * 0.03  # the loader kept ahead of the consumer
 
 
-def test_pool_spares_the_batch_a_loop_still_holds_while_next_runs():
-    """While next() hands out batch k+1, a plain loop still holds batch k: with every set
-    owned and those two lent, the pool must wait, not take k for a kept batch and allocate."""
-    import threading
-
-    from actcache.loaders.buffers import BatchBuffers, BatchPool
-
-    pool = BatchPool(lambda huge: BatchBuffers(4, 2, huge), 3, threading.Condition())
-    sets = [pool.try_acquire() for _ in range(3)]
-    assert pool.n_allocated == 3 and pool.try_acquire() is None
-    held = [sets[0].to_torch()]  # the loop variable: batch k
-    pool.lend(sets[0])
-    held.append(sets[1].to_torch())  # batch k+1, being returned by next()
-    pool.lend(sets[1])
-    assert pool.try_acquire() is None and pool.n_allocated == 3
-    held.pop(0)  # the loop moved on: batch k is free again
-    assert pool.try_acquire() is sets[0] and pool.n_allocated == 3
-    kept = [sets[0].to_torch(), sets[2].to_torch(), *held]  # a consumer that keeps every batch
-    pool.lend(sets[2])
-    pool.lend(sets[0])
-    assert pool.try_acquire() is not None and pool.n_allocated == 4  # 3 lent and in use
-    del held, kept
-
-
-def test_a_prefill_gives_up_when_the_loader_stops(monkeypatch):
-    """Faulting in a fresh batch buffer set can take ~100 ms on the project VM: a loader that
-    finishes or stops meanwhile must not wait for it. prefill(stop=...) looks at stop() between
-    pieces, leaves the rest untouched and gives the set up; without a stop it fills the set."""
-    import threading
-
-    from actcache.loaders import buffers
-    from actcache.loaders.buffers import BatchBuffers, BatchPool
-
-    monkeypatch.setattr(buffers, "STOP_CHECK_BYTES", 4096)
-    pool = BatchPool(lambda huge: BatchBuffers(1024, 16, huge), 3, threading.Condition())  # 64 KiB of act
-    calls = []
-    pool.prefill(stop=lambda: calls.append(1) or len(calls) > 3)  # one check first, then 2 pieces
-    assert pool.n_owned == 0 and pool.free == [] and len(calls) == 4
-    pool.prefill(stop=lambda: True)  # stopped already: nothing allocated
-    assert pool.n_owned == 0 and pool.n_allocated == 1
-    pool.prefill(stop=lambda: False)
-    assert pool.n_owned == 1 and len(pool.free) == 1
-    a = np.full(3 * 4096, 7, np.uint8)  # touching writes a zero into each page
-    assert not buffers.prefault(a, stop=iter([False, True]).__next__)
-    assert a[0] == 0 and (a[4096:] == 7).all()  # the first piece touched, the rest left
-
-
-def _vm_flags(addr: int) -> set[str]:
-    """The VmFlags of this process's mapping that holds ``addr`` (/proc/self/smaps)."""
-    inside = False
-    with open("/proc/self/smaps") as fh:
-        for line in fh:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= addr < hi
-            elif inside and head == "VmFlags:":
-                return set(line.split()[1:])
-    raise AssertionError(f"no mapping holds {addr:#x}")
-
-
-def test_sets_go_on_small_pages_while_huge_ones_fault_in_slowly_and_back_later(monkeypatch):
-    """Where 2 MiB pages fault in slower than HUGE_FAULT_MIN_BPS (a VM host backing the memory
-    again), the rest of a set being prefilled goes on 4 KiB pages (MADV_NOHUGEPAGE from the piece
-    after the slow one), and so do the next sets; a small set used more than SMALL_SET_USES
-    times is replaced by one on 2 MiB pages. Fast enough, nothing changes."""
-    import threading
-
-    from actcache.loaders import buffers
-    from actcache.loaders.buffers import STOP_CHECK_BYTES, BatchBuffers, BatchPool
-    from actcache.loaders.maps import HUGE
-
-    rows, d = 4096, 768  # 12 MiB of act: three 4 MiB pieces
-    monkeypatch.setattr(buffers, "HUGE_FAULT_MIN_BPS", 0.0)  # never slow
-    pool = BatchPool(lambda huge: BatchBuffers(rows, d, huge), 3, threading.Condition())
-    pool.prefill()
-    (b,) = pool.free
-    addr = b.act.ctypes.data
-    assert b.huge and pool.huge and addr % HUGE == 0
-    assert "hg" in _vm_flags(addr) and "hg" in _vm_flags(addr + b.act.nbytes - 1)
-
-    monkeypatch.setattr(buffers, "HUGE_FAULT_MIN_BPS", float("inf"))  # every piece slow
-    pool.prefill()
-    b2 = pool.free[-1]
-    a2 = b2.act.ctypes.data
-    assert not b2.huge and not pool.huge
-    assert "hg" in _vm_flags(a2)  # the first piece, timed, stays as it was
-    for off in (STOP_CHECK_BYTES, b2.act.nbytes - 1):
-        assert "nh" in _vm_flags(a2 + off) and "hg" not in _vm_flags(a2 + off)
-    b3 = pool.try_acquire()  # free sets first (b2, then b)
-    assert b3 is b2 and b2.uses == 1
-    pool.give_back(b2)
-    b4 = pool.try_acquire()
-    assert b4 is b2
-    assert pool.try_acquire() is b  # a set on 2 MiB pages: no count
-    assert b.uses == 0
-    b5 = pool.try_acquire()  # grows: the third set, on 4 KiB pages like the last
-    assert not b5.huge and "nh" in _vm_flags(b5.act.ctypes.data) and pool.n_owned == 3
-
-    monkeypatch.setattr(buffers, "SMALL_SET_USES", 3)
-    pool.give_back(b2)
-    assert pool.try_acquire() is b2 and b2.uses == 3  # still within the limit
-    pool.give_back(b2)
-    n0 = pool.n_allocated
-    b7 = pool.try_acquire()  # b2's fourth use: replaced by a new set on 2 MiB pages
-    assert b7 is not b2 and b7.huge and pool.huge and pool.n_allocated == n0 + 1 and pool.n_owned == 3
-    assert "hg" in _vm_flags(b7.act.ctypes.data)
-
-
 def test_io_read_runs_fill_their_arena_slots_and_batch_0_waits_for_half_the_first_fill(cache):
     """io="read": runs of one length, each in a slot of exactly its size (but a shard's last run,
     which is shorter), so the arena holds buffer_bytes' worth of images, where runs of random
@@ -496,17 +366,17 @@ def test_arena_slots_go_on_small_pages_while_huge_ones_fault_in_slowly_and_back_
         s1 = ld._arena_slot(it, ld.slot_bytes)
         a1 = s1.arr.ctypes.data
         assert s1.huge and it.pool.huge and a1 % HUGE == 0
-        assert "hg" in _vm_flags(a1) and "hg" in _vm_flags(a1 + s1.arr.nbytes - 1)
+        assert "hg" in vm_flags(a1) and "hg" in vm_flags(a1 + s1.arr.nbytes - 1)
 
         monkeypatch.setattr(buffers, "HUGE_FAULT_MIN_BPS", float("inf"))  # every piece slow
         s2 = ld._arena_slot(it, ld.slot_bytes)
         a2 = s2.arr.ctypes.data
         assert not s2.huge and not it.pool.huge  # new batch buffer sets follow
-        assert "hg" in _vm_flags(a2)  # the first piece, timed, stays as it was
+        assert "hg" in vm_flags(a2)  # the first piece, timed, stays as it was
         for off in (STOP_CHECK_BYTES, s2.arr.nbytes - 1):
-            assert "nh" in _vm_flags(a2 + off) and "hg" not in _vm_flags(a2 + off)
+            assert "nh" in vm_flags(a2 + off) and "hg" not in vm_flags(a2 + off)
         s3 = ld._arena_slot(it, ld.slot_bytes)  # the next one on 4 KiB pages from the start
-        assert not s3.huge and "nh" in _vm_flags(s3.arr.ctypes.data)
+        assert not s3.huge and "nh" in vm_flags(s3.arr.ctypes.data)
         assert ld.stats.arena_slots == 3
 
         monkeypatch.setattr(buffers, "SMALL_SET_USES", 2)
@@ -519,14 +389,14 @@ def test_arena_slots_go_on_small_pages_while_huge_ones_fault_in_slowly_and_back_
         it.slots.append(s3)
         s4 = ld._arena_slot(it, ld.slot_bytes)  # s3's third read: replaced by a slot on 2 MiB pages
         assert s4 is not s3 and s4.huge and it.pool.huge and ld.stats.arena_slots == 4
-        assert "hg" in _vm_flags(s4.arr.ctypes.data + s4.arr.nbytes - 1)
+        assert "hg" in vm_flags(s4.arr.ctypes.data + s4.arr.nbytes - 1)
         # a new slot has only the run's bytes faulted in; after a slow piece, the rest of the slot
         # goes on 4 KiB pages as well (it faults in when a larger run is read into it)
         monkeypatch.setattr(buffers, "HUGE_FAULT_MIN_BPS", float("inf"))
         s5 = ld._arena_slot(it, STOP_CHECK_BYTES)
         a5 = s5.arr.ctypes.data
         assert not s5.huge and not it.pool.huge
-        assert "hg" in _vm_flags(a5) and "nh" in _vm_flags(a5 + STOP_CHECK_BYTES)
+        assert "hg" in vm_flags(a5) and "nh" in vm_flags(a5 + STOP_CHECK_BYTES)
         vec = np.zeros(s5.arr.nbytes // maps.PAGE, np.uint8)
         assert maps._mincore(a5, s5.arr.nbytes, vec.ctypes.data) == 0
         n_run = STOP_CHECK_BYTES // maps.PAGE
@@ -786,29 +656,6 @@ def test_loader_threads_carry_their_role_in_the_os_thread_name(cache):
     assert want <= names
 
 
-def test_spawn_all_holds_every_thread_until_the_last_has_started():
-    """Runtime.spawn_all: no role's work begins before every thread of the batch has started (a
-    thread that went straight to Python work used to keep the GIL from the spawning one), every
-    role runs once, and a role's exception still reaches the runtime's error."""
-    from actcache.loaders.runtime import Runtime
-
-    rt = Runtime("t")
-    seen, lock = [], threading.Lock()
-
-    def role(i):
-        with lock:
-            seen.append((i, len(rt.threads)))
-        if i == 3:
-            raise ValueError("role 3 failed")
-
-    rt.spawn_all([(f"r{i}", lambda i=i: role(i)) for i in range(5)])
-    for t in rt.threads:
-        t.join(10)
-    assert sorted(i for i, _ in seen) == list(range(5))
-    assert all(n == 5 for _, n in seen), seen  # each began once all five existed
-    assert rt.error is not None and rt.error[0] == "r3" and "role 3 failed" in rt.error[1]
-
-
 def test_close_and_context_manager(cache):
     with ShuffledLoader(cache[0], batch_size=4, layer=3, n_epochs=None, **SMALL) as ld:
         for i, _ in enumerate(ld):
@@ -850,48 +697,6 @@ def test_balanced_order_spreads_a_batch_over_the_runs_images(cache):
                 assert c.max() - c.min() <= 1, c
                 checked += 1
     assert checked > 0
-
-
-def test_blocks_stay_mapped_while_any_run_uses_them(cache):
-    """ShardMaps' 2 MiB block counts: a block is mapped once, by its first user, and unmapped
-    with its last one."""
-    from actcache.loaders.maps import HUGE, ShardMaps
-
-    path = cache[0]
-    names = sorted(f for f in os.listdir(path) if f.startswith("acts"))
-    sizes = [3 * HUGE + 1000] * len(names)  # a short last block
-    m = ShardMaps(path, names, sizes, mode="huge")
-    assert m.block_new_bytes(0, 10, HUGE + 5) == 2 * HUGE
-    new, s, e = m.block_acquire(0, 10, HUGE + 5)  # blocks 0, 1
-    assert new == 2 * HUGE and s.tolist() == [0, HUGE] and e.tolist() == [HUGE, 2 * HUGE]
-    assert m.block_new_bytes(0, HUGE, 3 * HUGE + 1000) == HUGE + 1000  # block 2 and the short one
-    new, s, e = m.block_acquire(0, HUGE, 3 * HUGE + 1000)  # blocks 1 (shared), 2, 3
-    assert new == HUGE + 1000 and s.tolist() == [2 * HUGE, 3 * HUGE] and e.tolist() == [3 * HUGE, 3 * HUGE + 1000]
-    assert m.block_release(0, 10, HUGE + 5) == HUGE  # block 0 goes, block 1 stays (shared)
-    assert m.block_new_bytes(0, 0, 2 * HUGE) == HUGE
-    assert m.block_release(0, HUGE, 3 * HUGE + 1000) == 3 * HUGE + 1000 - HUGE
-    assert m.block_new_bytes(0, 0, 3 * HUGE + 1000) == 3 * HUGE + 1000
-    m.close()
-
-
-def test_a_pinned_block_stays_mapped_until_its_pinning_run_is_released(cache):
-    """block_pin holds the blocks of a span that some run maps (no new bytes), block_acquire with
-    those pins counts only the rest, and the pinned blocks outlive their first user."""
-    from actcache.loaders.maps import HUGE, ShardMaps
-
-    path = cache[0]
-    names = sorted(f for f in os.listdir(path) if f.startswith("acts"))
-    m = ShardMaps(path, names, [4 * HUGE] * len(names), mode="huge")
-    assert m.block_acquire(0, 0, 2 * HUGE)[0] == 2 * HUGE  # run A: blocks 0, 1
-    pins = m.block_pin(0, HUGE, 4 * HUGE)  # run B (blocks 1-3) next in line: block 1 is mapped
-    assert pins.tolist() == [1]
-    assert m.block_new_bytes(0, HUGE, 4 * HUGE) == 2 * HUGE  # what reading B still adds
-    assert m.block_release(0, 0, 2 * HUGE) == HUGE  # A goes: block 0 is unmapped, block 1 is not
-    new, s, e = m.block_acquire(0, HUGE, 4 * HUGE, pinned=pins)
-    assert new == 2 * HUGE and s.tolist() == [2 * HUGE, 3 * HUGE]  # block 1 is not mapped again
-    assert m.block_release(0, HUGE, 4 * HUGE) == 3 * HUGE  # B goes: all three, block 1 once
-    assert m.block_new_bytes(0, 0, 4 * HUGE) == 4 * HUGE
-    m.close()
 
 
 def test_the_next_epoch_maps_only_the_blocks_that_change(tmp_path, monkeypatch):

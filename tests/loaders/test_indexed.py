@@ -7,10 +7,10 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from tests.conftest import make_cache
 
 from actcache.errors import ConfigError, ProtocolError
 from actcache.loaders import IndexedDataset
+from conftest import make_cache
 
 
 @pytest.mark.parametrize("cls", [True, False])

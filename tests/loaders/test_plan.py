@@ -293,3 +293,66 @@ def test_on_admit_passes_each_admitted_run_once_before_its_batch(n_strips, start
         got.append([(r.key, x.tolist()) for r, x in spec.takes])
     want = [[(r.key, x.tolist()) for r, x in spec.takes] for spec in plan().batches(start)]
     assert got == want and len(got) == -(-n_ex // 37) - start
+
+
+def plan_digest(plan: EpochPlan, start: int = 0) -> str:
+    """sha256 over everything a plan yields (and passes to on_admit), in order."""
+    import hashlib
+
+    h = hashlib.sha256()
+
+    def put(*vals):
+        for v in vals:
+            h.update(np.ascontiguousarray(np.asarray(v, np.int64)).tobytes())
+
+    def on_admit(r, t, held):
+        put(r.key, [t, held, r.first_strip], r.strip_bytes, r.span or (-1, -1))
+
+    for spec in plan.batches(start, on_admit=on_admit):
+        put([spec.epoch, spec.index, spec.n, spec.plan_bytes], [r.key for r in spec.admit] or [-1])
+        put([r.key for r in spec.runs] or [-1], spec.x, spec.run_start, spec.run_img0, spec.run_shard)
+        put([(r.key[1], g) for r, g in spec.releases] or [-1])
+        put([round(r.weight * 1000) for r in spec.admit] or [-1])
+    return h.hexdigest()[:16]
+
+
+def _pinned_plan(seed, n_strips, budget_imgs, batch, fixed=False, unit=0, ramp_fill=False):
+    geom = Geometry(L=1, T=200, D=1, layer_idx=(0,), token_start=0, n_tokens=200, layers=(5,), cls=False)
+    shard_imgs = [61, 47, 30, 52]
+    points = [cut_points(geom, n, unit) for n in shard_imgs] if unit else None
+    runs = epoch_runs(shard_imgs, 8, geom.per_img, seed, 0, points, equal=fixed)
+    runs = part_runs(runs, geom.per_img, 100, sum(shard_imgs) * geom.per_img - 50)
+    n_ex = int((runs[:, 4] - runs[:, 3]).sum())
+    return EpochPlan(
+        geom,
+        runs,
+        0,
+        batch,
+        n_ex,
+        budget_imgs * geom.img_bytes,
+        n_strips,
+        np.random.default_rng([seed, 1]),
+        fixed_run_bytes=8 * geom.img_bytes if fixed else None,
+        map_unit=unit,
+        ramp_fill=ramp_fill,
+    )
+
+
+PINNED_PLANS = [  # (plan arguments, start, digest of the batches computed before a refactor)
+    (dict(seed=0, n_strips=1, budget_imgs=140, batch=1650), 0, "c7240103c2f7bfe7"),
+    (dict(seed=1, n_strips=1, budget_imgs=60, batch=997), 0, "891eb0bae4ac6a0a"),
+    (dict(seed=2, n_strips=1, budget_imgs=60, batch=997), 5, "4112cb8e279e8094"),
+    (dict(seed=3, n_strips=3, budget_imgs=50, batch=1200), 0, "85c5321235a8204b"),
+    (dict(seed=4, n_strips=3, budget_imgs=50, batch=1200), 7, "d2dc6e52482eaa6b"),
+    (dict(seed=5, n_strips=1, budget_imgs=1000, batch=2000), 0, "456948606754495b"),
+    (dict(seed=6, n_strips=1, budget_imgs=80, batch=1500, fixed=True, ramp_fill=True), 0, "3f2c6f42079b1ca2"),
+    (dict(seed=7, n_strips=1, budget_imgs=90, batch=1500, unit=4096), 0, "811294f884542219"),
+    (dict(seed=8, n_strips=1, budget_imgs=90, batch=1500, unit=4096), 3, "a98ea4dae925123d"),
+]
+
+
+@pytest.mark.parametrize("kw, start, digest", PINNED_PLANS)
+def test_plans_are_bit_identical_to_the_pinned_ones(kw, start, digest):
+    """The batches (and runs passed to on_admit) of fixed plans: a refactor of EpochPlan must
+    not change a single example id, share, release or byte count."""
+    assert plan_digest(_pinned_plan(**kw), start) == digest

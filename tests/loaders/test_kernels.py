@@ -39,7 +39,7 @@ def test_the_kernel_is_built(native):
 
 
 def test_the_copy_loops_prefetch_rows(native):
-    """The source rows are prefetched ahead of the copy (x1.14-1.36 on the project VM, see
+    """The source rows are prefetched ahead of the copy (random rows miss every cache: see
     _native.c). gcc once compiled every prefetch out of the module without a warning (it judged
     the helper const and dropped its calls), so look for the instructions in the built file."""
     if platform.machine() not in ("x86_64", "AMD64"):
