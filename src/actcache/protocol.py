@@ -25,7 +25,7 @@ from typing import ClassVar
 from actcache.errors import ProtocolError, VersionError
 
 PROTOCOL_VERSION = "1.0.0"
-FAMILIES = ("clip", "siglip", "dinov2")
+FAMILIES = ("clip", "siglip", "dinov2", "dinov3", "siglip2")
 DTYPES = {"float32": 4}
 METADATA_FILE = "metadata.json"
 SHARDS_FILE = "shards.json"
