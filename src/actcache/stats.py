@@ -33,7 +33,7 @@ MAX_IMGS = 256
 KINDS = ("all", "image", "cls")
 
 _lock = threading.Lock()
-_in_memory: dict[tuple[str, str], dict] = {}  # (real path, hash) -> statistic of a foreign cache
+_in_memory: dict[str, dict] = {}  # real path -> statistic of a foreign cache
 
 
 def sample_images(n_imgs: int, max_imgs: int = MAX_IMGS) -> np.ndarray:
@@ -77,10 +77,14 @@ def _valid(doc, md) -> bool:
 def load_or_compute(cache, max_imgs: int = MAX_IMGS) -> dict:
     """The stored statistic, computed and written on first use."""
     if getattr(cache.metadata, "foreign", False):
-        key = (os.path.realpath(cache.path), cache.metadata.hash)
+        # Always from the whole cache on disk (not a training view of it), so that every process,
+        # a resumed run and an export all get the same factor.
+        from actcache.cache import ActivationCache
+
+        key = os.path.realpath(cache.path)
         with _lock:
             if key not in _in_memory:
-                _in_memory[key] = compute(cache, max_imgs)
+                _in_memory[key] = compute(ActivationCache.open(cache.path), max_imgs)
             return _in_memory[key]
     path = os.path.join(cache.path, STATS_FILE)
     with _lock:

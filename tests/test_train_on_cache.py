@@ -1,0 +1,63 @@
+"""train_on_cache: the train: section of a YAML trained on a given cache (v1 or saev 2.1), with
+resume and held-out evaluation; nothing written into a saev cache."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import yaml
+
+from actcache.errors import ConfigError
+from actcache.sae.on_cache import train_on_cache
+from conftest import make_cache
+from saev_fixture import tree_state, write_saev_cache
+
+TRAIN = {"layer": 7, "batch_size": 16, "steps": 6, "log_every": 2, "ckpt_every": 3, "eval_frac": 0.2,
+         "b_dec_init": "mean", "buffer_bytes": 20000,
+         "saes": [{"activation": "relu", "width": 12, "l1_coeff": 1.0e-3}, {"activation": "topk", "width": 12, "k": 3}]}  # fmt: skip
+
+
+def write_yaml(path, doc) -> str:
+    path.write_text(yaml.safe_dump(doc))
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["v1", "saev"])
+def test_trains_resumes_and_evaluates_on_a_given_cache(tmp_path, kind):
+    if kind == "saev":
+        cache, _, _ = write_saev_cache(tmp_path / "c", n=20, E=6, layers=(3, 7), P=4, D=8)
+    else:
+        cache, _, _ = make_cache(tmp_path / "c", n_imgs=20, layers=(3, 7), n_patches=4, d=8, imgs_per_shard=6)
+    before = tree_state(tmp_path / "c")
+    train_file = write_yaml(tmp_path / "train.yaml", {"train": TRAIN})
+    dirs = train_on_cache(cache, train_file, runs_to=str(tmp_path / "runs"))
+    assert len(dirs) == 2 and all(os.path.dirname(d) == str(tmp_path / "runs" / os.path.basename(cache)) for d in dirs)
+    for d in dirs:
+        ev = json.load(open(os.path.join(d, "eval.json")))
+        assert ev["images"] == [16, 20] and ev["n_tokens"] == 4 * 4 and ev["nmse"] >= 0
+    done = {d: os.stat(os.path.join(d, "done.json")).st_mtime_ns for d in dirs}
+    assert train_on_cache(cache, train_file, runs_to=str(tmp_path / "runs")) == dirs  # done: skipped
+    assert done == {d: os.stat(os.path.join(d, "done.json")).st_mtime_ns for d in dirs}
+    if kind == "saev":
+        assert tree_state(tmp_path / "c") == before
+
+
+def test_an_experiment_yaml_gives_its_train_section_and_runs_to(tmp_path):
+    cache, _, _ = write_saev_cache(tmp_path / "c", n=20, E=6, layers=(3, 7), P=4, D=8)
+    exp = {"vit": {"family": "clip", "ckpt": "unused", "layers": [7]}, "runs_to": str(tmp_path / "r"),
+           "train": {**TRAIN, "saes": [{"activation": "batchtopk", "width": 12, "k": 3}]}}  # fmt: skip
+    dirs = train_on_cache(cache, write_yaml(tmp_path / "exp.yaml", exp))
+    assert len(dirs) == 1 and dirs[0].startswith(str(tmp_path / "r"))
+    assert os.path.exists(os.path.join(dirs[0], "done.json"))
+
+
+def test_a_file_without_train_or_runs_to_is_a_clear_error(tmp_path):
+    cache, _, _ = write_saev_cache(tmp_path / "c")
+    with pytest.raises(ConfigError, match="needs a 'train:' mapping"):
+        train_on_cache(cache, write_yaml(tmp_path / "a.yaml", {"vit": {}}))
+    with pytest.raises(ConfigError, match="give runs_to"):
+        train_on_cache(cache, write_yaml(tmp_path / "b.yaml", {"train": TRAIN}))
+    with pytest.raises(ConfigError, match=r"'layer' = 5.*\[3, 7\]"):
+        train_on_cache(cache, write_yaml(tmp_path / "c.yaml", {"train": {**TRAIN, "layer": 5}}), runs_to="r")
