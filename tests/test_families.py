@@ -1,6 +1,6 @@
 """ViT families dinov3 and siglip2 from `demo-assets` checkpoints: preprocessing equal to transformers'
 processors, activations equal to transformers' hidden states (registers dropped), a dump that reads
-back value for value; and a demo checkpoint for every family."""
+back value for value, an SAE trained on it and its visuals; and a demo checkpoint for every family."""
 
 from __future__ import annotations
 
@@ -14,11 +14,13 @@ import torch
 import transformers
 import yaml
 
+from actcache import cli
 from actcache.cache import ActivationCache
 from actcache.config import load_experiment
 from actcache.demo import DEMO_FAMILIES, make_demo_assets, make_tiny_vit
 from actcache.dump import dump_shards
 from actcache.models import describe_checkpoint, load_vit, transform_from_preprocessor_config
+from actcache.sae.on_cache import train_on_cache
 from actcache.validate import validate_dir
 from actcache.writer import gather
 from fixtures_vit import mixed_images, pil_processor_class
@@ -107,7 +109,7 @@ def test_every_family_gets_a_demo_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["dinov3", "siglip2"])
-def test_dump_and_gather_read_back_the_model(tmp_path, demo, family):
+def test_dump_gather_train_and_visuals(tmp_path, demo, family):
     images = tmp_path / "images"
     rng = np.random.default_rng(0)
     for i in range(6):
@@ -128,3 +130,12 @@ def test_dump_and_gather_read_back_the_model(tmp_path, demo, family):
     with ActivationCache.open(path) as cache:
         assert cache.metadata.vit_family == family and cache.shape == (6, 2, T, D)
         np.testing.assert_allclose(cache[0:6], want, atol=1e-5, rtol=1e-5)
+
+    # ... then an SAE trains on it and its visuals page renders, with the images' patches.
+    train = {"layer": 1, "batch_size": 16, "steps": 4, "eval_frac": 0.34, "activation": "topk", "width": 32, "k": 4}
+    (tmp_path / "train.yaml").write_text(yaml.safe_dump({"train": train}))
+    (run_dir,) = train_on_cache(path, str(tmp_path / "train.yaml"), runs_to=str(tmp_path / "runs"))
+    assert cli.main(["visuals", run_dir, "--latents", "4"]) == 0
+    with open(os.path.join(run_dir, "visuals", "index.html"), encoding="utf-8") as fh:
+        page = fh.read()
+    assert family in page and ".jpg" in page
