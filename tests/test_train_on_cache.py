@@ -9,6 +9,7 @@ import os
 import pytest
 import yaml
 
+from actcache import cli
 from actcache.errors import ConfigError
 from actcache.sae.on_cache import train_on_cache
 from conftest import make_cache
@@ -61,3 +62,13 @@ def test_a_file_without_train_or_runs_to_is_a_clear_error(tmp_path):
         train_on_cache(cache, write_yaml(tmp_path / "b.yaml", {"train": TRAIN}))
     with pytest.raises(ConfigError, match=r"'layer' = 5.*\[3, 7\]"):
         train_on_cache(cache, write_yaml(tmp_path / "c.yaml", {"train": {**TRAIN, "layer": 5}}), runs_to="r")
+
+
+def test_visuals_of_an_sae_trained_on_a_saev_cache(tmp_path, capsys):
+    cache, _, _ = write_saev_cache(tmp_path / "c", n=20, E=6, layers=(3, 7), P=4, D=8)
+    train = {**TRAIN, "saes": [{"activation": "topk", "width": 12, "k": 3}]}
+    (run_dir,) = train_on_cache(cache, write_yaml(tmp_path / "t.yaml", {"train": train}), runs_to=str(tmp_path / "r"))
+    assert cli.main(["visuals", run_dir, "--latents", "3"]) == 2  # saev's dataset config is never unpickled
+    assert "opaque string" in capsys.readouterr().err
+    assert cli.main(["visuals", run_dir, "--latents", "3", "--no-images"]) == 0
+    assert os.path.isfile(os.path.join(run_dir, "visuals", "index.html"))
