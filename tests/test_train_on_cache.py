@@ -7,11 +7,14 @@ import json
 import os
 
 import pytest
+import torch
 import yaml
 
 from actcache import cli
 from actcache.errors import ConfigError
+from actcache.sae.modeling import SAE
 from actcache.sae.on_cache import train_on_cache
+from actcache.sae.train import Preempted
 from conftest import make_cache
 from saev_fixture import tree_state, write_saev_cache
 
@@ -72,3 +75,17 @@ def test_visuals_of_an_sae_trained_on_a_saev_cache(tmp_path, capsys):
     assert "opaque string" in capsys.readouterr().err
     assert cli.main(["visuals", run_dir, "--latents", "3", "--no-images"]) == 0
     assert os.path.isfile(os.path.join(run_dir, "visuals", "index.html"))
+
+
+def test_a_stopped_run_on_a_saev_cache_resumes_to_the_same_weights(tmp_path):
+    cache, _, _ = write_saev_cache(tmp_path / "c", n=20, E=6, layers=(3, 7), P=4, D=8)
+    train_file = write_yaml(
+        tmp_path / "t.yaml", {"train": {**TRAIN, "saes": [{"activation": "topk", "width": 12, "k": 3}]}}
+    )
+    (whole,) = train_on_cache(cache, train_file, runs_to=str(tmp_path / "a"))
+    polls = iter(range(100))
+    with pytest.raises(Preempted):
+        train_on_cache(cache, train_file, runs_to=str(tmp_path / "b"), stop=lambda: next(polls) == 2)
+    (resumed,) = train_on_cache(cache, train_file, runs_to=str(tmp_path / "b"))
+    a, b = SAE.load(whole).state_dict(), SAE.load(resumed).state_dict()
+    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)  # topk keeps a NaN threshold
