@@ -3,6 +3,7 @@ resume and held-out evaluation; nothing written into a saev cache."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
@@ -11,6 +12,7 @@ import torch
 import yaml
 
 from actcache import cli
+from actcache.cli_external import cmd_train_cache
 from actcache.errors import ConfigError
 from actcache.sae.modeling import SAE
 from actcache.sae.on_cache import train_on_cache
@@ -89,3 +91,16 @@ def test_a_stopped_run_on_a_saev_cache_resumes_to_the_same_weights(tmp_path):
     (resumed,) = train_on_cache(cache, train_file, runs_to=str(tmp_path / "b"))
     a, b = SAE.load(whole).state_dict(), SAE.load(resumed).state_dict()
     torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)  # topk keeps a NaN threshold
+
+
+def test_train_cache_command(tmp_path, capsys):
+    cache, _, _ = write_saev_cache(tmp_path / "c", n=20, E=6, layers=(3, 7), P=4, D=8)
+    train_file = write_yaml(
+        tmp_path / "t.yaml", {"train": {**TRAIN, "saes": [{"activation": "topk", "width": 12, "k": 2}]}}
+    )
+    args = argparse.Namespace(cache=cache, train=train_file, runs_to=str(tmp_path / "r"), group=None, device="cpu")
+    assert cmd_train_cache(args) == 0
+    (printed,) = capsys.readouterr().out.split()
+    assert os.path.isfile(os.path.join(printed, "done.json"))
+    with pytest.raises(ConfigError, match="--cache needs --train"):
+        cmd_train_cache(argparse.Namespace(**{**vars(args), "train": None}))
