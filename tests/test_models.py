@@ -211,7 +211,7 @@ def test_layer_beyond_depth_in_forward(ckpts):
 
 
 def test_bad_family_and_checkpoints(ckpts, tmp_path):
-    with pytest.raises(ConfigError, match=r"'vit'.*\['clip', 'siglip', 'dinov2'\]"):
+    with pytest.raises(ConfigError, match=r"'vit'.*\['clip', 'siglip', 'dinov2', 'dinov3', 'siglip2'\]"):
         load_vit("vit", ckpts["clip"])
     with pytest.raises(ConfigError, match=r"'clip_vision_model' model, not a 'dinov2'.*vit_family to 'clip'"):
         describe_checkpoint("dinov2", ckpts["clip"])

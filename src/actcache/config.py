@@ -31,7 +31,7 @@ import yaml
 
 from actcache.errors import ConfigError
 
-FAMILIES = ("clip", "siglip", "dinov2")
+FAMILIES = ("clip", "siglip", "dinov2", "dinov3", "siglip2")
 
 
 def _where(src: str, key: str) -> str:

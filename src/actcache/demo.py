@@ -1,14 +1,16 @@
 """Offline demo assets: a small randomly initialised ViT of a real family, and an image folder.
 
-`actcache demo-assets [--root data/demo]` writes (idempotently, atomically per directory):
-    <root>/models/tiny-clip/   config.json, model.safetensors, preprocessor_config.json
-                               (transformers CLIPVisionModel, 4 blocks, d=64, 32x32 input, 8x8 patches)
+`actcache demo-assets [--root data/demo] [--family F]` writes (idempotently, atomically per directory):
+    <root>/models/tiny-<F>/    config.json, model.safetensors, preprocessor_config.json
+                               (the family's transformers vision model, 4 blocks, d=64, 32x32 input,
+                               8x8 patches; F is clip, siglip, dinov2, dinov3 or siglip2; default clip)
     <root>/images/<class>/*.png   240 images in 3 classes (coloured shapes on noise)
 Nothing is downloaded; the same call always writes the same files.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -16,35 +18,77 @@ import tempfile
 import numpy as np
 
 CLASSES = ("circles", "squares", "stripes")
+DEMO_FAMILIES = ("clip", "siglip", "dinov2", "dinov3", "siglip2")
+IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 
 
-def make_tiny_clip(directory: str, n_layers: int = 4, d: int = 64, image: int = 32, patch: int = 8) -> str:
+def _processor(name: str, **kw):
+    """transformers' PIL image processor ``name`` (``<name>Pil`` in transformers 5)."""
+    import transformers
+
+    return (getattr(transformers, name + "Pil", None) or getattr(transformers, name))(**kw)
+
+
+def _tiny_model_and_processor(family: str, n_layers: int, d: int, image: int, patch: int):
+    """(model, processor or a preprocessor_config.json dict) of a tiny random ``family`` ViT."""
+    import transformers
+
+    vision = dict(hidden_size=d, num_hidden_layers=n_layers, num_attention_heads=4, intermediate_size=4 * d,
+                  patch_size=patch)  # fmt: skip
+    square = {"height": image, "width": image}
+    if family == "clip":
+        proc = _processor("CLIPImageProcessor", size={"shortest_edge": image}, crop_size=square)
+        return transformers.CLIPVisionModel(transformers.CLIPVisionConfig(image_size=image, **vision)), proc
+    if family == "siglip":
+        proc = _processor("SiglipImageProcessor", size=square)
+        return transformers.SiglipVisionModel(transformers.SiglipVisionConfig(image_size=image, **vision)), proc
+    if family == "dinov2":
+        proc = _processor("BitImageProcessor", size={"shortest_edge": image + image // 8}, crop_size=square,
+                          image_mean=IMAGENET_MEAN, image_std=IMAGENET_STD)  # fmt: skip
+        return transformers.Dinov2Model(transformers.Dinov2Config(image_size=image, **vision)), proc
+    if family == "dinov3":
+        # transformers' DINOv3 processor needs torchvision; its saved config is plain JSON.
+        proc = {"image_processor_type": "DINOv3ViTImageProcessorFast", "do_resize": True, "size": square,
+                "resample": 2, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+                "image_mean": IMAGENET_MEAN, "image_std": IMAGENET_STD}  # fmt: skip
+        cfg = transformers.DINOv3ViTConfig(image_size=image, num_register_tokens=4, **vision)
+        return transformers.DINOv3ViTModel(cfg), proc
+    if family == "siglip2":
+        n = (image // patch) ** 2
+        proc = _processor("Siglip2ImageProcessor", patch_size=patch, max_num_patches=n)
+        return transformers.Siglip2VisionModel(transformers.Siglip2VisionConfig(num_patches=n, **vision)), proc
+    from actcache.errors import ConfigError
+
+    raise ConfigError(f"demo-assets --family {family!r} is not supported; use one of {', '.join(DEMO_FAMILIES)}")
+
+
+def make_tiny_vit(directory: str, family: str = "clip", n_layers: int = 4, d: int = 64, image: int = 32,
+                  patch: int = 8) -> str:  # fmt: skip
+    """A tiny randomly initialised ``family`` checkpoint (seeded, so always the same weights)."""
     if os.path.exists(os.path.join(directory, "model.safetensors")):
         return directory
     import torch
-    import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.CLIPVisionConfig(
-        hidden_size=d,
-        num_hidden_layers=n_layers,
-        num_attention_heads=4,
-        intermediate_size=4 * d,
-        image_size=image,
-        patch_size=patch,
-    )
-    model = transformers.CLIPVisionModel(cfg)
-    proc = transformers.CLIPImageProcessor(size={"shortest_edge": image}, crop_size={"height": image, "width": image})
+    model, proc = _tiny_model_and_processor(family, n_layers, d, image, patch)
     parent = os.path.dirname(os.path.abspath(directory))
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=parent, prefix=".tiny-clip-")
+    tmp = tempfile.mkdtemp(dir=parent, prefix=f".tiny-{family}-")
     model.save_pretrained(tmp)
-    proc.save_pretrained(tmp)
+    if isinstance(proc, dict):
+        with open(os.path.join(tmp, "preprocessor_config.json"), "w", encoding="utf-8") as fh:
+            fh.write(json.dumps(proc, indent=2) + "\n")
+    else:
+        proc.save_pretrained(tmp)
     try:
         os.rename(tmp, directory)
     except OSError:  # written meanwhile by another process
         shutil.rmtree(tmp, ignore_errors=True)
     return directory
+
+
+def make_tiny_clip(directory: str, n_layers: int = 4, d: int = 64, image: int = 32, patch: int = 8) -> str:
+    return make_tiny_vit(directory, "clip", n_layers, d, image, patch)
 
 
 def _draw(cls: str, rng: np.random.Generator, size: int = 48) -> np.ndarray:
@@ -92,14 +136,15 @@ def make_image_folder(directory: str, n_per_class: int = 80, seed: int = 0) -> s
     return directory
 
 
-def make_demo_assets(root: str = "data/demo") -> dict:
+def make_demo_assets(root: str = "data/demo", family: str = "clip") -> dict:
+    """The tiny ``family`` checkpoint at ``<root>/models/tiny-<family>`` and the image folder."""
     return {
-        "model": make_tiny_clip(os.path.join(root, "models", "tiny-clip")),
+        "model": make_tiny_vit(os.path.join(root, "models", f"tiny-{family}"), family),
         "images": make_image_folder(os.path.join(root, "images")),
     }
 
 
 def cli_demo_assets(args) -> int:
-    for k, v in make_demo_assets(args.root).items():
+    for k, v in make_demo_assets(args.root, getattr(args, "family", "clip")).items():
         print(f"{k}: {v}")
     return 0

@@ -122,6 +122,8 @@ def data_config_from_dict(d: object, where: str) -> DataConfig:
 def data_config_from_metadata(d: object, where: str = "metadata.json") -> DataConfig:
     """Inverse of :func:`metadata_data`: a cache's ``data`` object → the config that made it."""
     classes = {cls.__name__: cls for cls in DATA_KINDS.values()}
+    if isinstance(d, str):  # a saev cache: base64 of a pickle, which actcache never decodes
+        raise ConfigError(f"{where}: data is an opaque string (saev's pickled dataset config), not an image dataset")
     if not isinstance(d, dict) or d.get("__class__") not in classes:
         got = d.get("__class__") if isinstance(d, dict) else d
         raise ConfigError(f"{where}: data.__class__ must be one of {sorted(classes)}, got {got!r}")

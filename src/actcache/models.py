@@ -6,6 +6,10 @@ Families (``vit_family`` in the cache metadata):
 - ``siglip``: ``SiglipVisionModel`` (two-tower checkpoints too); tokens [patches], no CLS.
 - ``dinov2``: ``Dinov2Model``, or ``Dinov2WithRegistersModel`` when the checkpoint's config is
   ``dinov2_with_registers``; tokens [CLS, patches]; register tokens are dropped (not stored).
+- ``dinov3``: ``DINOv3ViTModel``; tokens [CLS, patches]; its register tokens are dropped too.
+- ``siglip2``: ``Siglip2VisionModel`` (NaFlex); tokens [patches], no CLS. Every image is resized to
+  the square grid its processor gives a square image (side = patch_size x isqrt(max_num_patches)),
+  so each image has the same number of tokens; the processor would keep a non-square image's aspect.
 
 The residual stream after block ``i`` (== ``hidden_states[i + 1]`` of transformers'
 ``output_hidden_states=True``) is read by forward hooks on the encoder's blocks, and the forward
@@ -22,6 +26,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 from typing import TYPE_CHECKING
 
@@ -36,12 +41,15 @@ if TYPE_CHECKING:  # annotations only: torch is imported where a model is built
 
 logger = logging.getLogger(__name__)
 
-FAMILIES = ("clip", "siglip", "dinov2")
+FAMILIES = ("clip", "siglip", "dinov2", "dinov3", "siglip2")
 FAMILY_MODEL_TYPES = {
     "clip": ("clip", "clip_vision_model"),
     "siglip": ("siglip", "siglip_vision_model"),
     "dinov2": ("dinov2", "dinov2_with_registers"),
+    "dinov3": ("dinov3_vit",),
+    "siglip2": ("siglip2", "siglip2_vision_model"),
 }
+TWO_TOWER = ("clip", "siglip", "siglip2")  # model types whose vision settings sit in vision_config
 PREPROCESSOR_FILE = "preprocessor_config.json"
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -69,8 +77,18 @@ _PROCESSOR_DEFAULTS = {
         size={"height": 224, "width": 224}, crop_size=None, do_center_crop=False,
         image_mean=HALF, image_std=HALF, resample=BILINEAR, default_to_square=True,
     ),
+    "DINOv3ViTImageProcessor": dict(
+        size={"height": 224, "width": 224}, crop_size=None, do_center_crop=False,
+        image_mean=IMAGENET_MEAN, image_std=IMAGENET_STD, resample=BILINEAR, default_to_square=True,
+    ),
+    "Siglip2ImageProcessor": dict(
+        size=None, crop_size=None, do_center_crop=False, patch_size=16, max_num_patches=256,
+        image_mean=HALF, image_std=HALF, resample=BILINEAR, default_to_square=True,
+    ),
 }  # fmt: skip
-_FAMILY_PROCESSOR = {"clip": "CLIPImageProcessor", "siglip": "SiglipImageProcessor", "dinov2": "BitImageProcessor"}
+_FAMILY_PROCESSOR = {"clip": "CLIPImageProcessor", "siglip": "SiglipImageProcessor", "dinov2": "BitImageProcessor",
+                     "dinov3": "DINOv3ViTImageProcessor", "siglip2": "Siglip2ImageProcessor"}  # fmt: skip
+NO_CLS = ("siglip", "siglip2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,10 +167,11 @@ def _fast_vision_config(family: str, path: str):
     model_type = doc.get("model_type")
     if model_type not in FAMILY_MODEL_TYPES[family]:
         return None  # transformers gives the precise error (or knows an alias)
-    vision = doc.get("vision_config") if model_type in ("clip", "siglip") else doc
-    if not isinstance(vision, dict) or not all(isinstance(vision.get(k), int) for k in _NEEDED):
+    vision = doc.get("vision_config") if model_type in TWO_TOWER else doc
+    needed = _NEEDED if family != "siglip2" else (*_NEEDED[:2], "num_patches", "patch_size")
+    if not isinstance(vision, dict) or not all(isinstance(vision.get(k), int) for k in needed):
         return None
-    if model_type == "dinov2_with_registers" and not isinstance(vision.get("num_register_tokens"), int):
+    if model_type in ("dinov2_with_registers", "dinov3_vit") and not isinstance(vision.get("num_register_tokens"), int):
         return None
     return types.SimpleNamespace(**vision), model_type
 
@@ -194,7 +213,7 @@ def _read_vision_config(family: str, ckpt: str):
             f"vit_ckpt {ckpt!r} is a {model_type!r} model, not a {family!r} one "
             f"(expected model_type in {list(FAMILY_MODEL_TYPES[family])}); {hint}"
         )
-    if model_type in ("clip", "siglip"):
+    if model_type in TWO_TOWER:
         config = config.vision_config
     return config, model_type
 
@@ -230,6 +249,10 @@ def _family_default_transform(family: str, image_size: int) -> ImageTransform:
                               OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)  # fmt: skip
     if family == "siglip":
         return ImageTransform(("hw", image_size, image_size), BICUBIC, None, 1 / 255, HALF, HALF)
+    if family == "siglip2":
+        return ImageTransform(("hw", image_size, image_size), BILINEAR, None, 1 / 255, HALF, HALF)
+    if family == "dinov3":
+        return ImageTransform(("hw", image_size, image_size), BILINEAR, None, 1 / 255, IMAGENET_MEAN, IMAGENET_STD)
     short = int(round(256 * image_size / 224))
     return ImageTransform(("shortest_edge", short), BICUBIC, (image_size, image_size), 1 / 255,
                           IMAGENET_MEAN, IMAGENET_STD)  # fmt: skip
@@ -255,7 +278,11 @@ def transform_from_preprocessor_config(doc: dict, family: str, where: str = PREP
         return default if value is None else value
 
     resize = None
-    if get("do_resize", True):
+    if "max_num_patches" in defaults:  # Siglip2: the side of the grid it gives a square image
+        patch = int(get("patch_size", defaults["patch_size"]))
+        budget = int(get("max_num_patches", defaults["max_num_patches"]))
+        resize = ("hw", patch * math.isqrt(budget), patch * math.isqrt(budget))
+    elif get("do_resize", True):
         size = _size_dict(get("size", defaults["size"]), defaults["default_to_square"], where, "size")
         if size.get("shortest_edge"):
             resize = ("shortest_edge", int(size["shortest_edge"]), size.get("longest_edge"))
@@ -290,7 +317,9 @@ def _inspect(family: str, ckpt: str):
     """(vision config, model_type, ModelDims, ImageTransform), from JSON configs only."""
     _check_family(family)
     config, model_type = _read_vision_config(family, ckpt)
-    image_size, patch_size = config.image_size, config.patch_size
+    patch_size = config.patch_size
+    # Siglip2 has no fixed input size: its config gives the patch budget of the position grid.
+    image_size = config.image_size if family != "siglip2" else patch_size * math.isqrt(config.num_patches)
     doc = _read_preprocessor_config(ckpt)
     where = os.path.join(ckpt, PREPROCESSOR_FILE)
     if doc is None:
@@ -314,12 +343,13 @@ def _inspect(family: str, ckpt: str):
             f"{where}: the preprocessing gives {out[0]}x{out[1]} images but the {family} model takes "
             f"{image_size}x{image_size}; fix size/crop_size"
         )
-    n_registers = int(getattr(config, "num_register_tokens", 0) or 0) if model_type == "dinov2_with_registers" else 0
+    with_registers = ("dinov2_with_registers", "dinov3_vit")
+    n_registers = int(getattr(config, "num_register_tokens", 0) or 0) if model_type in with_registers else 0
     dims = ModelDims(
         n_layers=int(config.num_hidden_layers),
         d_vit=int(config.hidden_size),
         n_patches_per_img=(out[0] // patch_size) * (out[1] // patch_size),
-        cls_token=family != "siglip",
+        cls_token=family not in NO_CLS,
         image_size=int(out[0]),
         patch_size=int(patch_size),
         n_registers=n_registers,
@@ -367,6 +397,7 @@ def _model_class(model_type: str):
         "clip": "CLIPVisionModel", "clip_vision_model": "CLIPVisionModel",
         "siglip": "SiglipVisionModel", "siglip_vision_model": "SiglipVisionModel",
         "dinov2": "Dinov2Model", "dinov2_with_registers": "Dinov2WithRegistersModel",
+        "dinov3_vit": "DINOv3ViTModel", "siglip2": "Siglip2VisionModel", "siglip2_vision_model": "Siglip2VisionModel",
     }[model_type]  # fmt: skip
     try:
         return getattr(transformers, name)
@@ -379,7 +410,8 @@ def _model_class(model_type: str):
 def _find_blocks(model: torch.nn.Module, n_layers: int) -> torch.nn.ModuleList:
     import torch
 
-    for path in ("encoder.layers", "encoder.layer", "vision_model.encoder.layers", "vision_model.encoder.layer"):
+    for path in ("encoder.layers", "encoder.layer", "vision_model.encoder.layers", "vision_model.encoder.layer",
+                 "model.layer"):  # fmt: skip
         with contextlib.suppress(AttributeError):
             blocks = model.get_submodule(path)
             if isinstance(blocks, torch.nn.ModuleList) and len(blocks) == n_layers:
@@ -388,7 +420,7 @@ def _find_blocks(model: torch.nn.Module, n_layers: int) -> torch.nn.ModuleList:
 
 
 # Parts after the last block that actcache never runs; a checkpoint may lack their weights.
-_UNUSED_TOP = {"head", "post_layernorm", "layernorm", "pooler"}
+_UNUSED_TOP = {"head", "post_layernorm", "layernorm", "pooler", "norm"}
 
 
 def load_vit(family: str, ckpt: str, device: str | torch.device = "cpu") -> Vit:
@@ -478,7 +510,7 @@ class Vit:
         try:
             with torch.inference_mode():
                 try:
-                    self.model(pixel_values=pixels_B3HW.to(self.device, torch.float32))
+                    self.model(**self._model_inputs(pixels_B3HW.to(self.device, torch.float32)))
                 except _StopForward:
                     pass
                 acts_BLTD = torch.stack([captured[i] for i in idx], dim=1)
@@ -492,5 +524,19 @@ class Vit:
         if tuple(acts_BLTD.shape) != want:
             raise DumpError(f"{self.family} {self.ckpt!r} gave activations {tuple(acts_BLTD.shape)}, expected {want}")
         return acts_BLTD.float()
+
+    def _model_inputs(self, pixels_B3HW: torch.Tensor) -> dict:
+        """The model's keyword inputs: pixels, or for siglip2 the flattened patches of its processor
+        ((B, N, p*p*3), rows then columns, each patch in (row, column, channel) order) with a mask."""
+        if self.family != "siglip2":
+            return {"pixel_values": pixels_B3HW}
+        import torch
+
+        p, (B, C, H, W) = self.dims.patch_size, pixels_B3HW.shape
+        nh, nw = H // p, W // p
+        patches = pixels_B3HW.reshape(B, C, nh, p, nw, p).permute(0, 2, 4, 3, 5, 1).reshape(B, nh * nw, p * p * C)
+        mask = torch.ones((B, nh * nw), dtype=torch.int32, device=pixels_B3HW.device)
+        shapes = torch.tensor([[nh, nw]] * B, dtype=torch.long, device=pixels_B3HW.device)
+        return {"pixel_values": patches, "pixel_attention_mask": mask, "spatial_shapes": shapes}
 
     __call__ = forward

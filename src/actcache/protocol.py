@@ -20,11 +20,12 @@ import json
 import math
 import os
 import warnings
+from typing import ClassVar
 
 from actcache.errors import ProtocolError, VersionError
 
 PROTOCOL_VERSION = "1.0.0"
-FAMILIES = ("clip", "siglip", "dinov2")
+FAMILIES = ("clip", "siglip", "dinov2", "dinov3", "siglip2")
 DTYPES = {"float32": 4}
 METADATA_FILE = "metadata.json"
 SHARDS_FILE = "shards.json"
@@ -122,6 +123,7 @@ class Metadata:
     dtype: str = "float32"
     protocol: str = PROTOCOL_VERSION
     extra: dict = dataclasses.field(default_factory=dict, hash=False, compare=True)
+    foreign: ClassVar[bool] = False  # True for a cache another tool wrote: actcache never writes into it
 
     def __post_init__(self) -> None:
         where = METADATA_FILE
@@ -181,6 +183,7 @@ class Metadata:
     def from_dict(cls, doc: object, where: str = METADATA_FILE) -> Metadata:
         if not isinstance(doc, dict):
             raise ProtocolError(f"{where}: expected a JSON object, got {type(doc).__name__}.")
+        _refuse_other_format(doc, where)
         missing = [k for k in _FIELDS if k not in doc]
         if missing:
             raise ProtocolError(
@@ -303,6 +306,42 @@ class Metadata:
         L, T = len(self.layers), self.n_tokens_per_img
         offset_vectors = img_in_shard * L * T + layer_idx * T + token
         return Location(shard_idx, shard_name(shard_idx), img_in_shard, offset_vectors * self.bytes_per_vector)
+
+
+def _refuse_other_format(doc: dict, where: str) -> None:
+    """A saev 2.x document, or one of neither format, gets an error that says what it is."""
+    from actcache.saev import is_saev_doc
+
+    if is_saev_doc(doc):
+        raise ProtocolError(
+            f"{where}: this is a saev cache (protocol {doc.get('protocol')!r}), not protocol v1. actcache "
+            "reads it (ActivationCache.open, the loaders, inspect, verify, train) but never writes into it."
+        )
+    if "vit_family" not in doc:
+        raise ProtocolError(f"{where}: {describe_unknown(doc)}")
+
+
+def describe_unknown(doc: dict) -> str:
+    """One line naming what a metadata.json that is neither v1 nor saev 2.1 holds."""
+    keys = ", ".join(list(doc)[:12]) + (" ..." if len(doc) > 12 else "")
+    return (
+        f"neither a protocol-v1 cache (needs 'vit_family', 'n_patches_per_img', ...) nor a saev 2.1 cache "
+        f"(needs 'family', 'content_tokens_per_example', ...); found keys: {keys or 'none'}, "
+        f"protocol {doc.get('protocol', 'missing')!r}."
+    )
+
+
+def load_metadata(path: str | os.PathLike) -> Metadata:
+    """metadata.json of a v1 cache (Metadata) or of a saev 2.x cache (saev.SaevMetadata, read-only)."""
+    from actcache.saev import SaevMetadata, is_saev_doc
+
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, METADATA_FILE)
+    doc = read_json(path)
+    if is_saev_doc(doc):
+        return SaevMetadata.from_dict(doc, where=path)
+    return Metadata.from_dict(doc, where=path)
 
 
 class LayerNotRecordedError(ProtocolError, KeyError):

@@ -11,7 +11,8 @@ layer and each token kind ("cls", "image" = patch tokens, "all"), and stored bes
 
 It is written atomically (``actcache.fsutil.atomic_write_bytes``) and is not part of protocol
 v1: other readers ignore it. A cache directory that is not writable still works (the statistic
-is then recomputed by each process, with a warning).
+is then recomputed by each process, with a warning). Nothing is written into a cache another tool
+wrote (``metadata.foreign``, e.g. a saev cache): its statistic is kept in this process's memory.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ MAX_IMGS = 256
 KINDS = ("all", "image", "cls")
 
 _lock = threading.Lock()
+_in_memory: dict[str, dict] = {}  # real path -> statistic of a foreign cache
 
 
 def sample_images(n_imgs: int, max_imgs: int = MAX_IMGS) -> np.ndarray:
@@ -74,6 +76,16 @@ def _valid(doc, md) -> bool:
 
 def load_or_compute(cache, max_imgs: int = MAX_IMGS) -> dict:
     """The stored statistic, computed and written on first use."""
+    if getattr(cache.metadata, "foreign", False):
+        # Always from the whole cache on disk (not a training view of it), so that every process,
+        # a resumed run and an export all get the same factor.
+        from actcache.cache import ActivationCache
+
+        key = os.path.realpath(cache.path)
+        with _lock:
+            if key not in _in_memory:
+                _in_memory[key] = compute(ActivationCache.open(cache.path), max_imgs)
+            return _in_memory[key]
     path = os.path.join(cache.path, STATS_FILE)
     with _lock:
         try:

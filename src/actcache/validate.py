@@ -7,6 +7,9 @@ Compatibility with caches written by the seed's own writer (the protocol's refer
 it pads the last shard with zeros to the full shard size, and when n_imgs is an exact multiple
 of n_imgs_per_shard it adds a trailing all-zero shard listed with n_imgs 0. Both are accepted
 (the second with a warning). Any other deviation is an error.
+
+A saev 2.x cache (:mod:`actcache.saev`) is checked the same way, with its own names: an 8-hex
+directory hash, ``n_examples`` in shards.json and an optional labels.bin of known size.
 """
 
 from __future__ import annotations
@@ -28,11 +31,15 @@ from actcache.protocol import (
     Metadata,
     ProtocolWarning,
     ShardInfo,
+    load_metadata,
     read_shards,
     shard_name,
 )
+from actcache.saev import HASH_LEN, LABELS_FILE
+from actcache.saev import read_shards as read_saev_shards
 
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
+HEX8 = re.compile(rf"^[0-9a-f]{{{HASH_LEN}}}$")
 
 
 @dataclasses.dataclass
@@ -66,7 +73,8 @@ class Report:
         if self.problems:
             cls = CacheIncompleteError if self.incomplete else self.error_cls
             lines = "\n  - ".join(self.problems)
-            raise cls(f"{self.path} is not a valid protocol-v1 cache:\n  - {lines}")
+            kind = "saev 2.1" if getattr(self.metadata, "foreign", False) else "protocol-v1"
+            raise cls(f"{self.path} is not a valid {kind} cache:\n  - {lines}")
 
 
 def check_dir(path: str | os.PathLike, deep: bool = False, check_hash: bool = True) -> Report:
@@ -83,7 +91,7 @@ def check_dir(path: str | os.PathLike, deep: bool = False, check_hash: bool = Tr
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            md = Metadata.load(md_path)
+            md = load_metadata(md_path)
         except ProtocolError as err:
             rep.problems.append(str(err))
             rep.error_cls = type(err)
@@ -105,11 +113,13 @@ def check_dir(path: str | os.PathLike, deep: bool = False, check_hash: bool = Tr
         )
         return rep
     try:
-        shards = read_shards(path)
+        shards = read_saev_shards(path) if md.foreign else read_shards(path)
     except ProtocolError as err:
         rep.problems.append(str(err))
         return rep
     _check_table(path, md, shards, rep)
+    if md.foreign:
+        _check_saev_labels(path, md, rep)
     if deep and rep.ok:
         deep_scan(path, md, rep)
     return rep
@@ -128,13 +138,14 @@ def validate_dir(path: str | os.PathLike, deep: bool = False, check_hash: bool =
 
 
 def _check_hash(path: str, md: Metadata, rep: Report) -> None:
+    pattern = HEX8 if md.foreign else HEX64
     name = os.path.basename(os.path.normpath(path))
-    if not HEX64.match(name):
+    if not pattern.match(name):
         real = os.path.basename(os.path.realpath(path))
-        if HEX64.match(real):
+        if pattern.match(real):
             name = real
     digest = md.hash
-    if HEX64.match(name):
+    if pattern.match(name):
         if name != digest:
             rep.problems.append(
                 f"{path}: the directory name is not the hash of its metadata.json (config drift): "
@@ -155,6 +166,7 @@ def _check_table(path: str, md: Metadata, shards: list[ShardInfo], rep: Report) 
     if len(shards) >= 2 and shards[-1].n_imgs == 0 and sum(s.n_imgs for s in shards) == md.n_imgs:
         trailing_zero = shards[-1]
         shards = shards[:-1]
+    if trailing_zero is not None and not md.foreign:  # saev 2.x always writes it: no warning
         rep.warnings.append(
             f"{where}: trailing entry {trailing_zero.name} lists n_imgs 0 (written by the seed's "
             "writer when n_imgs is an exact multiple of the shard size); it is ignored."
@@ -163,7 +175,12 @@ def _check_table(path: str, md: Metadata, shards: list[ShardInfo], rep: Report) 
         rep.problems.append(f"{where}: lists no shards; expected {md.n_shards}.")
         return
     total = sum(s.n_imgs for s in shards)
-    if total != md.n_imgs:
+    if total != md.n_imgs and md.foreign:
+        rep.problems.append(
+            f"{where}: shard n_examples add up to {total}, but metadata.json says n_examples={md.n_imgs}; "
+            "the saev writer did not finish. Re-create the cache with saev."
+        )
+    elif total != md.n_imgs:
         rep.problems.append(
             f"{where}: shard n_imgs add up to {total}, but metadata.json says n_imgs={md.n_imgs}. "
             f"Re-run `actcache gather {path}`, or re-dump if shards are missing."
@@ -184,6 +201,19 @@ def _check_table(path: str, md: Metadata, shards: list[ShardInfo], rep: Report) 
         rep.shards.append(_stat_shard(path, s, expected, rep))
     if trailing_zero is not None:
         rep.shards.append(_stat_shard(path, trailing_zero, (full, 0), rep))
+
+
+def _check_saev_labels(path: str, md: Metadata, rep: Report) -> None:
+    """saev's optional labels.bin: uint8 (n_examples, content tokens); only its size is checked."""
+    fpath = os.path.join(path, LABELS_FILE)
+    if not os.path.exists(fpath):
+        return
+    size, want = os.path.getsize(fpath), md.labels_nbytes
+    if size != want:
+        rep.problems.append(
+            f"{fpath}: {size:,} bytes, expected {want:,} (one uint8 per content token of each of "
+            f"{md.n_imgs} examples); the saev writer was interrupted. Re-create the cache with saev."
+        )
 
 
 def _stat_shard(path: str, s: ShardInfo, expected: tuple[int, ...], rep: Report) -> ShardStatus:
