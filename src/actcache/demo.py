@@ -97,9 +97,3 @@ def make_demo_assets(root: str = "data/demo") -> dict:
         "model": make_tiny_clip(os.path.join(root, "models", "tiny-clip")),
         "images": make_image_folder(os.path.join(root, "images")),
     }
-
-
-def cli_demo_assets(args) -> int:
-    for k, v in make_demo_assets(args.root).items():
-        print(f"{k}: {v}")
-    return 0
