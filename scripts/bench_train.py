@@ -28,8 +28,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402
 
+from actcache.rundir import run_dir  # noqa: E402
 from actcache.sae import make_objective, make_optimizer  # noqa: E402
-from actcache.sae.config import expand_train_section, run_dir  # noqa: E402
+from actcache.sae.config import expand_train_section  # noqa: E402
 from actcache.sae.modeling import SAE  # noqa: E402
 from actcache.sae.optim import train_step  # noqa: E402
 from actcache.sae.train import train_group  # noqa: E402

@@ -30,7 +30,8 @@ from tests.test_sae_train import K_TRUE, dictionary_fill, recovery, true_diction
 from actcache import cli  # noqa: E402
 from actcache.config import load_experiment  # noqa: E402
 from actcache.plan import experiment_metadata  # noqa: E402
-from actcache.sae.config import expand_train_section, run_dir  # noqa: E402
+from actcache.rundir import run_dir  # noqa: E402
+from actcache.sae.config import expand_train_section  # noqa: E402
 from actcache.sae.modeling import SAE  # noqa: E402
 from actcache.writer import write_cache  # noqa: E402
 

@@ -39,7 +39,8 @@ def load_train_section(path: str) -> dict:
 def plan(cache: str, train: dict, where: str, runs_to: str, only: list[str] | None = None) -> list[tuple[str, list]]:
     """[(group id, runs)] still to train (validated against the cache's layers and d_vit)."""
     from actcache.cache import ActivationCache
-    from actcache.sae.config import done_paths, expand_train_section, groups
+    from actcache.rundir import done_paths
+    from actcache.sae.config import expand_train_section, groups
 
     md = ActivationCache.open(cache).metadata
     runs = expand_train_section(train, where, layers=md.layers, d_vit=md.d_vit)

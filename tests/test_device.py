@@ -22,7 +22,8 @@ from actcache.dump import dump_shards
 from actcache.images import ImageFolder, open_dataset
 from actcache.models import load_transform
 from actcache.protocol import Metadata
-from actcache.sae.config import expand_train_section, run_dir
+from actcache.rundir import run_dir
+from actcache.sae.config import expand_train_section
 from actcache.sae.modeling import SAE, SAEConfig
 from actcache.sae.train import train_group
 from actcache.visuals import compute_stats

@@ -4,7 +4,6 @@ against SAELens's documented format; push gives one clear error offline."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
@@ -13,7 +12,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from actcache.cli_external import add_export_parser, cmd_export
+from actcache.cli import main as actcache_main
 from actcache.errors import ActCacheError, ConfigError
 from actcache.export import export_many, export_saelens, push
 from actcache.sae.modeling import SAE
@@ -128,12 +127,11 @@ def test_unfinished_run_and_offline_push_are_clear_errors(runs, tmp_path, monkey
 
 def test_export_command_writes_one_folder_per_sae(runs, tmp_path, capsys):
     by_objective, _, _ = runs
-    parser = argparse.ArgumentParser()
-    add_export_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["export", *by_objective.values(), "--to", "saelens", str(tmp_path / "out")])
-    assert cmd_export(args) == 0
+    assert actcache_main(["export", *by_objective.values(), "--to", "saelens", str(tmp_path / "out")]) == 0
     printed = capsys.readouterr().out.split()
     assert sorted(printed) == sorted(str(tmp_path / "out" / os.path.basename(d)) for d in by_objective.values())
     assert all(os.path.isfile(os.path.join(p, "cfg.json")) for p in printed)
-    with pytest.raises(ConfigError, match="unknown export format"):
-        cmd_export(parser.parse_args(["export", *by_objective.values(), "--to", "onnx", str(tmp_path / "x")]))
+    assert actcache_main(["export", *by_objective.values(), "--to", "onnx", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "unknown export format" in err and len(err.strip().splitlines()) == 1
+    assert not os.path.exists(tmp_path / "x")

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from actcache.errors import TrainError
-from actcache.sae.config import expand_train_section, run_dir
+from actcache.rundir import run_dir
+from actcache.sae.config import expand_train_section
 from actcache.sae.ddp import DistContext, env_context
 from test_sae_train import dictionary_cache
 

@@ -15,8 +15,9 @@ import time
 import pytest
 import torch
 
+from actcache.rundir import run_dir
 from actcache.sae import checkpoint as ckpt
-from actcache.sae.config import expand_train_section, run_dir
+from actcache.sae.config import expand_train_section
 from actcache.sae.modeling import SAE
 from actcache.sae.train import Preempted, train_group
 from conftest import in_mount_namespace

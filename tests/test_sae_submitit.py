@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from actcache.rundir import run_dir
 from actcache.sae import checkpoint as ckpt
-from actcache.sae.config import expand_train_section, run_dir
+from actcache.sae.config import expand_train_section
 from actcache.sae.modeling import SAE
 from actcache.sae.submit import TrainJob
 from actcache.sae.train import train_group

@@ -21,7 +21,8 @@ import yaml
 
 from actcache import cli
 from actcache.errors import ConfigError, TrainError
-from actcache.sae.config import FIELDS, RunConfig, done_paths, expand_train_section, groups, run_dir
+from actcache.rundir import done_paths, run_dir
+from actcache.sae.config import FIELDS, RunConfig, expand_train_section, groups
 from actcache.sae.modeling import SAE
 from actcache.sae.train import train_group
 from actcache.writer import synthetic_metadata, write_cache

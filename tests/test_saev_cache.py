@@ -16,8 +16,8 @@ import pytest
 
 from actcache.cache import ActivationCache
 from actcache.errors import ProtocolError
+from actcache.formats import load_metadata
 from actcache.loaders import IndexedDataset, OrderedLoader, ShuffledLoader
-from actcache.protocol import load_metadata
 from actcache.saev import SaevMetadata
 from actcache.validate import check_dir
 from actcache.writer import gather

@@ -3,7 +3,6 @@ resume and held-out evaluation; nothing written into a saev cache."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
@@ -12,7 +11,7 @@ import torch
 import yaml
 
 from actcache import cli
-from actcache.cli_external import cmd_train_cache
+from actcache.cli import main as actcache_main
 from actcache.errors import ConfigError
 from actcache.sae.modeling import SAE
 from actcache.sae.on_cache import train_on_cache
@@ -98,9 +97,9 @@ def test_train_cache_command(tmp_path, capsys):
     train_file = write_yaml(
         tmp_path / "t.yaml", {"train": {**TRAIN, "saes": [{"activation": "topk", "width": 12, "k": 2}]}}
     )
-    args = argparse.Namespace(cache=cache, train=train_file, runs_to=str(tmp_path / "r"), group=None, device="cpu")
-    assert cmd_train_cache(args) == 0
+    argv = ["train", "--cache", cache, "--train", train_file, "--runs-to", str(tmp_path / "r"), "--device", "cpu"]
+    assert actcache_main(argv) == 0
     (printed,) = capsys.readouterr().out.split()
     assert os.path.isfile(os.path.join(printed, "done.json"))
-    with pytest.raises(ConfigError, match="--cache needs --train"):
-        cmd_train_cache(argparse.Namespace(**{**vars(args), "train": None}))
+    assert actcache_main(argv[:3] + argv[5:]) == 2
+    assert "needs --train FILE" in capsys.readouterr().err

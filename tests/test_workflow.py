@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import subprocess
@@ -111,6 +112,47 @@ def test_deleted_shard_brings_back_exactly_its_job(done_project):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert plan_json(cfg)[0]["cache"]["state"] == "complete"
     assert job_counts(snakemake(cfg, "-n").stdout) == {}
+
+
+def tree_digest(*roots: str) -> dict[str, tuple]:
+    """Every file and folder under ``roots``: path -> (sha256 of the bytes, size, mtime_ns)."""
+    out = {}
+    for root in roots:
+        for dirpath, dirs, files in os.walk(root):
+            out[dirpath] = ("dir", sorted(dirs), sorted(files))
+            for f in files:
+                path = os.path.join(dirpath, f)
+                with open(path, "rb") as fh:
+                    digest = hashlib.sha256(fh.read()).hexdigest()
+                st = os.stat(path)
+                out[path] = (digest, st.st_size, st.st_mtime_ns)
+    return out
+
+
+def test_dry_runs_change_nothing_on_disk_even_with_stale_marks(done_project):
+    """A lost shard and an SAE without its done file make their marks stale: the dry run lists
+    the jobs that make them again, and the cache and runs directories stay byte-identical."""
+    root, cfg = done_project
+    (p,) = plan_json(cfg)
+    shard = os.path.join(p["dir"], shard_name(1))
+    done = os.path.join(p["training"][0]["dir"], "done.json")
+    if not os.path.isabs(done):
+        done = os.path.join(root, done)
+    os.rename(shard, shard + ".aside")
+    os.rename(done, done + ".aside")
+    try:
+        before = tree_digest(os.path.join(root, "cache"), os.path.join(root, "runs"))
+        proc = snakemake(cfg, "-n")
+        after = tree_digest(os.path.join(root, "cache"), os.path.join(root, "runs"))
+    finally:
+        os.rename(shard + ".aside", shard)
+        os.rename(done + ".aside", done)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert before == after
+    assert dump_ranges(out) == ["000001-000002"]
+    assert job_counts(out)["train"] == 1
+    assert job_counts(snakemake(cfg, "-n").stdout) == {}  # everything back in place: nothing to do
 
 
 def test_changed_layers_give_a_new_hash(done_project, tmp_path, ckpt):

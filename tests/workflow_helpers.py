@@ -73,11 +73,12 @@ def job_counts(output: str) -> dict[str, int]:
 
 
 def dump_ranges(output: str) -> list[str]:
-    """The shard ranges (A-B tags) of the dump jobs a dry run lists (from their output lines)."""
+    """The shard ranges (A-B tags) of the dump jobs a dry run lists (from their output marks, in
+    either slot: actcache.plan.MARK_SLOTS)."""
     ranges = []
     for block in re.split(r"\n(?=(?:local)?rule \w+:)", output):
         if block.startswith("rule dump:"):
-            m = re.search(r"output: .*\.actcache-dump/(\d{6}-\d{6})\.done", block)
+            m = re.search(r"output: .*\.actcache-dump/(\d{6}-\d{6})\.(?:done|redo)", block)
             if m:
                 ranges.append(m.group(1))
     return sorted(ranges)

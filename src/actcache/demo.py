@@ -142,9 +142,3 @@ def make_demo_assets(root: str = "data/demo", family: str = "clip") -> dict:
         "model": make_tiny_vit(os.path.join(root, "models", f"tiny-{family}"), family),
         "images": make_image_folder(os.path.join(root, "images")),
     }
-
-
-def cli_demo_assets(args) -> int:
-    for k, v in make_demo_assets(args.root, getattr(args, "family", "clip")).items():
-        print(f"{k}: {v}")
-    return 0

@@ -503,21 +503,3 @@ def _ranges(ids: list[int]) -> str:
         else:
             groups.append([i, i])
     return ", ".join(f"{a}" if a == b else f"{a}..{b}" for a, b in groups)
-
-
-def cli_dump(args) -> int:
-    from actcache.config import load_experiment
-
-    exp = load_experiment(args.experiment)
-    shards = parse_shard_range(args.shards)
-    path = dump_shards(
-        exp,
-        shards,
-        dump_to=args.dump_to,
-        device=args.device,
-        batch_size=args.batch_size,
-        n_workers=args.workers,
-        progress=not args.no_progress,
-    )
-    print(path)
-    return 0

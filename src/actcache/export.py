@@ -22,6 +22,7 @@ import os
 
 from actcache.errors import ActCacheError, ConfigError
 from actcache.fsutil import atomic_write_bytes
+from actcache.rundir import DONE_FILE, EVAL_FILE, RUN_FILE
 
 WEIGHTS_FILE = "sae_weights.safetensors"
 CFG_FILE = "cfg.json"
@@ -41,7 +42,7 @@ def _read_json(path: str, what: str) -> dict:
 
 def _cache_metadata(cache_dir: str):
     """The source cache's metadata, or None when the cache is no longer there."""
-    from actcache.protocol import load_metadata
+    from actcache.formats import load_metadata
 
     try:
         return load_metadata(cache_dir)
@@ -160,9 +161,9 @@ def export_saelens(run_dir: str | os.PathLike, out_dir: str | os.PathLike) -> st
     from actcache.sae.modeling import SAE
 
     run_dir, out_dir = os.fspath(run_dir), os.fspath(out_dir)
-    _read_json(os.path.join(run_dir, "done.json"), "the SAE has not finished training; export it once it has")
-    run = _read_json(os.path.join(run_dir, "run.json"), "not an actcache run directory")
-    ev = _read_json(os.path.join(run_dir, "eval.json"), "the run has no held-out evaluation")
+    _read_json(os.path.join(run_dir, DONE_FILE), "the SAE has not finished training; export it once it has")
+    run = _read_json(os.path.join(run_dir, RUN_FILE), "not an actcache run directory")
+    ev = _read_json(os.path.join(run_dir, EVAL_FILE), "the run has no held-out evaluation")
     sae = SAE.load(run_dir)
     md = _cache_metadata(run["cache"])
     scale = _scale(run, run["cache"])
@@ -178,7 +179,7 @@ def export_many(run_dirs, out_root: str | os.PathLike) -> list[str]:
     """One SAELens folder per run, ``<out_root>/<sae-id>``; returns them."""
     out = []
     for run_dir in run_dirs:
-        sae_id = _read_json(os.path.join(os.fspath(run_dir), "run.json"), "not an actcache run directory")["sae_id"]
+        sae_id = _read_json(os.path.join(os.fspath(run_dir), RUN_FILE), "not an actcache run directory")["sae_id"]
         out.append(export_saelens(run_dir, os.path.join(os.fspath(out_root), sae_id)))
     return out
 

@@ -3,13 +3,17 @@
 The model's dimensions come from its config.json (actcache.models.describe_checkpoint); the image
 count from the dataset listing (actcache.images.count_images, cached under <dump_to>/.listings).
 The Snakemake workflow (workflow/rules/common.smk) and `actcache plan` both use :func:`plan`.
+
+Workflow marks: a dump job marks its shard range in ``<HASH>/.actcache-dump/``, a training job
+its group in ``<runs_to>/<HASH>/groups/`` (named by ``RunConfig.group_id``, the one id of a group
+in plan output, jobs, logs and ``actcache train --group``). A mark lives in one of two slots
+(``.done``, ``.redo``); :func:`current_mark` only reads the disk to pick the slot the workflow
+asks for, so parsing the workflow writes nothing. See :func:`current_mark` for why.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import os
 
 import yaml
@@ -17,8 +21,10 @@ import yaml
 from actcache.config import Experiment, load_experiment
 from actcache.errors import ConfigError
 from actcache.protocol import METADATA_FILE, SHARDS_FILE, Metadata, shard_name
+from actcache.rundir import group_mark, is_done, run_dir
 
-DUMP_MARKS = ".actcache-dump"  # <HASH>/.actcache-dump/A-B.done: range A..B-1 was written and verified
+DUMP_MARKS = ".actcache-dump"  # <HASH>/.actcache-dump/A-B.<slot>: range A..B-1 was written and verified
+MARK_SLOTS = ("done", "redo")
 
 
 def experiment_metadata(exp: Experiment, listing_cache: str | None = None) -> Metadata:
@@ -52,8 +58,38 @@ def range_tag(a: int, b: int) -> str:
     return f"{a:06d}-{b:06d}"
 
 
-def dump_mark(cache_dir: str, a: int, b: int) -> str:
-    return os.path.join(cache_dir, DUMP_MARKS, f"{range_tag(a, b)}.done")
+def dump_mark(cache_dir: str, a: int, b: int, slot: str = MARK_SLOTS[0]) -> str:
+    return f"{_dump_mark_base(cache_dir, a, b)}.{slot}"
+
+
+def _dump_mark_base(cache_dir: str, a: int, b: int) -> str:
+    return os.path.join(cache_dir, DUMP_MARKS, range_tag(a, b))
+
+
+def current_mark(base: str, complete: bool) -> str:
+    """The mark (``base`` + ``.done`` or ``.redo``) the workflow asks for; reads, never writes.
+
+    A mark says "this job's outputs are complete". When they are no longer (a shard deleted, an
+    SAE added to a group), the mark on disk is stale. Snakemake would trust it, and parsing the
+    workflow must not delete it; so the workflow asks for the other, empty slot instead: that job
+    runs again, and its first step deletes the stale mark. While the outputs stay complete, the
+    newest existing mark is asked for, so the inputs of later jobs stay the same between runs
+    (Snakemake reruns a job whose set of input files changed).
+    """
+    paths = [f"{base}.{slot}" for slot in MARK_SLOTS]
+    existing = [p for p in paths if os.path.exists(p)]
+    if not existing:
+        return paths[0]
+    newest = max(existing, key=os.path.getmtime)
+    if complete:
+        return newest
+    return paths[1 - paths.index(newest)]
+
+
+def other_mark(mark: str) -> str:
+    """The mark in the other slot, which the job of ``mark`` deletes before it runs."""
+    base, slot = mark.rsplit(".", 1)
+    return f"{base}.{MARK_SLOTS[1 - MARK_SLOTS.index(slot)]}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,24 +144,47 @@ class Planned:
         )
 
 
-def train_groups(p: Planned) -> list[tuple[str, str]]:
-    """[(tag, group key)] of an experiment's training groups.
+@dataclasses.dataclass(frozen=True)
+class TrainJob:
+    """One training job of the workflow: a group of SAEs on one cache (one loader pass per file)."""
 
-    The group key names a set of SAEs that share one stream of batches (`actcache train --group`);
-    the tag is a short hash of the key and the group's SAE ids, so any change to a member's
-    hyperparameters gives a new tag (a new Snakemake job) while the cache stays untouched.
+    cache_hash: str
+    group_id: str
+    experiments: tuple[str, ...]  # experiment files whose SAEs of this group it trains
+    sae_ids: tuple[str, ...]
+    mark: str  # the group mark the workflow asks for (see current_mark)
+
+
+def train_jobs(planned: list[Planned], runs_to: str) -> list[TrainJob]:
+    """One training job per (cache hash, group id), with its mark under ``runs_to``.
+
+    Experiments that share a cache and a group's keys share its id, so they share its job; an
+    experiment joins the job only for SAEs no earlier one has. A group is complete when every
+    member SAE has its done file. A changed hyperparameter gives a new SAE id, so its group is
+    incomplete and trains again (only the new SAE: the trainer skips finished ones), while the
+    cache hash and every other id stay the same.
     """
-    runs = p.train_runs()
-    if not runs:
-        return []
     from actcache.sae.config import groups
 
+    by_job: dict[tuple[str, str], dict[str, list[str]]] = {}  # -> experiment file -> new SAE ids
+    for p in planned:
+        for gid, members in sorted(groups(p.train_runs()).items()):
+            files = by_job.setdefault((p.hash, gid), {})
+            known = {i for ids in files.values() for i in ids}
+            new = [r.sae_id for r in members if r.sae_id not in known]
+            if new:
+                files.setdefault(p.exp.source, []).extend(new)
     out = []
-    for key, members in sorted(groups(runs).items()):
-        ids = sorted(r.sae_id for r in members)
-        tag = hashlib.sha256(json.dumps([key, ids]).encode()).hexdigest()[:16]
-        out.append((tag, key))
+    for (h, gid), files in by_job.items():
+        ids = tuple(i for sae_ids in files.values() for i in sae_ids)
+        complete = all(is_done(run_dir(runs_to, h, i)) for i in ids)
+        out.append(TrainJob(h, gid, tuple(files), ids, current_mark(group_mark(runs_to, h, gid), complete)))
     return out
+
+
+def dump_marks(p: Planned, cache_dir: str) -> list[str]:
+    """The mark of each shard range of ``p`` under ``cache_dir`` that the workflow asks for."""
+    return [current_mark(_dump_mark_base(cache_dir, a, b), p.range_complete(a, b)) for a, b in p.ranges]
 
 
 def load_workflow_config(path: str) -> dict:
@@ -194,51 +253,18 @@ def plan_from_config(
     return plan(experiments or cfg["experiments"], dump_to or cfg["dump_to"], runs_to or cfg["runs_to"], base_dir=base)
 
 
-def cli_plan(args) -> int:
-    dump_to, runs_to = args.dump_to, args.runs_to
-    if args.experiment and not os.path.exists(args.config):
-        if not (dump_to and runs_to):
-            raise ConfigError("--experiment without a workflow config needs --dump-to and --runs-to.")
-        planned = plan(args.experiment, dump_to, runs_to)
-    else:
-        planned = plan_from_config(args.config, dump_to, runs_to, args.experiment or None)
-    rows = []
-    for p in planned:
-        st = p.status()
-        runs = []
-        for r in p.train_runs():
-            run_dir = os.path.join(p.runs_to, p.hash, r.sae_id)
-            runs.append(
-                {
-                    "sae_id": r.sae_id,
-                    "group": r.group_id,
-                    "dir": run_dir,
-                    "done": os.path.exists(os.path.join(run_dir, "done.json")),
-                }
-            )
-        rows.append(
-            {
-                "experiment": p.exp.name,
-                "file": p.exp.source,
-                "hash": p.hash,
-                "dir": p.cache_dir,
-                "cache": st,
-                "dump_jobs": len(p.ranges),
-                "training": runs,
-            }
-        )
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return 0
-    for r in rows:
-        st = r["cache"]
-        print(f"{r['experiment']}  ({r['file']})")
-        print(f"  hash      {r['hash']}")
-        print(f"  dir       {r['dir']}")
-        print(f"  cache     {st['state']} ({st['shards_done']}/{st['n_shards']} shards, {r['dump_jobs']} dump job(s))")
-        if r["training"]:
-            done = sum(t["done"] for t in r["training"])
-            print(f"  training  {done} of {len(r['training'])} SAE(s) done")
-            for t in r["training"]:
-                print(f"    {'done   ' if t['done'] else 'pending'}  {t['sae_id']}  group {t['group']}")
-    return 0
+def plan_summary(p: Planned) -> dict:
+    """What `actcache plan --json` prints for one experiment: its cache and its SAEs, with status."""
+    runs = []
+    for r in p.train_runs():
+        directory = run_dir(p.runs_to, p.hash, r)
+        runs.append({"sae_id": r.sae_id, "group": r.group_id, "dir": directory, "done": is_done(directory)})
+    return {
+        "experiment": p.exp.name,
+        "file": p.exp.source,
+        "hash": p.hash,
+        "dir": p.cache_dir,
+        "cache": p.status(),
+        "dump_jobs": len(p.ranges),
+        "training": runs,
+    }

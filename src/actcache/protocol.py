@@ -309,39 +309,14 @@ class Metadata:
 
 
 def _refuse_other_format(doc: dict, where: str) -> None:
-    """A saev 2.x document, or one of neither format, gets an error that says what it is."""
-    from actcache.saev import is_saev_doc
-
-    if is_saev_doc(doc):
-        raise ProtocolError(
-            f"{where}: this is a saev cache (protocol {doc.get('protocol')!r}), not protocol v1. actcache "
-            "reads it (ActivationCache.open, the loaders, inspect, verify, train) but never writes into it."
-        )
+    """A document that is not v1 metadata (a saev 2.x cache's, say) gets an error saying what it has."""
     if "vit_family" not in doc:
-        raise ProtocolError(f"{where}: {describe_unknown(doc)}")
-
-
-def describe_unknown(doc: dict) -> str:
-    """One line naming what a metadata.json that is neither v1 nor saev 2.1 holds."""
-    keys = ", ".join(list(doc)[:12]) + (" ..." if len(doc) > 12 else "")
-    return (
-        f"neither a protocol-v1 cache (needs 'vit_family', 'n_patches_per_img', ...) nor a saev 2.1 cache "
-        f"(needs 'family', 'content_tokens_per_example', ...); found keys: {keys or 'none'}, "
-        f"protocol {doc.get('protocol', 'missing')!r}."
-    )
-
-
-def load_metadata(path: str | os.PathLike) -> Metadata:
-    """metadata.json of a v1 cache (Metadata) or of a saev 2.x cache (saev.SaevMetadata, read-only)."""
-    from actcache.saev import SaevMetadata, is_saev_doc
-
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        path = os.path.join(path, METADATA_FILE)
-    doc = read_json(path)
-    if is_saev_doc(doc):
-        return SaevMetadata.from_dict(doc, where=path)
-    return Metadata.from_dict(doc, where=path)
+        keys = ", ".join(list(doc)[:12]) + (" ..." if len(doc) > 12 else "")
+        raise ProtocolError(
+            f"{where}: not protocol-v1 metadata (found keys: {keys or 'none'}; protocol "
+            f"{doc.get('protocol', 'missing')!r}). actcache writes only v1 caches; a saev cache (protocol 2.x) "
+            "is read-only: ActivationCache.open, the loaders, inspect, verify and train --cache read it."
+        )
 
 
 class LayerNotRecordedError(ProtocolError, KeyError):

@@ -25,13 +25,13 @@ import warnings
 import numpy as np
 
 from actcache.errors import CacheIncompleteError, ProtocolError
+from actcache.formats import load_metadata
 from actcache.protocol import (
     METADATA_FILE,
     SHARDS_FILE,
     Metadata,
     ProtocolWarning,
     ShardInfo,
-    load_metadata,
     read_shards,
     shard_name,
 )

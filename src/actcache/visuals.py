@@ -1,26 +1,20 @@
-"""`actcache visuals RUN_DIR [RUN_DIR | SWEEP_DIR ...]`: what each latent of a trained SAE responds to.
+"""What each latent of a trained SAE responds to: the library behind `actcache visuals`.
 
-For each SAE run directory (``<runs_to>/<HASH>/<sae-id>/``, written by ``actcache train``), ONE
-ordered pass over its cache (the layer, patches and scaling it was trained on, every image;
-SAEs of the same stream share the pass) gives per-latent statistics (:mod:`actcache.topk`), and
+For each SAE run directory (actcache.rundir), ONE ordered pass over its cache (the layer, patches
+and scaling it was trained on, every image; SAEs of the same stream share the pass) gives
+per-latent statistics (actcache.topk). :func:`write_visuals` turns them into the run's visuals/
+folder (latents.npz, summary.json, an HTML page with its images, training curves, frequency
+plot) and the same page as one self-contained file beside it, for `snakemake --report`.
+:func:`make_visuals` does this for a list of runs; with several runs it also writes the sweep
+plots (NMSE against L0, every SAE's curves) into ``opts.out`` (default: their common parent's
+visuals/). ``plots_only`` skips the pass and the per-SAE pages.
 
-    RUN_DIR/visuals/
-        latents.npz     freq, fire_count, mean_act, max_act, hist (+ hist_edges), top_img,
-                        top_score, top_acts (per-token activations of the top images, float16)
-        summary.json    what was computed on what (cache, layer, patches, k, counts, timings)
-        index.html      the page (see actcache.visuals_html), img/ its images (relative paths)
-        curves.png      training curves (NMSE, L0, dead %) from metrics.jsonl
-        freq.png        firing frequency and mean activation of every latent
-    RUN_DIR/visuals.html  the same page in one file, every image inlined (written last; what
-                        `snakemake --report report.html` embeds, since a report cannot hold folders)
+Invariants: a page is written into a temporary sibling folder and renamed, so a reader never
+sees half a visuals/ folder; a cache whose hash differs from the one in run.json is refused.
 
-With several runs (or a sweep directory such as ``<runs_to>/<HASH>/``) it also writes, into
-``--out`` (default ``<their common parent>/visuals/``): ``nmse_l0.png`` (one point per SAE, from
-eval.json or else the last metrics), ``curves.png`` (every SAE's curves), ``sweep.json`` and an
-``index.html`` linking the per-SAE pages. ``--plots-only`` skips the pass and the per-SAE pages.
-
-Modules: this one (runs, errors, the pass, the CLI), :mod:`actcache.topk` (streaming statistics),
-:mod:`actcache.visuals_html` (page, images, heatmaps), :mod:`actcache.visuals_plots` (matplotlib).
+Modules: this one (errors, the pass, the pages of runs), actcache.topk (streaming statistics),
+actcache.visuals_html (page, images, heatmaps), actcache.visuals_plots (matplotlib), and
+actcache.rundir (the run files). The CLI (actcache.cli.visuals) parses the options.
 """
 
 from __future__ import annotations
@@ -41,23 +35,50 @@ import numpy as np
 
 from actcache.errors import ActCacheError, ConfigError, os_error_text
 from actcache.fsutil import atomic_write_bytes
+from actcache.rundir import (
+    CURVES_PLOT,
+    DONE_FILE,
+    FREQ_PLOT,
+    PAGE_FILE,
+    RUN_FILE,
+    SAE_FILES,
+    STATS_FILE,
+    SUMMARY_FILE,
+    VISUALS_DIR,
+    VISUALS_PAGE,
+    WEIGHTS_FILE,
+    Run,
+    RunDirError,
+    find_runs,
+    load_run,
+    read_json,
+)
 from actcache.topk import LatentStats, LatentSummary
 
 log = logging.getLogger(__name__)
 
-RUN_FILE, METRICS_FILE, EVAL_FILE, DONE_FILE = "run.json", "metrics.jsonl", "eval.json", "done.json"
-SAE_FILES = ("config.json", "sae.safetensors")
-VISUALS_DIR, STATS_FILE, SUMMARY_FILE = "visuals", "latents.npz", "summary.json"
-STANDALONE_FILE = "visuals.html"
 TARGET_BATCH_BYTES = 2**28  # latent activations of one batch (B x width float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class VisualsOptions:
+    """What :func:`make_visuals` draws, and how (`actcache visuals --help` explains each)."""
+
+    top_k: int = 16
+    latents: int = 128
+    select: str = "spread"
+    latent_ids: tuple[int, ...] | None = None
+    cache: str | None = None
+    device: str | None = None
+    batch_images: int | None = None
+    no_images: bool = False
+    reuse: bool = False
+    plots_only: bool = False
+    out: str | None = None
 
 
 class VisualsError(ActCacheError):
     """`actcache visuals` cannot run on its input."""
-
-
-class RunDirError(VisualsError):
-    """A path is not (or not yet) a trained SAE's run directory."""
 
 
 class CacheMissingError(VisualsError):
@@ -69,93 +90,7 @@ class ImagesMissingError(VisualsError):
 
 
 # ---------------------------------------------------------------------------------------------
-# Runs
-
-
-@dataclasses.dataclass
-class Run:
-    dir: str
-    info: dict  # run.json ({} when absent)
-    cache: str | None
-    cache_hash: str | None
-    layer: int | None
-    patches: str
-    scale_norm: bool
-
-    @property
-    def name(self) -> str:
-        return self.info.get("sae_id") or os.path.basename(os.path.normpath(self.dir))
-
-    @property
-    def has_weights(self) -> bool:
-        return all(os.path.isfile(os.path.join(self.dir, f)) for f in SAE_FILES)
-
-    def label(self) -> str:
-        r = self.info.get("run", {})
-        cfg = read_json(os.path.join(self.dir, "config.json")) or {}
-        act = cfg.get("activation", r.get("activation", "?"))
-        k = cfg.get("k", r.get("k"))
-        width = cfg.get("width", self.info.get("width"))
-        return f"{self.name[:8]} {act}" + (f" k={k}" if k else "") + (f" w={width}" if width else "")
-
-
-def read_json(path: str):
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as err:
-        raise RunDirError(f"{path}: cannot read it as JSON ({err}); delete it or re-run actcache train") from None
-
-
-def is_run_dir(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, RUN_FILE)) or all(os.path.isfile(os.path.join(path, f)) for f in SAE_FILES)
-
-
-def find_runs(paths: list[str]) -> list[str]:
-    """Run directories named by ``paths``: each a run directory, or a directory holding run
-    directories one or two levels down (``<runs_to>/<HASH>/`` or ``<runs_to>/``)."""
-    out: list[str] = []
-    for p in paths:
-        if not os.path.isdir(p):
-            raise RunDirError(
-                f"{p}: no such directory. Pass an SAE run directory <runs_to>/<HASH>/<sae-id>/ written by "
-                "`actcache train` (`actcache plan` lists them), or a directory holding such runs."
-            )
-        if is_run_dir(p):
-            out.append(p)
-            continue
-        found = []
-        for depth_glob in (1, 2):
-            level = [p]
-            for _ in range(depth_glob):
-                level = [
-                    os.path.join(d, c)
-                    for d in level
-                    for c in sorted(os.listdir(d))
-                    if os.path.isdir(os.path.join(d, c))
-                ]
-            found = [d for d in level if is_run_dir(d)]
-            if found:
-                break
-        if not found:
-            raise RunDirError(
-                f"{p}: not an SAE run directory (no {RUN_FILE}, no {' + '.join(SAE_FILES)}) and no run directories "
-                "below it. Pass <runs_to>/<HASH>/<sae-id>/ of an SAE trained by `actcache train`."
-            )
-        out.extend(found)
-    return list(dict.fromkeys(out))
-
-
-def load_run(path: str, cache: str | None = None) -> Run:
-    info = read_json(os.path.join(path, RUN_FILE)) or {}
-    run = info.get("run", {})
-    return Run(
-        dir=path, info=info, cache=cache or info.get("cache"), cache_hash=info.get("cache_hash"),
-        layer=info.get("layer", run.get("layer")), patches=run.get("patches", "image"),
-        scale_norm=bool(run.get("scale_norm", False)),
-    )  # fmt: skip
+# The cache and images of a run
 
 
 def open_cache(run: Run):
@@ -178,12 +113,12 @@ def open_cache(run: Run):
     if run.cache_hash and cache.metadata.hash != run.cache_hash:
         raise CacheMissingError(
             f"{run.dir}: {run.cache} holds cache {cache.metadata.hash[:12]}..., but the SAE was trained on "
-            f"{run.cache_hash[:12]}... (run.json); pass --cache <dump_to>/{run.cache_hash}."
+            f"{run.cache_hash[:12]}... ({RUN_FILE}); pass --cache <dump_to>/{run.cache_hash}."
         )
     md = cache.metadata
     if run.layer is None:
         if len(md.layers) != 1:
-            raise RunDirError(f"{run.dir}: run.json does not say which of the layers {list(md.layers)} the SAE saw.")
+            raise RunDirError(f"{run.dir}: {RUN_FILE} does not say which of the layers {list(md.layers)} the SAE saw.")
         run.layer = md.layers[0]
     return cache
 
@@ -360,8 +295,7 @@ def cuda_feed(loader, device) -> StagedFeed:
     """The pass's batches on a GPU as ``(act (B, D), image_i (B,))``: the thread copies each batch
     into a page-locked host buffer, then to the GPU on a CUDA stream of its own, while the main
     thread runs the SAEs and the statistics on the batch before. A copy straight from the loader's
-    (pageable) buffers runs at a fraction of the speed and holds the host until it is done: 7.4
-    against 55 GB/s measured on an H200 machine, 0.58 s of a 4 GiB pass."""
+    (pageable) buffers is much slower and holds the host thread until it is done."""
     import torch
 
     @contextlib.contextmanager
@@ -431,12 +365,10 @@ def write_visuals(run: Run, cache, res: LatentSummary, src, opts, timings: dict)
     try:
         t0 = time.perf_counter()
         notes = [src.note] if src.note else []
-        try:
-            ids = [int(x) for x in opts.latent_ids.split(",")] if opts.latent_ids else None
-        except ValueError:
-            raise ConfigError(f"--latent-ids must be comma-separated integers, got {opts.latent_ids!r}") from None
+        ids = list(opts.latent_ids) if opts.latent_ids else None
         if ids is not None and any(not 0 <= i < res.width for i in ids):
-            raise ConfigError(f"--latent-ids: ids must be in [0, {res.width}), got {opts.latent_ids}")
+            shown = ",".join(str(i) for i in ids)
+            raise ConfigError(f"--latent-ids: ids must be in [0, {res.width}), got {shown}")
         latents = vh.select_latents(res, opts.latents, opts.select, ids)
         pot = _patch_of_token(md, run.patches, run.layer)
         grid = math.isqrt(md.n_patches_per_img)
@@ -455,10 +387,10 @@ def write_visuals(run: Run, cache, res: LatentSummary, src, opts, timings: dict)
                 image_labels, stop_images = vh.image_writer(src, ids, os.path.join(tmp, "img"), pool)
             try:
                 plots = []
-                if plot_curves([run], os.path.join(tmp, "curves.png")):
-                    plots.append("curves.png")
-                plot_freq(res, os.path.join(tmp, "freq.png"))
-                plots.append("freq.png")
+                if plot_curves([run], os.path.join(tmp, CURVES_PLOT)):
+                    plots.append(CURVES_PLOT)
+                plot_freq(res, os.path.join(tmp, FREQ_PLOT))
+                plots.append(FREQ_PLOT)
                 labels = image_labels()
                 for job in jobs:
                     job.result()
@@ -468,8 +400,7 @@ def write_visuals(run: Run, cache, res: LatentSummary, src, opts, timings: dict)
                 stop_images()
                 raise
         timings["page_s"] = time.perf_counter() - t0
-        ev = read_json(os.path.join(run.dir, EVAL_FILE)) or {}
-        cfg = read_json(os.path.join(run.dir, "config.json")) or {}
+        ev, cfg = run.eval(), run.sae_config()
         info = {
             "SAE": run.name, "activation": cfg.get("activation"), "width": res.width, "k": cfg.get("k"),
             "cache": f"{md.hash[:16]}... ({run.cache})", "model": f"{md.vit_family} {md.vit_ckpt}",
@@ -481,7 +412,7 @@ def write_visuals(run: Run, cache, res: LatentSummary, src, opts, timings: dict)
         if isinstance(ev.get("nmse"), (int, float)):
             info["held-out eval"] = f"NMSE {ev['nmse']:.4f}, L0 {ev.get('l0', float('nan')):.2f}"
         page = vh.render_page(res, latents, info, labels, pot, heat, src.dataset is not None, plots, notes)
-        vh.write_page(os.path.join(tmp, "index.html"), page)
+        vh.write_page(os.path.join(tmp, PAGE_FILE), page)
         standalone = vh.inline_assets(page, tmp)
         summary = {
             "version": 1, "sae_id": run.name, "run_dir": os.path.abspath(run.dir), "cache": run.cache,
@@ -500,15 +431,15 @@ def write_visuals(run: Run, cache, res: LatentSummary, src, opts, timings: dict)
         if old:
             shutil.rmtree(old, ignore_errors=True)
         # the same page in one file (images inlined), beside the folder: for `snakemake --report`
-        atomic_write_bytes(os.path.join(run.dir, STANDALONE_FILE), standalone.encode("utf-8"))
+        atomic_write_bytes(os.path.join(run.dir, VISUALS_PAGE), standalone.encode("utf-8"))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return os.path.join(final, "index.html")
+    return os.path.join(final, PAGE_FILE)
 
 
 def _preload_plotting() -> None:
-    """Import matplotlib (~0.5-1 s) while the pass runs; a failure is reported later, where it is used."""
+    """Import matplotlib while the pass runs; a failure is reported later, where it is used."""
     try:
         from actcache.visuals_plots import _plt
 
@@ -518,7 +449,7 @@ def _preload_plotting() -> None:
 
 
 def _weights_stamp(run_dir: str) -> dict:
-    st = os.stat(os.path.join(run_dir, "sae.safetensors"))
+    st = os.stat(os.path.join(run_dir, WEIGHTS_FILE))
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
@@ -533,22 +464,57 @@ def _reusable(run: Run, md, opts) -> LatentSummary | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# CLI
+# Runs -> pages
 
 
-def cli_visuals(args) -> int:
-    """`actcache visuals RUN_DIR...` (options: see `actcache visuals --help`)."""
+def _group_streams(runs: list[Run]) -> tuple[dict[tuple, list[Run]], dict]:
+    """Runs by the stream of activations they read: (cache, layer, patches, scale_norm)."""
+    streams: dict[tuple, list[Run]] = {}
+    caches = {}
+    for r in runs:
+        cache = open_cache(r)
+        key = (os.path.realpath(cache.path), r.layer, r.patches, r.scale_norm)
+        caches[key] = cache
+        streams.setdefault(key, []).append(r)
+    return streams, caches
+
+
+def _stream_pages(key: tuple, cache, members: list[Run], opts: VisualsOptions, report) -> None:
+    """One pass over a stream for the members that need it, then each member's pages."""
     import torch
 
     from actcache.sae.modeling import SAE
 
-    for name in ("top_k", "latents", "batch_images"):
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
-    paths = find_runs(args.run_dirs)
-    runs = [load_run(p, args.cache) for p in paths]
-    if not args.plots_only:
+    src = image_source(cache.metadata, opts.no_images)  # fails before the pass, not after it
+    todo, results = [], {}
+    for r in members:
+        got = _reusable(r, cache.metadata, opts) if opts.reuse else None
+        if got is not None:
+            results[r.dir] = got
+        else:
+            todo.append(r)
+    t0, timings = time.perf_counter(), {}
+    if todo:
+        log.info("visuals: one pass over %s (layer %s, patches %s) for %d SAE(s)", cache.path, key[1], key[2],
+                 len(todo))  # fmt: skip
+        saes = [SAE.load(r.dir) for r in todo]
+        device = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        for r, res in zip(todo, compute_stats(cache, saes, key[2], key[1], key[3], opts.top_k,
+                                              opts.batch_images, device, timings), strict=True):  # fmt: skip
+            results[r.dir] = res
+    pass_s = time.perf_counter() - t0
+    for r in members:
+        with _writing(f"the visuals of {r.dir}", "a page already there is kept"):
+            path = write_visuals(r, cache, results[r.dir], src, opts,
+                                 {"pass_s": pass_s, **timings, "reused": r not in todo})  # fmt: skip
+        report(path)
+
+
+def make_visuals(run_dirs: list[str], opts: VisualsOptions, report=print) -> None:
+    """The pages of every run under ``run_dirs`` (see the module docstring); ``report`` gets the
+    path of each page and plot as soon as it is written."""
+    runs = [load_run(p, opts.cache) for p in find_runs(run_dirs)]
+    if not opts.plots_only:
         missing = [r.dir for r in runs if not r.has_weights]
         if missing:
             raise RunDirError(
@@ -556,46 +522,16 @@ def cli_visuals(args) -> int:
                 f"for its {DONE_FILE}), or use --plots-only for the training curves."
             )
         threading.Thread(target=_preload_plotting, name="actcache-import-matplotlib", daemon=True).start()
-        streams: dict[tuple, list[Run]] = {}
-        caches = {}
-        for r in runs:
-            cache = open_cache(r)
-            key = (os.path.realpath(cache.path), r.layer, r.patches, r.scale_norm)
-            caches[key] = cache
-            streams.setdefault(key, []).append(r)
+        streams, caches = _group_streams(runs)
         for key, members in streams.items():
-            cache = caches[key]
-            src = image_source(cache.metadata, args.no_images)  # fails before the pass, not after it
-            todo, results = [], {}
-            for r in members:
-                got = _reusable(r, cache.metadata, args) if args.reuse else None
-                if got is not None:
-                    results[r.dir] = got
-                else:
-                    todo.append(r)
-            t0, timings = time.perf_counter(), {}
-            if todo:
-                log.info("visuals: one pass over %s (layer %s, patches %s) for %d SAE(s)", cache.path, key[1], key[2],
-                         len(todo))  # fmt: skip
-                saes = [SAE.load(r.dir) for r in todo]
-                device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-                for r, res in zip(todo, compute_stats(cache, saes, key[2], key[1], key[3], args.top_k,
-                                                      args.batch_images, device, timings), strict=True):  # fmt: skip
-                    results[r.dir] = res
-            pass_s = time.perf_counter() - t0
-            for r in members:
-                with _writing(f"the visuals of {r.dir}", "a page already there is kept"):
-                    path = write_visuals(r, cache, results[r.dir], src, args,
-                                         {"pass_s": pass_s, **timings, "reused": r not in todo})  # fmt: skip
-                print(path)
-    if len(runs) > 1 or args.out or args.plots_only:
-        out = args.out or os.path.join(os.path.commonpath([os.path.abspath(os.path.dirname(r.dir)) for r in runs]),
+            _stream_pages(key, caches[key], members, opts, report)
+    if len(runs) > 1 or opts.out or opts.plots_only:
+        out = opts.out or os.path.join(os.path.commonpath([os.path.abspath(os.path.dirname(r.dir)) for r in runs]),
                                        VISUALS_DIR)  # fmt: skip
         from actcache.visuals_plots import write_sweep
 
         with _writing(f"the sweep plots in {out}", "a plot cut short there is rewritten by the re-run"):
             made = write_sweep(runs, out)
         for name in made:
-            print(os.path.join(out, f"{name}.png"))
-        print(os.path.join(out, "index.html"))
-    return 0
+            report(os.path.join(out, name))
+        report(os.path.join(out, PAGE_FILE))

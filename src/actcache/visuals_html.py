@@ -151,10 +151,9 @@ def page_workers() -> int:
 
 
 # From this many images on, the page's images are written by forked processes instead of threads.
-# Each image costs ~1 ms of CPU (decode or generate, resize, crop, JPEG encode), of which the Python
-# between PIL's calls (~0.2-0.4 ms) holds the GIL: threads top out at a few thousand images a
-# second however many cores there are (an H200 machine's 16 threads took 0.8 ms per image), while
-# forking a worker costs a few ms. Where fork is not available, threads.
+# Each image (decode or generate, resize, crop, JPEG encode) spends part of its CPU time in Python
+# between PIL's calls, which holds the GIL, so threads stop scaling with the cores, while forking
+# a worker costs little next to a large page. Where fork is not available, threads.
 FORK_MIN_IMAGES = 256
 _FORKED_SOURCE: ImageSource | None = None  # the image source forked workers inherit (set around the fork)
 

@@ -9,39 +9,29 @@ import os
 
 import numpy as np
 
+from actcache.errors import ActCacheError
 from actcache.fsutil import atomic_write_bytes
+from actcache.rundir import CURVES_PLOT, NMSE_L0_PLOT, PAGE_FILE, SWEEP_FILE, VISUALS_DIR, Run, read_metrics
 from actcache.topk import LatentSummary
-from actcache.visuals import EVAL_FILE, METRICS_FILE, VISUALS_DIR, Run, VisualsError, read_json
+
+
+class PlotError(ActCacheError):
+    """The plots cannot be drawn (matplotlib is missing)."""
 
 
 def _plt():
     try:
         import matplotlib
     except ImportError:
-        raise VisualsError("plots need matplotlib: pip install matplotlib") from None
+        raise PlotError("plots need matplotlib: pip install matplotlib") from None
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
     return plt
 
 
-def read_metrics(run_dir: str) -> list[dict]:
-    out = []
-    try:
-        with open(os.path.join(run_dir, METRICS_FILE), encoding="utf-8") as fh:
-            for ln in fh:
-                try:
-                    out.append(json.loads(ln))
-                except ValueError:
-                    continue  # a line cut by a kill
-    except FileNotFoundError:
-        pass
-    return out
-
-
 def _width(run: Run) -> int | None:
-    cfg = read_json(os.path.join(run.dir, "config.json")) or {}
-    return cfg.get("width") or run.info.get("width")
+    return run.sae_config().get("width") or run.info.get("width")
 
 
 def plot_curves(runs: list[Run], path: str) -> bool:
@@ -77,7 +67,7 @@ def plot_curves(runs: list[Run], path: str) -> bool:
 def sweep_points(runs: list[Run]) -> list[dict]:
     pts = []
     for r in runs:
-        ev = read_json(os.path.join(r.dir, EVAL_FILE)) or {}
+        ev = r.eval()
         if isinstance(ev.get("nmse"), (int, float)) and isinstance(ev.get("l0"), (int, float)):
             pts.append({"run": r.dir, "sae_id": r.name, "label": r.label(), "nmse": ev["nmse"], "l0": ev["l0"],
                         "source": "eval"})  # fmt: skip
@@ -141,7 +131,7 @@ def plot_freq(res: LatentSummary, path: str) -> None:
     b.set_ylabel("log10 mean activation")
     for ax in (a, b):
         ax.grid(alpha=0.3)
-    fig.subplots_adjust(left=0.07, right=0.985, bottom=0.16, top=0.9, wspace=0.25)  # tight_layout: 2x slower
+    fig.subplots_adjust(left=0.07, right=0.985, bottom=0.16, top=0.9, wspace=0.25)  # faster than tight_layout
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
@@ -151,25 +141,27 @@ def plot_freq(res: LatentSummary, path: str) -> None:
 
 
 def write_sweep(runs: list[Run], out: str) -> dict:
+    """Into ``out``: the SWEEP_PLOTS, sweep.json and an index.html; returns {plot file: whether it
+    has data} (a plot without data shows why)."""
     os.makedirs(out, exist_ok=True)
     pts = sweep_points(runs)
-    made = {"nmse_l0": plot_sweep(pts, os.path.join(out, "nmse_l0.png")),
-            "curves": plot_curves(runs, os.path.join(out, "curves.png"))}  # fmt: skip
+    made = {NMSE_L0_PLOT: plot_sweep(pts, os.path.join(out, NMSE_L0_PLOT)),
+            CURVES_PLOT: plot_curves(runs, os.path.join(out, CURVES_PLOT))}  # fmt: skip
     for name, ok in made.items():  # the files always exist (workflow outputs); say why one is empty
         if not ok:
-            _placeholder(os.path.join(out, f"{name}.png"), "no metrics.jsonl / eval.json in these runs yet")
-    atomic_write_bytes(os.path.join(out, "sweep.json"), (json.dumps({"points": pts}, indent=2) + "\n").encode())
+            _placeholder(os.path.join(out, name), "no metrics.jsonl / eval.json in these runs yet")
+    atomic_write_bytes(os.path.join(out, SWEEP_FILE), (json.dumps({"points": pts}, indent=2) + "\n").encode())
     rows = []
     for r in runs:
         p = next((x for x in pts if x["run"] == r.dir), {})
-        page = os.path.join(r.dir, VISUALS_DIR, "index.html")
+        page = os.path.join(r.dir, VISUALS_DIR, PAGE_FILE)
         link = (f'<a href="{html.escape(os.path.relpath(page, out))}">{html.escape(r.name)}</a>'
                 if os.path.isfile(page) else html.escape(r.name))  # fmt: skip
         nmse, l0 = p.get("nmse"), p.get("l0")
         rows.append(f"<tr><td>{link}</td><td>{html.escape(r.label())}</td>"
                     f"<td>{'' if nmse is None else f'{nmse:.4f}'}</td><td>{'' if l0 is None else f'{l0:.2f}'}</td>"
                     f"<td>{p.get('source', '')}</td></tr>")  # fmt: skip
-    imgs = "".join(f'<img src="{n}.png" alt="{n}">' for n in made)
+    imgs = "".join(f'<img src="{n}" alt="{os.path.splitext(n)[0]}">' for n in made)
     page = (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>SAE sweep</title><style>'
         "body{font:14px system-ui,sans-serif;margin:16px} td,th{padding:2px 10px;text-align:left}"
@@ -177,5 +169,5 @@ def write_sweep(runs: list[Run], out: str) -> dict:
         f"{imgs}<table><tr><th>SAE</th><th>config</th><th>NMSE</th><th>L0</th><th>from</th></tr>{''.join(rows)}"
         "</table></body></html>\n"
     )
-    atomic_write_bytes(os.path.join(out, "index.html"), page.encode())
+    atomic_write_bytes(os.path.join(out, PAGE_FILE), page.encode())
     return made

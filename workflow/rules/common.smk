@@ -1,13 +1,28 @@
 # Helpers: experiments -> hashes -> shard ranges -> targets. The logic lives in actcache.plan
 # (no weights are loaded: dims come from each checkpoint's config.json, the image count from a
 # cached dataset listing), so `actcache plan` and this workflow always agree.
+# Parsing only reads the disk: which mark each job should leave is decided by
+# actcache.plan.current_mark, and the job that needs it deletes a stale mark (see cache.smk).
+# Everything below is computed once, when the workflow is parsed.
 import os
 import sys
 
 import yaml
 
 from actcache.errors import ActCacheError
-from actcache.plan import dump_mark, plan, train_groups
+from actcache.plan import DUMP_MARKS as DUMP_MARKS_DIR
+from actcache.plan import MARK_SLOTS, dump_marks, other_mark, plan, train_jobs
+from actcache.protocol import SHARDS_FILE
+from actcache.rundir import (
+    CURVES_PLOT,
+    GROUPS_DIR,
+    NMSE_L0_PLOT,
+    SWEEP_PLOTS,
+    VISUALS_DIR,
+    VISUALS_PAGE,
+    run_dir,
+    sweep_dir,
+)
 
 
 # The actcache CLI of the Python that runs this workflow (on Slurm, jobs re-run the same Python).
@@ -47,15 +62,21 @@ CACHES = {}
 for _p in PLAN:
     CACHES.setdefault(_p.hash, _p)
 
-# A range's .done mark claims "every shard of A..B-1 is complete". If a shard was deleted or
-# truncated since, that claim is false: remove the mark so the range's dump job runs again.
-for _h, _p in CACHES.items():
-    for _a, _b in _p.ranges:
-        _mark = dump_mark(os.path.join(DUMP_TO, _h), _a, _b)
-        if os.path.exists(_mark) and not _p.range_complete(_a, _b):
-            print(f"actcache: {_h[:12]} shards {_a}..{_b - 1} incomplete on disk; their dump job will run again.",
-                  file=sys.stderr)
-            os.remove(_mark)
+# hash -> the mark of each shard range (a range found incomplete on disk gets the other slot, so
+# its dump job runs again; the gather after it verifies the cache again).
+DUMP_MARKS = {_h: dump_marks(_p, os.path.join(DUMP_TO, _h)) for _h, _p in CACHES.items()}
+
+# (hash, group id) -> its training job. The group id is RunConfig.group_id, the same id that
+# `actcache plan` prints and `actcache train --group` takes. A group with an SAE that has no done
+# file yet (e.g. a changed hyperparameter made a new SAE id) gets a new mark slot: a new training
+# job, and never a dump job.
+try:
+    TRAIN_JOBS = {(_job.cache_hash, _job.group_id): _job for _job in train_jobs(PLAN, RUNS_TO)}
+except ActCacheError as err:
+    _fail(str(err))
+
+# (hash, sae id) -> the id of the training group that writes it.
+SAE_GROUP = {(h, sae): gid for (h, gid), job in TRAIN_JOBS.items() for sae in job.sae_ids}
 
 
 def experiment_file(hash):
@@ -63,29 +84,17 @@ def experiment_file(hash):
 
 
 def range_marks(hash):
-    p = CACHES[hash]
-    return [dump_mark(os.path.join(DUMP_TO, hash), a, b) for a, b in p.ranges]
+    return DUMP_MARKS[hash]
 
 
-# (hash, group tag) -> (experiment file, group key). The tag also covers the group's SAE ids, so
-# a changed SAE hyperparameter makes a new training job (and never a dump job).
-TRAIN_JOBS = {}
-try:
-    for _p in PLAN:
-        for _tag, _key in train_groups(_p):
-            TRAIN_JOBS.setdefault((_p.hash, _tag), (_p.exp.source, _key))
-except ActCacheError as err:
-    _fail(str(err))
-
-
-def train_job(hash, tag):
-    return TRAIN_JOBS[(hash, tag)]
+def train_job(hash, group):
+    return TRAIN_JOBS[(hash, group)]
 
 
 def all_targets():
-    out = [os.path.join(DUMP_TO, h, "shards.json") for h in CACHES]
+    out = [os.path.join(DUMP_TO, h, SHARDS_FILE) for h in CACHES]
     out += [m for h in CACHES for m in range_marks(h)]  # a lost shard re-runs its range's job
-    out += [os.path.join(RUNS_TO, h, "groups", f"{tag}.done") for h, tag in TRAIN_JOBS]
+    out += [job.mark for job in TRAIN_JOBS.values()]
     return out
 
 
@@ -94,33 +103,21 @@ wildcard_constraints:
     sae=r"[0-9a-f]{12}",
 
 
-# (hash, sae id) -> the tag of the training group that writes it (see common.smk: TRAIN_JOBS).
-VISUALS_JOBS = {}
-try:
-    for _p in PLAN:
-        _tag_of = {_key: _tag for _tag, _key in train_groups(_p)}
-        for _r in _p.train_runs():
-            VISUALS_JOBS.setdefault((_p.hash, _r.sae_id), _tag_of[_r.group_id])
-except ActCacheError as err:
-    _fail(str(err))
-
-
 def visuals_group_mark(hash, sae):
-    return os.path.join(RUNS_TO, hash, "groups", f"{VISUALS_JOBS[(hash, sae)]}.done")
+    return train_job(hash, SAE_GROUP[(hash, sae)]).mark
 
 
 def sweep_group_marks(hash):
-    tags = sorted({tag for (h, _), tag in VISUALS_JOBS.items() if h == hash})
-    return [os.path.join(RUNS_TO, hash, "groups", f"{tag}.done") for tag in tags]
+    return sorted(job.mark for (h, _), job in TRAIN_JOBS.items() if h == hash)
 
 
 def sweep_run_dirs(hash):
-    return [os.path.join(RUNS_TO, hash, sae) for (h, sae) in sorted(VISUALS_JOBS) if h == hash]
+    return [run_dir(RUNS_TO, hash, sae) for (h, sae) in sorted(SAE_GROUP) if h == hash]
 
 
 def report_targets():
-    """Every per-SAE visuals folder and every per-cache sweep plot (add to `rule all` to build them)."""
-    out = [os.path.join(RUNS_TO, h, s, "visuals.html") for h, s in VISUALS_JOBS]
-    hashes = sorted({h for h, _ in VISUALS_JOBS})
-    out += [os.path.join(RUNS_TO, h, "visuals", f) for h in hashes for f in ("nmse_l0.png", "curves.png")]
+    """Every per-SAE visuals page and every per-cache sweep plot (add to `rule all` to build them)."""
+    out = [os.path.join(run_dir(RUNS_TO, h, s), VISUALS_PAGE) for h, s in SAE_GROUP]
+    hashes = sorted({h for h, _ in SAE_GROUP})
+    out += [os.path.join(sweep_dir(RUNS_TO, h), f) for h in hashes for f in SWEEP_PLOTS]
     return out

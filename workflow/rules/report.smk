@@ -1,8 +1,7 @@
-# Plots and HTML pages of trained SAEs (`actcache visuals`), marked for `snakemake --report`.
-#   per SAE:   <runs_to>/<HASH>/<sae-id>/visuals/   index.html (+ img/, latents.npz, plots)
-#              <runs_to>/<HASH>/<sae-id>/visuals.html  the same page, images inlined (one file)
-#   per cache: <runs_to>/<HASH>/visuals/            nmse_l0.png, curves.png (every SAE of the sweep)
-# `snakemake --report report.html` (or report.zip) collects the one-file pages and the plots.
+# Plots and HTML pages of trained SAEs (`actcache visuals`), marked for `snakemake --report`:
+# per SAE its visuals folder and the same page in one file (images inlined), per cache the sweep
+# plots over every SAE (file names: actcache.rundir). `snakemake --report report.html` (or
+# report.zip) collects the one-file pages and the plots.
 
 
 rule report:
@@ -11,9 +10,9 @@ rule report:
     input:
         mark=lambda w: visuals_group_mark(w.hash, w.sae),
     output:
-        visuals=directory(os.path.join(RUNS_TO, "{hash}", "{sae}", "visuals")),
+        visuals=directory(os.path.join(RUNS_TO, "{hash}", "{sae}", VISUALS_DIR)),
         page=report(
-            os.path.join(RUNS_TO, "{hash}", "{sae}", "visuals.html"),
+            os.path.join(RUNS_TO, "{hash}", "{sae}", VISUALS_PAGE),
             caption="../report/visuals.rst",
             category="SAE latents",
             subcategory="{hash}",
@@ -41,13 +40,13 @@ rule sweep_report:
         marks=lambda w: sweep_group_marks(w.hash),
     output:
         nmse_l0=report(
-            os.path.join(RUNS_TO, "{hash}", "visuals", "nmse_l0.png"),
+            os.path.join(RUNS_TO, "{hash}", VISUALS_DIR, NMSE_L0_PLOT),
             caption="../report/sweep.rst",
             category="SAE sweeps",
             labels={"cache": "{hash}", "plot": "NMSE against L0"},
         ),
         curves=report(
-            os.path.join(RUNS_TO, "{hash}", "visuals", "curves.png"),
+            os.path.join(RUNS_TO, "{hash}", VISUALS_DIR, CURVES_PLOT),
             caption="../report/curves.rst",
             category="SAE sweeps",
             labels={"cache": "{hash}", "plot": "training curves"},

@@ -1,28 +1,36 @@
-# SAE sweeps on a finished cache: one job per group of SAEs that share one stream of batches.
+# SAE sweeps on a finished cache: one job per group of SAEs that share one stream of batches. The
+# {group} wildcard is the group id (RunConfig.group_id) that `actcache plan` prints, that names
+# the job and its log, and that `actcache train --group` takes.
+
+
+wildcard_constraints:
+    group=r"L[^/]+-[0-9a-f]{8}",
 
 
 rule train:
-    """Train every not-yet-finished SAE of one group from one pass of the shuffled loader."""
+    """Train every not-yet-finished SAE of one group from one pass of the shuffled loader. First it
+    deletes the group's mark in the other slot: a stale claim that the group was complete."""
     input:
         # ancient: a re-gathered cache (a lost shard dumped again, same data) does not retrain
-        shards=ancient(os.path.join(DUMP_TO, "{hash}", "shards.json")),
+        shards=ancient(os.path.join(DUMP_TO, "{hash}", SHARDS_FILE)),
     output:
-        mark=os.path.join(RUNS_TO, "{hash}", "groups", "{group}.done"),
+        mark=os.path.join(RUNS_TO, "{hash}", GROUPS_DIR, "{group}.{slot}"),
     params:
         actcache=ACTCACHE,
-        experiment=lambda w: train_job(w.hash, w.group)[0],
-        group=lambda w: train_job(w.hash, w.group)[1],
+        experiments=lambda w: " ".join(train_job(w.hash, w.group).experiments),
         dump_to=lambda w, input: os.path.dirname(os.path.dirname(input.shards)),
         runs_to=lambda w, output: os.path.dirname(os.path.dirname(os.path.dirname(output.mark))),
+        stale=lambda w, output: other_mark(output.mark),
     log:
-        "logs/train/{hash}/{group}.log",
+        "logs/train/{hash}/{group}.{slot}.log",
     benchmark:
-        "benchmarks/train/{hash}/{group}.tsv"
+        "benchmarks/train/{hash}/{group}.{slot}.tsv"
     threads: 4
     conda:
         "../envs/actcache.yaml"
     resources:
         gpu=1,
     shell:
-        "{params.actcache} train --experiment {params.experiment} --group {params.group} "
-        "--dump-to {params.dump_to} --runs-to {params.runs_to} > {log} 2>&1 && touch {output.mark}"
+        "rm -f {params.stale} && for experiment in {params.experiments}; do "
+        "{params.actcache} train --experiment $experiment --group {wildcards.group} "
+        "--dump-to {params.dump_to} --runs-to {params.runs_to} || exit 1; done > {log} 2>&1 && touch {output.mark}"

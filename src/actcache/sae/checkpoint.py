@@ -1,12 +1,12 @@
 """Training checkpoints of one SAE: weights, config, optimizer + objective state, loader position.
 
-    <run_dir>/checkpoints/step-00001000/
-        sae.safetensors, config.json    # SAE.save (loadable with SAE.load)
-        state.pt                        # optimizer, objective, trainer extras (torch.save, weights_only)
-        position.json                   # {"step": 1000, "loader": {"epoch": 0, "batch": 1000}, ...}
+One directory per step under the run directory (actcache.rundir.checkpoint_dir) holds the SAE's
+weights and config (SAE.save, loadable with SAE.load), ``state.pt`` (optimizer, objective and
+trainer extras; torch.save, loaded with weights_only) and the position file
+(``{"step": 1000, "loader": {"epoch": 0, "batch": 1000}, ...}``).
 
 A checkpoint is written into a hidden temporary directory (every file fsynced) that is renamed
-to ``step-NNNNNNNN`` only when complete, so a killed job never leaves a directory under a final
+to its step's name only when complete, so a killed job never leaves a directory under a final
 name that is half written. A trainer prunes older checkpoints only after every SAE of its group
 has written the new one; resuming then picks the newest step that all of them have
 (:func:`common_step`).
@@ -17,22 +17,17 @@ from __future__ import annotations
 import io
 import json
 import os
-import re
 import shutil
 
 import torch
 
 from actcache.errors import TrainError
 from actcache.fsutil import atomic_write_bytes, fsync_dir, is_temp, tmp_name
+from actcache.rundir import CHECKPOINTS_DIR as CKPT_DIR
+from actcache.rundir import CONFIG_FILE, POSITION_FILE, WEIGHTS_FILE, checkpoint_step
+from actcache.rundir import checkpoint_dir as step_dir
 
-CKPT_DIR = "checkpoints"
-POSITION_FILE = "position.json"
 STATE_FILE = "state.pt"
-_STEP_RE = re.compile(r"^step-(\d{8,})$")
-
-
-def step_dir(run_dir: str, step: int) -> str:
-    return os.path.join(run_dir, CKPT_DIR, f"step-{step:08d}")
 
 
 def save(run_dir: str, step: int, sae, optimizer, objective, position: dict, extra: dict | None = None) -> str:
@@ -69,9 +64,9 @@ def steps(run_dir: str) -> list[int]:
         return []
     out = []
     for name in os.listdir(root):
-        m = _STEP_RE.match(name)
-        if m and os.path.isfile(os.path.join(root, name, POSITION_FILE)):
-            out.append(int(m.group(1)))
+        step = checkpoint_step(name)
+        if step is not None and os.path.isfile(os.path.join(root, name, POSITION_FILE)):
+            out.append(step)
     return sorted(out)
 
 
@@ -95,7 +90,7 @@ def load(run_dir: str, step: int, sae, optimizer, objective) -> tuple[dict, dict
     returns (its position.json, the ``extra`` saved with it)."""
     from safetensors.torch import load_file
 
-    from actcache.sae.modeling import CONFIG_FILE, WEIGHTS_FILE, SAEConfig
+    from actcache.sae.modeling import SAEConfig
 
     d = step_dir(run_dir, step)
     try:
@@ -118,10 +113,9 @@ def load(run_dir: str, step: int, sae, optimizer, objective) -> tuple[dict, dict
 
 def prune(run_dir: str, keep: int) -> None:
     """Delete every checkpoint older than step ``keep``."""
-    root = os.path.join(run_dir, CKPT_DIR)
     for step in steps(run_dir):
         if step < keep:
-            shutil.rmtree(os.path.join(root, f"step-{step:08d}"), ignore_errors=True)
+            shutil.rmtree(step_dir(run_dir, step), ignore_errors=True)
 
 
 def clean_temps(run_dir: str) -> None:

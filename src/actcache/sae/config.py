@@ -28,14 +28,8 @@ Identity
   loader settings and I/O, logging) train together on the batches of ONE loader pass; ``actcache train
   --group G`` trains one group. Ids look like ``L-2-image-1a2b3c4d`` (stable: a hash of the keys).
 
-Output of a finished group (what the workflow waits for): one file per SAE,
-
-    <runs_to>/<HASH>/<sae-id>/done.json
-
-written last (atomically) after the final weights and ``eval.json``. Next to it:
-``run.json`` (this RunConfig, the cache hash, the group id), ``sae.safetensors`` + ``config.json``
-(final weights; ``SAE.load(dir)``), ``metrics.jsonl``, ``eval.json``, ``checkpoints/`` (see
-actcache.sae.checkpoint). :func:`done_paths` lists them for a set of runs.
+Each SAE trains into its own run directory ``<runs_to>/<HASH>/<sae-id>/``; actcache.rundir owns
+its layout (run_dir, done_paths) and the names of its files.
 """
 
 from __future__ import annotations
@@ -45,7 +39,6 @@ import hashlib
 import itertools
 import json
 import math
-import os
 import re
 from typing import Any
 
@@ -55,7 +48,6 @@ from actcache.loaders.maps import COLD_READS
 from actcache.sae.modeling import ACTIVATIONS, DTYPES, SAEConfig
 
 ID_VERSION = 1
-DONE_FILE = "done.json"
 PATCHES = ("cls", "image", "all")
 DECAYS = ("linear", "cosine", "constant")
 B_DEC_INITS = ("geometric_median", "mean", "zero")
@@ -456,12 +448,3 @@ def groups(runs: list[RunConfig]) -> dict[str, list[RunConfig]]:
     for run in runs:
         out.setdefault(run.group_id, []).append(run)
     return out
-
-
-def run_dir(runs_to: str | os.PathLike, cache_hash: str, run: RunConfig) -> str:
-    return os.path.join(os.fspath(runs_to), cache_hash, run.sae_id)
-
-
-def done_paths(runs_to: str | os.PathLike, cache_hash: str, runs: list[RunConfig]) -> list[str]:
-    """The files a finished group (or sweep) leaves: ``<runs_to>/<HASH>/<sae-id>/done.json``."""
-    return [os.path.join(run_dir(runs_to, cache_hash, r), DONE_FILE) for r in runs]

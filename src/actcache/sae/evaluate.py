@@ -1,4 +1,4 @@
-"""Held-out evaluation of a trained SAE -> ``eval.json``.
+"""Held-out evaluation of a trained SAE -> its run's eval file (actcache.rundir.EVAL_FILE).
 
     stats = evaluate(sae, batches, dense_frac=0.1)       # batches: iterable of (B, D) tensors
     stats_list = evaluate_many([sae_a, sae_b], batches, dense_frac=[0.1, 0.1])   # one pass
@@ -27,8 +27,8 @@ import torch
 
 from actcache.errors import TrainError
 from actcache.fsutil import atomic_write_bytes
+from actcache.rundir import EVAL_FILE
 
-EVAL_FILE = "eval.json"
 HIST_LO, HIST_HI, HIST_STEP = -8.0, 0.0, 0.5
 
 

@@ -30,11 +30,10 @@ from torch import nn
 
 from actcache.errors import ConfigError, TrainError
 from actcache.fsutil import atomic_write_bytes
+from actcache.rundir import CONFIG_FILE, WEIGHTS_FILE
 
 ACTIVATIONS = ("relu", "topk", "batchtopk")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-WEIGHTS_FILE = "sae.safetensors"
-CONFIG_FILE = "config.json"
 
 
 def _is_int(v: object) -> bool:
@@ -313,7 +312,7 @@ class SAE(nn.Module):
         for name, t in tensors.items():
             if t.shape != expected[name].shape:
                 raise ConfigError(
-                    f"{w_path}: {name} has shape {tuple(t.shape)}, config.json implies {tuple(expected[name].shape)}"
+                    f"{w_path}: {name} has shape {tuple(t.shape)}, {CONFIG_FILE} implies {tuple(expected[name].shape)}"
                 )
         sae.load_state_dict(tensors)
         if device is not None:

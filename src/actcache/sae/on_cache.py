@@ -40,10 +40,11 @@ def read_train_section(path: str | os.PathLike) -> tuple[dict, str | None]:
 def train_on_cache(cache_dir: str | os.PathLike, train_file: str | os.PathLike, runs_to: str | None = None,
                    group: str | None = None, device: str | None = None,
                    stop: Callable[[], bool] | None = None) -> list[str]:  # fmt: skip
-    """Train every SAE (or one ``group``) of ``train_file`` on ``cache_dir``; returns the run dirs."""
+    """Train every SAE (or one ``group``) of ``train_file`` on ``cache_dir``; returns the run dirs.
+    SIGTERM/SIGUSR2 checkpoint and stop, as for an experiment (see sae.train.train_groups)."""
     from actcache.cache import ActivationCache
     from actcache.sae.config import expand_train_section, groups
-    from actcache.sae.train import train_group
+    from actcache.sae.train import train_groups
 
     cache_dir, train_file = os.fspath(cache_dir), os.fspath(train_file)
     train, file_runs_to = read_train_section(train_file)
@@ -55,7 +56,6 @@ def train_on_cache(cache_dir: str | os.PathLike, train_file: str | os.PathLike, 
     by_group = groups(runs)
     if group is not None and group not in by_group:
         raise ConfigError(f"{train_file}: no group {group!r}; groups: {', '.join(by_group)}")
-    dirs = []
-    for gid in [group] if group is not None else list(by_group):
-        dirs += train_group(cache_dir, by_group[gid], runs_to, device=device, stop=stop)
-    return dirs
+    if group is not None:
+        by_group = {group: by_group[group]}
+    return train_groups(cache_dir, by_group, runs_to, device=device, stop=stop)

@@ -1,14 +1,14 @@
-"""Train a group of SAEs on one stream of batches from a cache; `actcache train`.
+"""Train a group of SAEs on one stream of batches from a cache (the library of `actcache train`).
 
     from actcache.sae.config import expand_train_section, groups
     runs = groups(expand_train_section(exp.train, "x.yaml"))["L-2-image-1a2b3c4d"]
     train_group("<dump_to>/<HASH>", runs, runs_to="data/runs", device="cpu")
 
 Every SAE of the group takes an optimizer step on the same batch of ONE ShuffledLoader pass (the
-held-out images excluded). Per SAE, under ``<runs_to>/<HASH>/<sae-id>/``: ``run.json`` at the start,
-``metrics.jsonl`` every ``log_every`` steps, ``checkpoints/`` every ``ckpt_every`` steps and at the
-end (actcache.sae.checkpoint), then the final ``sae.safetensors``/``config.json``, ``eval.json``
-(actcache.sae.evaluate) and last ``done.json``. SAEs with a ``done.json`` are skipped.
+held-out images excluded). Per SAE, into its run directory (actcache.rundir): the run file at the
+start, a metrics line every ``log_every`` steps, checkpoints every ``ckpt_every`` steps and at the
+end (actcache.sae.checkpoint), then the final weights, the evaluation (actcache.sae.evaluate) and
+last the done file. SAEs whose done file exists are skipped.
 
 Resume: a restarted group continues from the newest checkpoint every unfinished SAE has, with the
 loader started at the saved (epoch, batch); in deterministic loader mode on CPU the result is
@@ -36,17 +36,16 @@ import torch
 
 from actcache.errors import ConfigError, TrainError, os_error_text
 from actcache.fsutil import atomic_write_bytes
+from actcache.rundir import DONE_FILE, EVAL_FILE, METRICS_FILE, RUN_FILE, done_path, is_done, run_dir
 from actcache.sae import checkpoint as ckpt
 from actcache.sae import ddp
-from actcache.sae.config import DONE_FILE, RunConfig, expand_train_section, groups, run_dir
+from actcache.sae.config import RunConfig
 from actcache.sae.evaluate import check_finite, evaluate_many, write_eval
 from actcache.sae.modeling import SAE
 from actcache.sae.objectives import make_objective
 from actcache.sae.optim import LRSchedule, clip_grad_norm, make_optimizer, sparsity_warmup, train_step
 
 log = logging.getLogger(__name__)
-METRICS_FILE = "metrics.jsonl"
-RUN_FILE = "run.json"
 _SCALARS = ("loss", "mse", "nmse", "l0", "l1", "aux")
 
 
@@ -221,18 +220,18 @@ class GroupTrainer:
         joined = ddp.init(self.ctx, self.device)  # a group the caller joined stays theirs
         try:
             dirs = [(r, run_dir(self.runs_to, self.md.hash, r)) for r in self.runs]
-            pending = [(r, d) for r, d in dirs if not os.path.exists(os.path.join(d, DONE_FILE))]
+            pending = [(r, d) for r, d in dirs if not is_done(d)]
             for r, d in dirs:
                 if (r, d) not in pending:
-                    log.info("SAE %s is done (%s); skipped", r.sae_id, os.path.join(d, DONE_FILE))
+                    log.info("SAE %s is done (%s); skipped", r.sae_id, done_path(d))
 
             def write_run_jsons():
                 for r, d in pending:
-                    with _writing("run.json", d):
+                    with _writing(RUN_FILE, d):
                         self._write_run_json(r, d)
                         ckpt.clean_temps(d)
 
-            ddp.on_main(self.ctx, self.device, "run.json", write_run_jsons)
+            ddp.on_main(self.ctx, self.device, RUN_FILE, write_run_jsons)
             for start, members in self._passes(pending):
                 self._train_pass(cache, start, members)
             return [d for _, d in dirs]
@@ -367,15 +366,15 @@ class GroupTrainer:
                 m.sae.save(m.dir)
         evals = self._evaluate(cache, members)
         for m, ev in zip(members, evals, strict=True):
-            with _writing("eval.json", m.dir):
+            with _writing(EVAL_FILE, m.dir):
                 write_eval(m.dir, ev)
             done = {"sae_id": m.run.sae_id, "group_id": self.group_id, "cache_hash": self.md.hash,
                     "steps": run.steps, "tokens": run.steps * run.batch_size, "final": m.last_line,
                     "eval": {k: ev.get(k) for k in ("n_tokens", "nmse", "l0", "n_dead", "n_dense")},
                     "finished": _now()}  # fmt: skip
             with _writing(DONE_FILE, m.dir):
-                _write_json(os.path.join(m.dir, DONE_FILE), done)
-            log.info("SAE %s done: %s", m.run.sae_id, os.path.join(m.dir, DONE_FILE))
+                _write_json(done_path(m.dir), done)
+            log.info("SAE %s done: %s", m.run.sae_id, done_path(m.dir))
 
     def _evaluate(self, cache, members: list[_Member]) -> list[dict]:
         run = self.runs[0]
@@ -428,23 +427,11 @@ def train_group(cache_dir: str, runs: list[RunConfig], runs_to: str, device: str
     return GroupTrainer(cache_dir, runs, runs_to, device=device, stop=stop).run()
 
 
-def cli_train(args) -> int:
-    """`actcache train --experiment FILE [--dump-to D] [--runs-to R] [--group G] [--device DEV]`."""
-    from actcache.config import load_experiment
-    from actcache.plan import experiment_metadata
-
-    exp = load_experiment(args.experiment)
-    dump_to = args.dump_to or exp.dump_to
-    runs_to = args.runs_to or exp.runs_to
-    if not dump_to or not runs_to:
-        raise ConfigError(f"{args.experiment}: give --dump-to and --runs-to (or dump_to/runs_to in the file).")
-    runs = expand_train_section(exp.train, exp.source, layers=exp.vit.layers)
-    if not runs:
-        raise ConfigError(f"{exp.source}: no 'train' section, nothing to train.")
-    by_group = groups(runs)
-    if args.group is not None and args.group not in by_group:
-        raise ConfigError(f"{exp.source}: no group {args.group!r}; groups: {', '.join(by_group)}")
-    cache_dir = os.path.join(dump_to, experiment_metadata(exp).hash)
+def train_groups(cache_dir: str, by_group: dict[str, list[RunConfig]], runs_to: str, device: str | None = None,
+                 stop: Callable[[], bool] | None = None) -> list[str]:  # fmt: skip
+    """Train each group of ``by_group`` (group id -> its SAEs) in turn; returns the run directories.
+    SIGTERM or SIGUSR2 (a Slurm preemption) makes the current group write a checkpoint and raise
+    :class:`Preempted`; so does ``stop()`` returning True."""
     stopping = {"flag": False}
 
     def _request_stop(signum, frame):
@@ -453,11 +440,13 @@ def cli_train(args) -> int:
 
     main = threading.current_thread() is threading.main_thread()
     old = {sig: signal.signal(sig, _request_stop) for sig in (signal.SIGTERM, signal.SIGUSR2)} if main else {}
+    dirs: list[str] = []
     try:
-        for gid in [args.group] if args.group is not None else list(by_group):
-            log.info("training group %s (%d SAE(s)) on %s", gid, len(by_group[gid]), cache_dir)
-            train_group(cache_dir, by_group[gid], runs_to, device=args.device, stop=lambda: stopping["flag"])
+        for gid, runs in by_group.items():
+            log.info("training group %s (%d SAE(s)) on %s", gid, len(runs), cache_dir)
+            dirs += train_group(cache_dir, runs, runs_to, device=device,
+                                stop=lambda: stopping["flag"] or (stop is not None and stop()))  # fmt: skip
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
-    return 0
+    return dirs

@@ -1,17 +1,18 @@
-"""`actcache ...` command line. The Snakemake rules call these, so every step can be run by hand.
+"""`actcache ...` command line: the top of the house. The Snakemake rules call these commands, so
+every step can be run by hand (`python -m actcache.cli` works too; torchrun uses it).
 
-Every subcommand's handler lives in the module that does the work and is imported only when that
-subcommand runs (so `actcache hash` does not import torch). A user error (ActCacheError) prints
-its message and exits with status 2; no traceback.
+This package parses the arguments; each subcommand's handler lives in a module of its own here
+(cache, plan, dump, train, visuals, demo), imported only when that subcommand runs, so `actcache
+hash` does not import torch. A handler turns the parsed arguments into typed calls of the
+library; no library module imports this package. A user error (ActCacheError) prints its message
+and exits with status 2, without a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import logging
-import os
 import sys
 import warnings
 
@@ -19,20 +20,23 @@ from actcache.errors import ActCacheError
 
 # subcommand -> "module:function"; the function takes the parsed args and returns an exit code.
 HANDLERS = {
-    "hash": "actcache.cli:cmd_hash",
-    "inspect": "actcache.cli:cmd_inspect",
-    "verify": "actcache.cli:cmd_verify",
-    "gather": "actcache.cli:cmd_gather",
-    "plan": "actcache.plan:cli_plan",
-    "dump": "actcache.dump:cli_dump",
-    "train": "actcache.sae.train:cli_train",
-    "visuals": "actcache.visuals:cli_visuals",
-    "demo-cache": "actcache.cli:cmd_demo_cache",
-    "demo-assets": "actcache.demo:cli_demo_assets",
+    "hash": "actcache.cli.cache:cmd_hash",
+    "inspect": "actcache.cli.cache:cmd_inspect",
+    "verify": "actcache.cli.cache:cmd_verify",
+    "gather": "actcache.cli.cache:cmd_gather",
+    "plan": "actcache.cli.plan:cmd_plan",
+    "dump": "actcache.cli.dump:cmd_dump",
+    "train": "actcache.cli.train:cmd_train",
+    "visuals": "actcache.cli.visuals:cmd_visuals",
+    "demo-cache": "actcache.cli.cache:cmd_demo_cache",
+    "demo-assets": "actcache.cli.demo:cmd_demo_assets",
+    "export": "actcache.cli.export:cmd_export",
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from actcache.protocol import FAMILIES
+
     p = argparse.ArgumentParser(prog="actcache", description="Cache ViT activations and train SAEs on them.")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -68,8 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--workers", type=int, default=None, help="override the image decoding workers")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    s = sub.add_parser("train", help="train the experiment's SAE sweep on its cache")
-    s.add_argument("--experiment", required=True)
+    s = sub.add_parser("train", help="train the experiment's SAE sweep on its cache, or a train: file on any cache")
+    s.add_argument("--experiment", help="experiment YAML (its cache is found from dump_to)")
+    s.add_argument("--cache", help="instead: train on this existing cache directory (v1 or saev 2.1)")
+    s.add_argument("--train", help="with --cache: an experiment YAML or a file holding only train:")
     s.add_argument("--dump-to")
     s.add_argument("--runs-to")
     s.add_argument("--group", default=None, help="train only this group of SAEs (see `actcache plan`)")
@@ -110,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("demo-assets", help="write the offline demo's tiny random ViT and image folder")
     s.add_argument("--root", default="data/demo")
+    s.add_argument("--family", default="clip", choices=FAMILIES, help="ViT family (default: %(default)s)")
+
+    s = sub.add_parser("export", help="write SAELens folders (weights, cfg.json, model card) of trained SAEs")
+    s.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="finished SAE run directories")
+    s.add_argument("--to", nargs=2, required=True, metavar=("FORMAT", "OUT"), help="saelens OUT: one folder per SAE")
+    s.add_argument("--push", metavar="REPO_ID", help="also upload OUT to this Hugging Face Hub repo")
 
     s = sub.add_parser("demo-cache", help="write a small cache of synthetic activations (no model)")
     s.add_argument("--dump-to", default="data/demo-synthetic")
@@ -143,130 +155,3 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"actcache {args.command}: interrupted", file=sys.stderr)
         return 130
-
-
-# ---- cache information commands -------------------------------------------------------------
-
-
-def cmd_hash(args) -> int:
-    from actcache.protocol import Metadata
-
-    print(Metadata.load(args.metadata).hash)
-    return 0
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    return str(n)
-
-
-def _report_dict(rep) -> dict:
-    md = rep.metadata
-    return {
-        "path": os.path.abspath(rep.path),
-        "ok": rep.ok,
-        "hash": md.hash if md else None,
-        "metadata": md.to_dict() if md else None,
-        "derived": None
-        if md is None
-        else {
-            "n_tokens_per_img": md.n_tokens_per_img,
-            "n_imgs_per_shard": md.n_imgs_per_shard,
-            "n_shards": md.n_shards,
-            "shard_shape": list(md.shard_shape),
-            "bytes_per_img": md.bytes_per_img,
-            "total_bytes": md.n_imgs * md.bytes_per_img,
-        },
-        "shards": [
-            {"name": s.name, "n_imgs": s.n_imgs, "size": s.size, "padded": s.padded, "n_nonfinite": s.n_nonfinite}
-            for s in rep.shards
-        ],
-        "problems": rep.problems,
-        "warnings": rep.warnings,
-        "deep": rep.deep,
-        "n_nonfinite": rep.n_nonfinite,
-    }
-
-
-def _print_report(rep, show_shards: bool) -> None:
-    md = rep.metadata
-    print(f"cache     {os.path.abspath(rep.path)}")
-    if md is not None:
-        print(f"hash      {md.hash}")
-        print(f"model     {md.vit_family} {md.vit_ckpt}")
-        print(f"layers    {list(md.layers)}")
-        print(
-            f"tokens    {md.n_tokens_per_img} per image ({'CLS + ' if md.cls_token else ''}"
-            f"{md.n_patches_per_img} patches), d_vit {md.d_vit}, {md.dtype}"
-        )
-        print(
-            f"images    {md.n_imgs:,} in {md.n_shards} shard(s) of {md.n_imgs_per_shard:,} (max_patches_per_shard {md.max_patches_per_shard:,})"
-        )
-        print(
-            f"size      {_fmt_bytes(md.n_imgs * md.bytes_per_img)} of activations ({_fmt_bytes(md.bytes_per_img)} per image)"
-        )
-        print(f"data      {json.dumps(md.data, sort_keys=True)}")
-        print(f"protocol  {md.protocol}")
-    if show_shards and rep.shards:
-        print("shards")
-        for s in rep.shards:
-            size = "missing" if s.size is None else _fmt_bytes(s.size)
-            extra = " (zero-padded to full size)" if s.padded else ""
-            bad = f", {s.n_nonfinite} NaN/Inf" if s.n_nonfinite else ""
-            print(f"  {s.name}  {s.n_imgs:>8,} images  {size:>10}{extra}{bad}")
-    for w in rep.warnings:
-        print(f"warning: {w}")
-    if rep.deep and rep.ok:
-        print(f"deep      read {_fmt_bytes(rep.bytes_read)}, {rep.n_nonfinite} NaN/Inf values")
-    if rep.ok:
-        print("verdict   OK: complete and consistent")
-    else:
-        print(f"verdict   INVALID ({len(rep.problems)} problem(s)):")
-        for prob in rep.problems:
-            print(f"  - {prob}")
-
-
-def cmd_inspect(args) -> int:
-    from actcache.validate import check_dir
-
-    rep = check_dir(args.dir)
-    if args.json:
-        print(json.dumps(_report_dict(rep), indent=2))
-    else:
-        _print_report(rep, show_shards=True)
-    return 0 if rep.ok else 1
-
-
-def cmd_verify(args) -> int:
-    from actcache.validate import check_dir
-
-    rep = check_dir(args.dir, deep=args.deep)
-    if args.json:
-        print(json.dumps(_report_dict(rep), indent=2))
-    else:
-        _print_report(rep, show_shards=False)
-    return 0 if rep.ok else 1
-
-
-def cmd_gather(args) -> int:
-    from actcache.writer import gather
-
-    path = gather(args.dir)
-    print(f"wrote {path}")
-    return 0
-
-
-def cmd_demo_cache(args) -> int:
-    from actcache.writer import synthetic_fill, synthetic_metadata, write_cache
-
-    md = synthetic_metadata(args.n_imgs, layers=(4, 10), max_patches_per_shard=17 * 2 * 64)
-    path = write_cache(args.dump_to, md, synthetic_fill(md))
-    print(path)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

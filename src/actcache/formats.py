@@ -1,0 +1,38 @@
+"""Which on-disk format a cache directory holds, and its metadata in that format.
+
+protocol.py owns actcache's own format (v1, read-write); saev.py owns saev's current format (2.x,
+read-only). This module sits above both and is the one place that tells them apart.
+"""
+
+from __future__ import annotations
+
+import os
+
+from actcache.protocol import METADATA_FILE, Metadata, read_json
+from actcache.saev import SaevMetadata, is_saev_doc
+
+
+def describe_unknown(doc: dict) -> str:
+    """One line naming what a metadata.json that is neither v1 nor saev 2.1 holds."""
+    keys = ", ".join(list(doc)[:12]) + (" ..." if len(doc) > 12 else "")
+    return (
+        f"neither a protocol-v1 cache (needs 'vit_family', 'n_patches_per_img', ...) nor a saev 2.1 cache "
+        f"(needs 'family', 'content_tokens_per_example', ...); found keys: {keys or 'none'}, "
+        f"protocol {doc.get('protocol', 'missing')!r}."
+    )
+
+
+def load_metadata(path: str | os.PathLike) -> Metadata:
+    """metadata.json (or the directory holding it) of a v1 cache (Metadata) or of a saev 2.x cache
+    (SaevMetadata, read-only); anything else is a ProtocolError naming what it found."""
+    from actcache.errors import ProtocolError
+
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, METADATA_FILE)
+    doc = read_json(path)
+    if isinstance(doc, dict) and is_saev_doc(doc):
+        return SaevMetadata.from_dict(doc, where=path)
+    if isinstance(doc, dict) and "vit_family" not in doc:
+        raise ProtocolError(f"{path}: {describe_unknown(doc)}")
+    return Metadata.from_dict(doc, where=path)

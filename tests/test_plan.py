@@ -1,0 +1,137 @@
+"""actcache.plan: the demo's plan pinned, workflow marks that only read the disk, one job per group."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+from tests.fixtures_vit import make_checkpoint
+from tests.workflow_helpers import REPO, write_project
+
+from actcache.demo import make_demo_assets
+from actcache.plan import current_mark, other_mark, plan_from_config, train_jobs
+from actcache.protocol import Metadata
+from actcache.rundir import done_path, group_mark
+
+# `actcache plan --json` on the demo (config/config.yaml), as main printed it before the run
+# directory and CLI moved: the project root reads /PROJECT and the cache hash <HASH>.
+DEMO_SAE_IDS = ("92a21d2a43a4", "344d5f1c8e16")
+DEMO_GROUP = "L-2-image-ab0d21e2"
+DEMO_PLAN = [
+    {
+        "experiment": "demo",
+        "file": "/PROJECT/config/experiments/demo.yaml",
+        "hash": "<HASH>",
+        "dir": "data/cache/<HASH>",
+        "cache": {"state": "missing", "shards_done": 0, "n_shards": 4, "gathered": False},
+        "dump_jobs": 4,
+        "training": [
+            {"sae_id": sae, "group": DEMO_GROUP, "dir": f"data/runs/<HASH>/{sae}", "done": False}
+            for sae in DEMO_SAE_IDS
+        ],
+    }
+]
+# The hash of the demo's metadata with the project root at /PROJECT (the metadata holds the
+# checkpoint and image folder paths, so the hash depends on where the project lives).
+DEMO_HASH_AT_PROJECT = "5079543aca102876d0823042c539cfe186b6248f463a8bdf75184ef846870921"
+
+
+@pytest.fixture(scope="module")
+def demo_project(tmp_path_factory):
+    root = tmp_path_factory.mktemp("demo")
+    shutil.copytree(os.path.join(REPO, "config"), root / "config")
+    make_demo_assets(str(root / "data" / "demo"))
+    return str(root)
+
+
+def test_demo_plan_is_pinned(demo_project, monkeypatch):
+    proc = subprocess.run(
+        [sys.executable, "-m", "actcache.cli", "plan", "--json"],
+        capture_output=True, text=True, timeout=300, cwd=demo_project,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    (row,) = json.loads(proc.stdout)
+    text = proc.stdout.replace(demo_project, "/PROJECT").replace(row["hash"], "<HASH>")
+    assert json.loads(text) == DEMO_PLAN
+    monkeypatch.chdir(demo_project)  # the demo's paths are relative to the project root
+    (p,) = plan_from_config(os.path.join("config", "config.yaml"))
+    assert p.hash == row["hash"]
+    moved = json.loads(json.dumps(p.metadata.to_dict()).replace(demo_project, "/PROJECT"))
+    assert Metadata.from_dict(moved).hash == DEMO_HASH_AT_PROJECT
+
+
+def touch(path: str, age_s: float = 0.0) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w"):
+        pass
+    t = time.time() - age_s
+    os.utime(path, (t, t))
+
+
+def test_a_complete_job_keeps_its_newest_mark(tmp_path):
+    base = str(tmp_path / "000000-000001")
+    assert current_mark(base, complete=False) == base + ".done"  # nothing yet: the first slot
+    touch(base + ".done")
+    assert current_mark(base, complete=True) == base + ".done"
+    touch(base + ".redo", age_s=60)  # an older mark left in the other slot
+    assert current_mark(base, complete=True) == base + ".done"
+
+
+def test_an_incomplete_job_is_asked_for_the_other_slot(tmp_path):
+    base = str(tmp_path / "L-2-image-ab0d21e2")
+    touch(base + ".done")
+    assert current_mark(base, complete=False) == base + ".redo"
+    assert other_mark(base + ".redo") == base + ".done"  # what that job deletes first
+    os.remove(base + ".done")
+    touch(base + ".redo")  # ... and then the job ran
+    assert current_mark(base, complete=True) == base + ".redo"
+    assert current_mark(base, complete=False) == base + ".done"
+    assert sorted(os.listdir(tmp_path)) == ["L-2-image-ab0d21e2.redo"]  # reading wrote nothing
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "tiny-clip"), "clip")
+
+
+def experiment(ckpt: str, name: str, ks: list[int]) -> dict:
+    return {
+        "name": name,
+        "vit": {"family": "clip", "ckpt": ckpt, "layers": [-1]},
+        "data": {"kind": "synthetic", "n_imgs": 8, "seed": 1, "size": 40},
+        "cache": {"max_patches_per_shard": 17 * 4},
+        "train": {"batch_size": 16, "steps": 2, "sweep": {"k": ks}},
+    }
+
+
+def test_experiments_sharing_a_cache_and_group_share_one_training_job(tmp_path, ckpt):
+    cfg = write_project(str(tmp_path), {"a": experiment(ckpt, "a", [2, 4]), "b": experiment(ckpt, "b", [4, 8])})
+    pa, pb = plan_from_config(cfg)
+    runs_to = str(tmp_path / "runs")
+    (job,) = train_jobs([pa, pb], runs_to)
+    ids_a = [r.sae_id for r in pa.train_runs()]
+    ids_b = [r.sae_id for r in pb.train_runs()]
+    assert job.group_id == pa.train_runs()[0].group_id == pb.train_runs()[0].group_id
+    assert job.experiments == (pa.exp.source, pb.exp.source)
+    assert job.sae_ids == (*ids_a, ids_b[1])  # k=4 is the same SAE in both: trained once
+    assert job.mark == group_mark(runs_to, pa.hash, job.group_id) + ".done"
+
+
+def test_a_new_sae_in_a_finished_group_asks_for_a_new_mark(tmp_path, ckpt):
+    cfg = write_project(str(tmp_path), {"a": experiment(ckpt, "a", [2, 4])})
+    (p,) = plan_from_config(cfg)
+    runs_to = str(tmp_path / "runs")
+    (job,) = train_jobs([p], runs_to)
+    for sae in job.sae_ids:  # as the trainer and the job leave them
+        touch(done_path(os.path.join(runs_to, p.hash, sae)))
+    touch(job.mark)
+    assert train_jobs([p], runs_to)[0].mark == job.mark
+    cfg = write_project(str(tmp_path), {"a": experiment(ckpt, "a", [2, 4, 8])})
+    (p,) = plan_from_config(cfg)
+    (grown,) = train_jobs([p], runs_to)
+    assert grown.group_id == job.group_id and grown.mark == other_mark(job.mark)
