@@ -44,8 +44,8 @@ WEIGHTS_FILE = "sae.safetensors"
 CONFIG_FILE = "config.json"
 
 
-JUMPRELU_BANDWIDTH = 0.05  # defaults of SAEConfig.jumprelu_bandwidth / jumprelu_init_threshold
-JUMPRELU_INIT = 0.05
+JUMPRELU_BANDWIDTH = 1.0  # defaults of SAEConfig.jumprelu_bandwidth / jumprelu_init_threshold
+JUMPRELU_INIT = 1.0
 ACTIVATION_ONLY = ("jumprelu_bandwidth", "jumprelu_init_threshold", "matryoshka_prefixes")
 
 
