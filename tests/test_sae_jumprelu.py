@@ -16,10 +16,10 @@ import torch
 
 from actcache.errors import ConfigError
 from actcache.sae import SAE, LRSchedule, SAEConfig, make_objective, make_optimizer, sparsity_warmup, train_step
-from actcache.sae.modeling import HeavisideStep
 from actcache.sae.config import RunConfig, expand_train_section, run_dir
+from actcache.sae.modeling import HeavisideStep
 from actcache.sae.train import Preempted, train_group
-from test_sae_modeling import D, K_TRUE, N_TRUE, recovery, synthetic
+from test_sae_modeling import K_TRUE, N_TRUE, D, recovery, synthetic
 from test_sae_resume import assert_same, collect, stop_after
 from test_sae_train import dictionary_cache
 
@@ -173,8 +173,10 @@ def test_preempted_jumprelu_group_resumes_to_identical_weights(cache, tmp_path):
     for r in runs:  # the objective's own metrics too
         lines = [open(os.path.join(run_dir(p, os.path.basename(cache), r), "metrics.jsonl")).read()
                  for p in (tmp_path / "ref", tmp_path / "cut")]  # fmt: skip
-        assert [{k: v for k, v in json.loads(x).items() if k in ("l0_penalty", "preact", "threshold_mean")}
-                for x in lines[0].splitlines()] == [  # fmt: skip
+        assert [
+            {k: v for k, v in json.loads(x).items() if k in ("l0_penalty", "preact", "threshold_mean")}
+            for x in lines[0].splitlines()
+        ] == [  # fmt: skip
             {k: v for k, v in json.loads(x).items() if k in ("l0_penalty", "preact", "threshold_mean")}
             for x in lines[1].splitlines()
         ]

@@ -14,7 +14,7 @@ from actcache.errors import ConfigError
 from actcache.sae import SAE, LRSchedule, SAEConfig, make_objective, make_optimizer, train_step
 from actcache.sae.config import RunConfig, expand_train_section
 from actcache.sae.train import Preempted, train_group
-from test_sae_modeling import D, K_TRUE, N_TRUE, recovery, synthetic
+from test_sae_modeling import K_TRUE, N_TRUE, D, recovery, synthetic
 from test_sae_resume import assert_same, collect, stop_after
 from test_sae_train import dictionary_cache
 
@@ -54,7 +54,9 @@ def test_loss_is_the_weighted_mean_of_prefix_mses_and_one_prefix_is_batchtopk():
     btk = SAE(SAEConfig(d_vit=8, width=32, activation="batchtopk", k=3))
     assert one.cfg.matryoshka_prefixes == (32,)
     a, b = make_objective(one)(one, x), make_objective(btk)(btk, x)
-    assert float(a.loss.detach()) == pytest.approx(float(b.loss.detach()), rel=1e-6) and torch.equal(one.threshold, btk.threshold)
+    assert float(a.loss.detach()) == pytest.approx(float(b.loss.detach()), rel=1e-6) and torch.equal(
+        one.threshold, btk.threshold
+    )
     with pytest.raises(ConfigError, match="3 prefixes"):
         make_objective(sae, prefix_weights=[1, 1])
 
@@ -104,8 +106,11 @@ def test_prefixes_are_a_value_in_an_entry_and_a_grid_in_a_sweep():
 @pytest.mark.parametrize(
     "train, match",
     [
-        ({"sweep": {"matryoshka_prefixes": [16, 64]}}, r"sweep\.matryoshka_prefixes: key 'matryoshka_prefixes' "
-                                                        r"must be a non-empty list of int .*a list of such lists"),
+        (
+            {"sweep": {"matryoshka_prefixes": [16, 64]}},
+            r"sweep\.matryoshka_prefixes: key 'matryoshka_prefixes' "
+            r"must be a non-empty list of int .*a list of such lists",
+        ),
         ({"matryoshka_prefixes": [16, 32]}, r"'matryoshka_prefixes' = \[16, 32\] must end with the width 64"),
         ({"matryoshka_prefixes": [32, 16, 64]}, r"must be increasing sizes"),
         ({"matryoshka_prefixes": [16, 64.5]}, r"must be a list of int"),

@@ -17,13 +17,15 @@
 An entry's own ``sweep:`` is crossed with the section's ``sweep:``; a key set by more than one of
 (entry, entry sweep, section sweep) is an error. Without ``saes:`` the defaults are one SAE.
 Every key and its default is in :data:`FIELDS`. Numbers written as ``3e-4`` (which YAML reads as
-a string) are accepted for numeric keys.
+a string) are accepted for numeric keys. A list-valued key (``matryoshka_prefixes: [64, 256]``) is
+one value; in ``sweep:`` give a list of such lists.
 
 Identity
 - ``RunConfig.sae_id``: 12 hex of the sha256 of every key that changes the trained weights or
-  its eval (everything but :data:`LOGISTICS`). A changed hyperparameter gives a new id and a new
-  directory; other runs are never touched. Keys are hashed as written (``layer: null`` means the
-  cache's only layer; ``exp_factor`` is not resolved into a width), so ids never need the cache.
+  its eval (everything but :data:`LOGISTICS`; :data:`OBJECTIVE_KEYS` only when not at their default).
+  A changed hyperparameter gives a new id and a new directory; other runs are never touched. Keys
+  are hashed as written (``layer: null`` means the cache's only layer; ``exp_factor`` is not
+  resolved into a width), so ids never need the cache.
 - ``RunConfig.group_id``: SAEs with equal :data:`GROUP_KEYS` (layer, patches, batch size, length,
   loader settings and I/O, logging) train together on the batches of ONE loader pass; ``actcache train
   --group G`` trains one group. Ids look like ``L-2-image-1a2b3c4d`` (stable: a hash of the keys).
@@ -85,9 +87,9 @@ FIELDS: dict[str, tuple[tuple, Any, str]] = {
     "seed": ((int,), 0, "SAE init seed"),
     "dtype": ((str,), "float32", "float32 | float64 | bfloat16"),
     "threshold_decay": ((float,), 0.99, "batchtopk, matryoshka: inference threshold EMA decay"),
-    "jumprelu_bandwidth": ((float,), JUMPRELU_BANDWIDTH, "jumprelu: width of the straight-through kernel (pre-act units)"),
+    "jumprelu_bandwidth": ((float,), JUMPRELU_BANDWIDTH, "jumprelu: straight-through kernel width"),
     "jumprelu_init_threshold": ((float,), JUMPRELU_INIT, "jumprelu: initial threshold of every latent"),
-    "matryoshka_prefixes": ((list, None), None, "matryoshka: nested prefix sizes, increasing, last = width (default [width])"),
+    "matryoshka_prefixes": ((list, None), None, "matryoshka: nested prefix sizes, last = width"),
     # objective
     "l1_coeff": ((float, None), None, "relu only: L1 coefficient (required for relu)"),
     "aux_coeff": ((float,), 1 / 32, "topk variants: AuxK coefficient"),
@@ -453,7 +455,7 @@ def _check_objective_keys(d: dict, where: str) -> None:
         )
     if w is not None and len(w) != (1 if p is None else len(p)):
         n = 1 if p is None else len(p)
-        raise ConfigError(f"{where}: key 'matryoshka_weights' has {len(w)} values for {n} prefixes; give one per prefix.")
+        raise ConfigError(f"{where}: key 'matryoshka_weights' has {len(w)} values for {n} prefixes; give one each.")
 
 
 def _finish(d: dict, where: str, layers: tuple[int, ...] | None, d_vit: int | None) -> RunConfig:

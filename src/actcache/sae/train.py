@@ -70,7 +70,8 @@ class _Member:
                                 decay=run.lr_decay, final_frac=run.final_lr_frac)  # fmt: skip
         self.params = list(self.sae.parameters())
         self.metric_names = (*_SCALARS, *self.obj.extra_metrics)  # the objective's own metrics last
-        self.acc_sum = torch.zeros(len(self.metric_names), dtype=torch.float64, device=device)  # since the last log line
+        # sums since the last log line
+        self.acc_sum = torch.zeros(len(self.metric_names), dtype=torch.float64, device=device)
         self.acc_n = 0
         self.last = None  # the latest LossOut
         self.last_line: dict = {}
