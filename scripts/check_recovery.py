@@ -1,6 +1,6 @@
 """Dictionary recovery at the size the SAE issue names: 1024 true unit directions in d=128.
 
-    python scripts/check_recovery.py [--activations topk,batchtopk,relu] [--n-true 1024] [--d 128]
+    python scripts/check_recovery.py [--activations topk,batchtopk,relu,jumprelu,matryoshka] [--n-true 1024] [--d 128]
                                      [--n-imgs 16384] [--steps 1500] [--no-record]
 
 Same data and pipeline as tests/test_sae_train.py (which runs 256 directions in d=64 to stay
@@ -8,8 +8,9 @@ fast): every example is a non-negative mix of 8 true directions (coefficients un
 [0.5, 1.5]), written as a real cache (16 patches + CLS per image), trained through
 `actcache train` (ShuffledLoader, held-out eval), with a 2x over-complete SAE. Prints, per
 activation, the recovery score (mean over true directions of the best cosine similarity with a
-decoder row), held-out NMSE and L0, and the wall time; records section "recovery" of
-BENCHMARKS.md. The threshold asked for is 0.9.
+decoder row), held-out NMSE, L0 and dead latents, and the wall time; records section "recovery"
+of BENCHMARKS.md. The threshold asked for is 0.9. Matryoshka uses the prefixes [w/4, w/2, w] of
+the width w.
 """
 
 from __future__ import annotations
@@ -35,16 +36,20 @@ from actcache.sae.config import expand_train_section  # noqa: E402
 from actcache.sae.modeling import SAE  # noqa: E402
 from actcache.writer import write_cache  # noqa: E402
 
-SECTIONS = {  # the recipes of tests/test_sae_train.py, with --steps steps (relu: twice as many)
+SECTIONS = {  # the recipes of tests/test_sae_train.py, with --steps steps (relu, jumprelu: twice as many)
     "topk": {"activation": "topk", "k": K_TRUE},
     "batchtopk": {"activation": "batchtopk", "k": K_TRUE},
     "relu": {"activation": "relu", "l1_coeff": 5e-3, "lr": 3e-2, "l1_warmup_steps": 200},
+    # the recipe of tests/test_sae_jumprelu.py (which trains in memory)
+    "jumprelu": {"activation": "jumprelu", "l0_coeff": 1e-2, "l0_warmup_steps": 200},
+    "matryoshka": {"activation": "matryoshka", "k": K_TRUE},
 }
+LONG = ("relu", "jumprelu")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--activations", default="topk,batchtopk,relu")
+    ap.add_argument("--activations", default="topk,batchtopk,relu,jumprelu,matryoshka")
     ap.add_argument("--n-true", type=int, default=1024)
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--n-imgs", type=int, default=16384)
@@ -59,10 +64,12 @@ def main() -> None:
         dirs = true_dictionary(0, n_true=args.n_true, d=args.d)
         cache = None
         for act in args.activations.split(","):
-            steps = args.steps * (2 if act == "relu" else 1)
+            steps = args.steps * (2 if act in LONG else 1)
+            width = 2 * args.n_true
+            extra = {"matryoshka_prefixes": [width // 4, width // 2, width]} if act == "matryoshka" else {}
             train = {"batch_size": args.batch_size, "width": 2 * args.n_true, "lr": 1e-2, "warmup_steps": 50,
                      "lr_decay": "linear", "final_lr_frac": 0.1, "log_every": 100, "ckpt_every": 10_000,
-                     "eval_frac": 0.05, "dead_tokens": 200_000, "steps": steps, **SECTIONS[act]}  # fmt: skip
+                     "eval_frac": 0.05, "dead_tokens": 200_000, "steps": steps, **SECTIONS[act], **extra}  # fmt: skip
             exp = write_experiment(__import__("pathlib").Path(tmp), train, n_imgs=args.n_imgs, d=args.d,
                                    name=f"rec-{act}")  # fmt: skip
             md = experiment_metadata(load_experiment(exp))
@@ -81,7 +88,7 @@ def main() -> None:
                 ev = json.load(fh)
             rows.append({"activation": act, "true dirs": args.n_true, "d": args.d, "width": 2 * args.n_true,
                          "steps": steps, "batch": args.batch_size, "recovery": score, "threshold": 0.9,
-                         "held-out NMSE": ev["nmse"], "held-out L0": ev["l0"], "train s": dt,
+                         "held-out NMSE": ev["nmse"], "held-out L0": ev["l0"], "dead": ev["n_dead"], "train s": dt,
                          "result": "ok" if score >= 0.9 else "MISSED"})  # fmt: skip
             print(rows[-1], flush=True)
     body = (

@@ -62,7 +62,8 @@ def test_two_process_ddp_keeps_ranks_identical_on_disjoint_data(tmp_path):
     train = {"batch_size": 256, "steps": 10, "width": 128, "log_every": 5, "ckpt_every": 5, "eval_frac": 0.1,
              "dead_tokens": 500, "lr": 3e-3,
              "saes": [{"activation": "topk", "k": 4}, {"activation": "batchtopk", "k": 4},
-                      {"activation": "relu", "l1_coeff": 1e-3}]}  # fmt: skip
+                      {"activation": "relu", "l1_coeff": 1e-3}, {"activation": "jumprelu", "l0_coeff": 1e-2},
+                      {"activation": "matryoshka", "k": 4, "matryoshka_prefixes": [32, 128]}]}  # fmt: skip
     runs = expand_train_section(train, "t.yaml")
     script = tmp_path / "worker.py"
     script.write_text(WORKER)

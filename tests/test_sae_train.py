@@ -400,7 +400,7 @@ def test_k_larger_than_width_from_exp_factor(small_cache, tmp_path):
 
 
 def test_cli_reports_a_bad_activation_without_traceback(tmp_path, capsys):
-    exp = write_experiment(tmp_path, {"steps": 10, "activation": "jumprelu"}, n_imgs=10)
+    exp = write_experiment(tmp_path, {"steps": 10, "activation": "gelu"}, n_imgs=10)
     assert train_cli("--experiment", exp, "--dump-to", str(tmp_path), "--runs-to", str(tmp_path)) == 2
     err = capsys.readouterr().err
     assert "exp.yaml: train: key 'activation' must be one of relu, topk, batchtopk" in err

@@ -1,10 +1,12 @@
-"""Sparse autoencoders (ReLU, TopK, BatchTopK), their objectives and optimizer pieces."""
+"""Sparse autoencoders (ReLU, TopK, BatchTopK, JumpReLU, Matryoshka BatchTopK), their objectives and optimizer pieces."""
 
 from actcache.sae.modeling import ACTIVATIONS, SAE, SAEConfig, geometric_median
 from actcache.sae.objectives import (
     AuxKObjective,
     FiringStats,
+    JumpReLUObjective,
     LossOut,
+    MatryoshkaObjective,
     Objective,
     ReLUObjective,
     auxk_loss,
@@ -17,8 +19,10 @@ __all__ = [
     "SAE",
     "AuxKObjective",
     "FiringStats",
+    "JumpReLUObjective",
     "LRSchedule",
     "LossOut",
+    "MatryoshkaObjective",
     "Objective",
     "ReLUObjective",
     "SAEConfig",

@@ -17,13 +17,15 @@
 An entry's own ``sweep:`` is crossed with the section's ``sweep:``; a key set by more than one of
 (entry, entry sweep, section sweep) is an error. Without ``saes:`` the defaults are one SAE.
 Every key and its default is in :data:`FIELDS`. Numbers written as ``3e-4`` (which YAML reads as
-a string) are accepted for numeric keys.
+a string) are accepted for numeric keys. A list-valued key (``matryoshka_prefixes: [64, 256]``) is
+one value; in ``sweep:`` give a list of such lists.
 
 Identity
 - ``RunConfig.sae_id``: 12 hex of the sha256 of every key that changes the trained weights or
-  its eval (everything but :data:`LOGISTICS`). A changed hyperparameter gives a new id and a new
-  directory; other runs are never touched. Keys are hashed as written (``layer: null`` means the
-  cache's only layer; ``exp_factor`` is not resolved into a width), so ids never need the cache.
+  its eval (everything but :data:`LOGISTICS`; :data:`OBJECTIVE_KEYS` only when not at their default).
+  A changed hyperparameter gives a new id and a new directory; other runs are never touched. Keys
+  are hashed as written (``layer: null`` means the cache's only layer; ``exp_factor`` is not
+  resolved into a width), so ids never need the cache.
 - ``RunConfig.group_id``: SAEs with equal :data:`GROUP_KEYS` (layer, patches, batch size, length,
   loader settings and I/O, logging) train together on the batches of ONE loader pass; ``actcache train
   --group G`` trains one group. Ids look like ``L-2-image-1a2b3c4d`` (stable: a hash of the keys).
@@ -45,7 +47,7 @@ from typing import Any
 from actcache.errors import ConfigError
 from actcache.loaders.kernels import PREFETCH_SCHEMES
 from actcache.loaders.maps import COLD_READS
-from actcache.sae.modeling import ACTIVATIONS, DTYPES, SAEConfig
+from actcache.sae.modeling import ACTIVATIONS, DTYPES, JUMPRELU_BANDWIDTH, JUMPRELU_INIT, NO_K, SAEConfig
 
 ID_VERSION = 1
 PATCHES = ("cls", "image", "all")
@@ -69,20 +71,26 @@ FIELDS: dict[str, tuple[tuple, Any, str]] = {
     "eval_cache": ((str, None), None, "evaluate on this other cache directory instead (eval_frac ignored)"),
     "eval_tokens": ((int,), 1_000_000, "at most this many held-out examples are evaluated"),
     # model
-    "activation": ((str,), "topk", "relu | topk | batchtopk"),
+    "activation": ((str,), "topk", "relu | topk | batchtopk | jumprelu | matryoshka"),
     "width": ((int, None), None, "number of latents"),
     "exp_factor": ((float, None), None, "width = d_vit * exp_factor (default 16 when width is not given)"),
-    "k": ((int, None), None, "latents per example (topk, batchtopk; default 32)"),
+    "k": ((int, None), None, "latents per example (topk, batchtopk, matryoshka; default 32)"),
     "normalize_decoder": ((bool, None), None, "unit-norm decoder rows (default: true for topk variants)"),
     "seed": ((int,), 0, "SAE init seed"),
     "dtype": ((str,), "float32", "float32 | float64 | bfloat16"),
-    "threshold_decay": ((float,), 0.99, "batchtopk inference threshold EMA decay"),
+    "threshold_decay": ((float,), 0.99, "batchtopk, matryoshka: inference threshold EMA decay"),
+    "jumprelu_bandwidth": ((float,), JUMPRELU_BANDWIDTH, "jumprelu: straight-through kernel width"),
+    "jumprelu_init_threshold": ((float,), JUMPRELU_INIT, "jumprelu: initial threshold of every latent"),
+    "matryoshka_prefixes": ((list, None), None, "matryoshka: nested prefix sizes, last = width"),
     # objective
     "l1_coeff": ((float, None), None, "relu only: L1 coefficient (required for relu)"),
     "aux_coeff": ((float,), 1 / 32, "topk variants: AuxK coefficient"),
     "k_aux": ((int, None), None, "topk variants: AuxK latents (default d_vit // 2)"),
     "dead_tokens": ((int,), 10_000_000, "a latent is dead after this many tokens without firing"),
     "dense_frac": ((float,), 0.1, "a latent is dense when it fires on more than this fraction"),
+    "l0_coeff": ((float, None), None, "jumprelu only: L0 coefficient, in fractions of variance per latent (required)"),
+    "preact_coeff": ((float,), 0.0, "jumprelu: pre-activation penalty reviving latents that never fire (0: off)"),
+    "matryoshka_weights": ((list, None), None, "matryoshka: relative weight of each prefix's MSE (default equal)"),
     # optimizer
     "lr": ((float,), 4e-4, "Adam learning rate"),
     "beta1": ((float,), 0.9, "Adam beta1"),
@@ -91,6 +99,7 @@ FIELDS: dict[str, tuple[tuple, Any, str]] = {
     "lr_decay": ((str,), "constant", "linear | cosine | constant (after warm-up, to final_lr_frac)"),
     "final_lr_frac": ((float,), 0.0, "LR at the end as a fraction of lr (linear, cosine)"),
     "l1_warmup_steps": ((int,), 0, "relu: the L1 coefficient rises linearly from 0 over these steps"),
+    "l0_warmup_steps": ((int,), 0, "jumprelu: the L0 coefficient rises linearly from 0 over these steps"),
     "max_grad_norm": ((float, None), 1.0, "clip the gradient norm (null: no clipping)"),
     "b_dec_init": ((str,), "geometric_median", "geometric_median | mean | zero (from the first batch)"),
     # logistics: do not change the weights, so they are not part of sae_id
@@ -112,6 +121,19 @@ FIELDS: dict[str, tuple[tuple, Any, str]] = {
         "error when no batch comes and no read finishes for this long (null: wait)",
     ),
 }
+# Keys of the JumpReLU and Matryoshka objectives: in sae_id only when not at their default, so
+# the ids of SAEs configured before these keys existed do not change.
+OBJECTIVE_KEYS = (
+    "jumprelu_bandwidth",
+    "jumprelu_init_threshold",
+    "matryoshka_prefixes",
+    "l0_coeff",
+    "preact_coeff",
+    "matryoshka_weights",
+    "l0_warmup_steps",
+)
+JUMPRELU_KEYS = ("jumprelu_bandwidth", "jumprelu_init_threshold", "l0_coeff", "preact_coeff", "l0_warmup_steps")
+MATRYOSHKA_KEYS = ("matryoshka_prefixes", "matryoshka_weights")
 LOADER_IO = ("n_readers", "cold_read", "batch_timeout_s", "prefetch")
 LOGISTICS = ("log_every", "ckpt_every", "wandb_project", "wandb_entity", *LOADER_IO)
 # Keys added after group ids were first issued: hashed into group_id only when set to something
@@ -158,11 +180,17 @@ class RunConfig:
     seed: int = 0
     dtype: str = "float32"
     threshold_decay: float = 0.99
+    jumprelu_bandwidth: float = JUMPRELU_BANDWIDTH
+    jumprelu_init_threshold: float = JUMPRELU_INIT
+    matryoshka_prefixes: tuple[int, ...] | None = None
     l1_coeff: float | None = None
     aux_coeff: float = 1 / 32
     k_aux: int | None = None
     dead_tokens: int = 10_000_000
     dense_frac: float = 0.1
+    l0_coeff: float | None = None
+    preact_coeff: float = 0.0
+    matryoshka_weights: tuple[float, ...] | None = None
     lr: float = 4e-4
     beta1: float = 0.9
     beta2: float = 0.999
@@ -170,6 +198,7 @@ class RunConfig:
     lr_decay: str = "constant"
     final_lr_frac: float = 0.0
     l1_warmup_steps: int = 0
+    l0_warmup_steps: int = 0
     max_grad_norm: float | None = 1.0
     b_dec_init: str = "geometric_median"
     log_every: int = 100
@@ -191,11 +220,16 @@ class RunConfig:
         unknown = sorted(set(doc) - names)
         if unknown:
             raise ConfigError(f"run config: unknown key(s) {unknown}")
-        return cls(**doc)
+        lists = {k: tuple(doc[k]) for k in MATRYOSHKA_KEYS if isinstance(doc.get(k), list)}  # JSON has no tuples
+        return cls(**{**doc, **lists})
 
     @property
     def sae_id(self) -> str:
-        doc = {k: v for k, v in self.to_dict().items() if k not in LOGISTICS}
+        doc = {
+            k: v
+            for k, v in self.to_dict().items()
+            if k not in LOGISTICS and not (k in OBJECTIVE_KEYS and v == FIELDS[k][1])
+        }
         return _hash({"v": ID_VERSION, **doc})[:12]
 
     @property
@@ -210,6 +244,7 @@ class RunConfig:
 
     # -- what the trainer builds from it ------------------------------------------------------------
     def sae_config(self, d_vit: int) -> SAEConfig:
+        jump = self.activation == "jumprelu"
         return SAEConfig(
             d_vit=d_vit,
             width=self.width,
@@ -220,16 +255,28 @@ class RunConfig:
             seed=self.seed,
             dtype=self.dtype,
             threshold_decay=self.threshold_decay,
+            jumprelu_bandwidth=self.jumprelu_bandwidth if jump else None,
+            jumprelu_init_threshold=self.jumprelu_init_threshold if jump else None,
+            matryoshka_prefixes=self.matryoshka_prefixes if self.activation == "matryoshka" else None,
         )
+
+    @property
+    def sparsity_warmup_steps(self) -> int:
+        """Warm-up of the sparsity coefficient: l0_warmup_steps (jumprelu), else l1_warmup_steps."""
+        return self.l0_warmup_steps if self.activation == "jumprelu" else self.l1_warmup_steps
 
     def objective_kwargs(self) -> dict:
         kw: dict = {"dead_tokens_threshold": self.dead_tokens, "dense_frac": self.dense_frac}
         if self.activation == "relu":
             kw["l1_coeff"] = self.l1_coeff
+        elif self.activation == "jumprelu":
+            kw.update(l0_coeff=self.l0_coeff, preact_coeff=self.preact_coeff)
         else:
             kw["aux_coeff"] = self.aux_coeff
             if self.k_aux is not None:
                 kw["k_aux"] = self.k_aux
+            if self.matryoshka_weights is not None:
+                kw["prefix_weights"] = self.matryoshka_weights
         return kw
 
     def split_images(self, n_imgs: int) -> tuple[int, int]:
@@ -249,8 +296,35 @@ def _hash(doc: dict) -> str:
 _FLOAT_RE = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
 
+# List-valued keys -> the type of their items.
+LIST_ITEMS = {"matryoshka_prefixes": int, "matryoshka_weights": float}
+
+
+def _coerce_list(key: str, v: Any, where: str) -> tuple:
+    """A list-valued key (``matryoshka_prefixes: [64, 256]`` is ONE value) -> a tuple of its items."""
+    item = LIST_ITEMS[key]
+    if not isinstance(v, list | tuple) or not v:
+        raise ConfigError(
+            f"{where}: key '{key}' must be a non-empty list of {item.__name__} ({FIELDS[key][2]}), got {v!r}"
+            + (" (in a sweep: a list of such lists)." if not isinstance(v, list | tuple) else ".")
+        )
+    out = []
+    for x in v:
+        if isinstance(x, str) and _FLOAT_RE.match(x.strip().replace("_", "")):
+            x = float(x.replace("_", ""))
+        if item is int and isinstance(x, float) and x.is_integer():
+            x = int(x)
+        ok = isinstance(x, int) if item is int else isinstance(x, int | float) and math.isfinite(x)
+        if isinstance(x, bool) or not ok:
+            raise ConfigError(f"{where}: key '{key}' must be a list of {item.__name__}, got {v!r}.")
+        out.append(item(x))
+    return tuple(out)
+
+
 def _coerce(key: str, v: Any, where: str) -> Any:
     types, _, _ = FIELDS[key]
+    if list in types and v is not None:
+        return _coerce_list(key, v, where)
     if v is None:
         if None in types:
             return None
@@ -309,7 +383,7 @@ def _positive(d: dict, where: str) -> None:
     for key in ("steps", "n_tokens", "width", "k", "k_aux"):
         if d.get(key) is not None and d[key] < 1:
             bad(key, "must be >= 1")
-    for key in ("data_seed", "seed", "warmup_steps", "l1_warmup_steps"):
+    for key in ("data_seed", "seed", "warmup_steps", "l1_warmup_steps", "l0_warmup_steps"):
         if d[key] < 0:
             bad(key, "must be >= 0")
     if not 0.0 <= d["eval_frac"] < 1.0:
@@ -323,9 +397,14 @@ def _positive(d: dict, where: str) -> None:
         bad("dense_frac", "must be in (0, 1)")
     if not 0.0 <= d["final_lr_frac"] <= 1.0:
         bad("final_lr_frac", "must be in [0, 1]")
-    for key in ("aux_coeff", "l1_coeff"):
+    for key in ("aux_coeff", "l1_coeff", "l0_coeff", "preact_coeff"):
         if d.get(key) is not None and d[key] < 0:
             bad(key, "must be >= 0")
+    for key in ("jumprelu_bandwidth", "jumprelu_init_threshold"):
+        if d[key] <= 0:
+            bad(key, "must be > 0")
+    if d["matryoshka_weights"] is not None and (min(d["matryoshka_weights"]) < 0 or sum(d["matryoshka_weights"]) <= 0):
+        bad("matryoshka_weights", "must be numbers >= 0, not all 0")
     if d["n_readers"] is not None and d["n_readers"] < 1:
         bad("n_readers", "must be >= 1 (or null for the loader's default)")
     if d["batch_timeout_s"] is not None and d["batch_timeout_s"] <= 0:
@@ -347,6 +426,30 @@ def _positive(d: dict, where: str) -> None:
             bad(key, f"must be one of {', '.join(allowed)}")
 
 
+def _check_objective_keys(d: dict, where: str) -> None:
+    """JumpReLU / Matryoshka keys: set only for their activation; the required ones given."""
+    act = d["activation"]
+    for keys, owner in ((JUMPRELU_KEYS, "jumprelu"), (MATRYOSHKA_KEYS, "matryoshka")):
+        if act != owner:
+            for key in keys:
+                if d[key] != FIELDS[key][1]:
+                    raise ConfigError(f"{where}: key '{key}' is only for activation {owner}, not {act}; remove it.")
+    if act == "jumprelu" and d["l0_coeff"] is None:
+        raise ConfigError(f"{where}: activation jumprelu needs 'l0_coeff' (the L0 sparsity coefficient).")
+    if act != "matryoshka":
+        return
+    p, w = d["matryoshka_prefixes"], d["matryoshka_weights"]
+    if p is not None and (any(b <= a for a, b in zip(p, p[1:], strict=False)) or p[0] < 1):
+        raise ConfigError(f"{where}: key 'matryoshka_prefixes' = {list(p)} must be increasing sizes >= 1.")
+    if p is not None and d["width"] is not None and p[-1] != d["width"]:
+        raise ConfigError(
+            f"{where}: key 'matryoshka_prefixes' = {list(p)} must end with the width {d['width']}; append it."
+        )
+    if w is not None and len(w) != (1 if p is None else len(p)):
+        n = 1 if p is None else len(p)
+        raise ConfigError(f"{where}: key 'matryoshka_weights' has {len(w)} values for {n} prefixes; give one each.")
+
+
 def _finish(d: dict, where: str, layers: tuple[int, ...] | None, d_vit: int | None) -> RunConfig:
     """Defaults applied, values coerced -> a checked RunConfig."""
     _positive(d, where)
@@ -361,10 +464,13 @@ def _finish(d: dict, where: str, layers: tuple[int, ...] | None, d_vit: int | No
         raise ConfigError(f"{where}: key 'warmup_steps' = {d['warmup_steps']} exceeds the {d['steps']} training steps.")
     if d["width"] is None and d["exp_factor"] is None:
         d["exp_factor"] = 16.0
-    if d["activation"] == "relu":
+    _check_objective_keys(d, where)
+    if d["activation"] in NO_K:
         if d["k"] is not None:
-            raise ConfigError(f"{where}: key 'k' is only for activation topk/batchtopk, not relu; remove it.")
-        if d["l1_coeff"] is None:
+            raise ConfigError(
+                f"{where}: key 'k' is only for activation topk/batchtopk/matryoshka, not {d['activation']}; remove it."
+            )
+        if d["activation"] == "relu" and d["l1_coeff"] is None:
             raise ConfigError(f"{where}: activation relu needs 'l1_coeff' (the L1 sparsity coefficient).")
     else:
         if d["l1_coeff"] is not None:

@@ -16,6 +16,12 @@ Activations
   so examples share a budget of k on average; every train-mode forward also updates ``threshold``,
   an EMA of the smallest kept value. In eval mode ``f = pre * (pre > threshold)``, which needs no
   batch and so gives each example its own number of latents.
+- ``jumprelu`` (Rajamanoharan et al. 2024): ``f = pre * (pre > theta)`` with a learned threshold
+  per latent, stored as the parameter ``log_threshold``. Its gradient wrt theta is the
+  straight-through pseudo-derivative with a rectangle kernel of width ``jumprelu_bandwidth``.
+- ``matryoshka`` (Bussmann et al. 2025): BatchTopK selection and threshold over the whole width;
+  the latents are ordered, ``matryoshka_prefixes`` naming nested prefixes that the objective
+  asks to reconstruct on their own (:meth:`SAE.decode_prefixes`).
 """
 
 from __future__ import annotations
@@ -32,8 +38,14 @@ from actcache.errors import ConfigError, TrainError
 from actcache.fsutil import atomic_write_bytes
 from actcache.rundir import CONFIG_FILE, WEIGHTS_FILE
 
-ACTIVATIONS = ("relu", "topk", "batchtopk")
+ACTIVATIONS = ("relu", "topk", "batchtopk", "jumprelu", "matryoshka")
+NO_K = ("relu", "jumprelu")  # activations without a fixed number of latents
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+JUMPRELU_BANDWIDTH = 1.0  # defaults of SAEConfig.jumprelu_bandwidth / jumprelu_init_threshold
+JUMPRELU_INIT = 1.0
+ACTIVATION_ONLY = ("jumprelu_bandwidth", "jumprelu_init_threshold", "matryoshka_prefixes")
 
 
 def _is_int(v: object) -> bool:
@@ -48,7 +60,10 @@ class SAEConfig:
     where only MSE shapes the decoder and a free row norm would let latents trade scale with the
     encoder (and make top-k selection compare pre-activations on unequal scales), and False for
     relu, whose L1 term is weighted by decoder row norms and so is already invariant to that trade.
-    ``threshold_decay`` is the EMA decay of the batchtopk inference threshold.
+    ``threshold_decay`` is the EMA decay of the batchtopk/matryoshka inference threshold.
+    ``jumprelu_bandwidth``/``jumprelu_init_threshold`` (jumprelu) and ``matryoshka_prefixes``
+    (matryoshka: increasing sizes, the last equal to the width) exist only for their activation:
+    None elsewhere, and left out of ``to_dict`` then, so other SAEs' config.json is unchanged.
     After construction ``width`` and ``normalize_decoder`` always hold their resolved values.
     """
 
@@ -61,6 +76,9 @@ class SAEConfig:
     seed: int = 0
     dtype: str = "float32"
     threshold_decay: float = 0.99
+    jumprelu_bandwidth: float | None = None
+    jumprelu_init_threshold: float | None = None
+    matryoshka_prefixes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.d_vit) or self.d_vit < 1:
@@ -69,11 +87,11 @@ class SAEConfig:
             raise ConfigError(f"SAEConfig.activation must be one of {list(ACTIVATIONS)}, got {self.activation!r}")
         width = self._resolve_width()
         object.__setattr__(self, "width", width)
-        if self.activation == "relu":
+        if self.activation in NO_K:
             if self.k is not None:
                 raise ConfigError(
-                    f"SAEConfig.k={self.k!r} is only used by activation 'topk' or 'batchtopk'; "
-                    "remove it for activation 'relu'"
+                    f"SAEConfig.k={self.k!r} is only used by activation 'topk', 'batchtopk' or 'matryoshka'; "
+                    f"remove it for activation {self.activation!r}"
                 )
         else:
             if not _is_int(self.k):
@@ -91,6 +109,39 @@ class SAEConfig:
         td = self.threshold_decay
         if isinstance(td, bool) or not isinstance(td, int | float) or not 0.0 <= td < 1.0:
             raise ConfigError(f"SAEConfig.threshold_decay must be a number in [0, 1), got {td!r}")
+        self._check_jumprelu()
+        self._check_matryoshka(width)
+
+    def _check_jumprelu(self) -> None:
+        for name, default in (("jumprelu_bandwidth", JUMPRELU_BANDWIDTH), ("jumprelu_init_threshold", JUMPRELU_INIT)):
+            v = getattr(self, name)
+            if self.activation != "jumprelu":
+                if v is not None:
+                    raise ConfigError(f"SAEConfig.{name}={v!r} is only used by activation 'jumprelu'; remove it")
+                continue
+            if v is None:
+                object.__setattr__(self, name, default)
+            elif isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
+                raise ConfigError(f"SAEConfig.{name} must be a number > 0, got {v!r}")
+            else:
+                object.__setattr__(self, name, float(v))
+
+    def _check_matryoshka(self, width: int) -> None:
+        p = self.matryoshka_prefixes
+        if self.activation != "matryoshka":
+            if p is not None:
+                raise ConfigError(f"SAEConfig.matryoshka_prefixes={p!r} is only used by activation 'matryoshka'")
+            return
+        if p is None:
+            p = (width,)
+        if not isinstance(p, list | tuple) or not p or not all(_is_int(m) for m in p):
+            raise ConfigError(f"SAEConfig.matryoshka_prefixes must be a non-empty list of integers, got {p!r}")
+        p = tuple(p)
+        if any(b <= a for a, b in zip(p, p[1:], strict=False)) or p[0] < 1 or p[-1] != width:
+            raise ConfigError(
+                f"SAEConfig.matryoshka_prefixes must increase from >= 1 to the width {width}, got {list(p)}"
+            )
+        object.__setattr__(self, "matryoshka_prefixes", p)
 
     def _resolve_width(self) -> int:
         w, ef = self.width, self.exp_factor
@@ -119,7 +170,11 @@ class SAEConfig:
         return DTYPES[self.dtype]
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        doc = dataclasses.asdict(self)
+        for name in ACTIVATION_ONLY:
+            if doc[name] is None:
+                del doc[name]
+        return doc
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, indent=2)
@@ -166,8 +221,49 @@ def geometric_median(x_ND: torch.Tensor, max_iter: int = 100, tol: float = 1e-6)
     return y.to(x_ND.dtype)
 
 
+def _rectangle(pre_BS: torch.Tensor, theta_S: torch.Tensor, bandwidth: float) -> torch.Tensor:
+    """K((pre - theta) / bandwidth) / bandwidth with K the rectangle of width 1 around 0."""
+    return ((pre_BS - theta_S).abs() < bandwidth / 2).to(pre_BS.dtype) / bandwidth
+
+
+class JumpReLU(torch.autograd.Function):
+    """``pre * (pre > theta)``; backward: the gate for pre, and for theta the straight-through
+    pseudo-derivative ``-theta * K((pre - theta) / eps) / eps`` (Rajamanoharan et al. 2024)."""
+
+    @staticmethod
+    def forward(ctx, pre_BS, theta_S, bandwidth):
+        ctx.save_for_backward(pre_BS, theta_S)
+        ctx.bandwidth = bandwidth
+        return pre_BS * (pre_BS > theta_S)
+
+    @staticmethod
+    def backward(ctx, g_BS):
+        pre_BS, theta_S = ctx.saved_tensors
+        g_pre = g_BS * (pre_BS > theta_S)
+        g_theta = -(theta_S * _rectangle(pre_BS, theta_S, ctx.bandwidth) * g_BS).sum(0)
+        return g_pre, g_theta, None
+
+
+class HeavisideStep(torch.autograd.Function):
+    """``(pre > theta)`` as a number (the L0 of JumpReLU); backward: nothing for pre, for theta
+    ``-K((pre - theta) / eps) / eps``, the same straight-through estimator."""
+
+    @staticmethod
+    def forward(ctx, pre_BS, theta_S, bandwidth):
+        ctx.save_for_backward(pre_BS, theta_S)
+        ctx.bandwidth = bandwidth
+        return (pre_BS > theta_S).to(pre_BS.dtype)
+
+    @staticmethod
+    def backward(ctx, g_BS):
+        pre_BS, theta_S = ctx.saved_tensors
+        g_theta = -(_rectangle(pre_BS, theta_S, ctx.bandwidth) * g_BS).sum(0)
+        return None, g_theta, None
+
+
 class SAE(nn.Module):
-    """W_enc (D, S), b_enc (S,), W_dec (S, D), b_dec (D,); buffer ``threshold`` (batchtopk)."""
+    """W_enc (D, S), b_enc (S,), W_dec (S, D), b_dec (D,); buffer ``threshold`` (batchtopk,
+    matryoshka); jumprelu: parameter ``log_threshold`` (S,)."""
 
     def __init__(self, cfg: SAEConfig):
         super().__init__()
@@ -184,6 +280,9 @@ class SAE(nn.Module):
         self.b_dec = nn.Parameter(torch.zeros(d, dtype=dtype))
         # NaN until the first train-mode batchtopk forward estimates it.
         self.register_buffer("threshold", torch.tensor(float("nan"), dtype=torch.float32))
+        if cfg.activation == "jumprelu":  # only then: other SAEs keep their tensor names
+            log_th = torch.full((s,), math.log(cfg.jumprelu_init_threshold), dtype=torch.float64)
+            self.log_threshold = nn.Parameter(log_th.to(dtype))
 
     # -- encoder / decoder ------------------------------------------------------------------------
 
@@ -204,7 +303,9 @@ class SAE(nn.Module):
         if act == "topk":
             vals_BK, idx_BK = pre_BS.topk(self.cfg.k, dim=-1, sorted=False)
             return torch.zeros_like(pre_BS).scatter(-1, idx_BK, torch.relu(vals_BK))
-        # batchtopk
+        if act == "jumprelu":
+            return JumpReLU.apply(pre_BS, self.jumprelu_threshold(), self.cfg.jumprelu_bandwidth)
+        # batchtopk, matryoshka
         if self.training:
             return self._batch_topk(pre_BS)
         if torch.isnan(self.threshold):
@@ -230,11 +331,25 @@ class SAE(nn.Module):
             self.threshold.copy_(torch.where(torch.isfinite(m), new, th))
         return f_BS
 
+    def jumprelu_threshold(self) -> torch.Tensor:
+        """theta (S,) = exp(log_threshold) of a jumprelu SAE (differentiable)."""
+        return self.log_threshold.exp()
+
     def encode(self, x_BD: torch.Tensor) -> torch.Tensor:
         return self.activate(self.pre_acts(x_BD))
 
     def decode(self, f_BS: torch.Tensor) -> torch.Tensor:
         return f_BS @ self.W_dec + self.b_dec
+
+    def decode_prefixes(self, f_BS: torch.Tensor, prefixes: tuple[int, ...]) -> list[torch.Tensor]:
+        """Reconstructions from the first m latents only, for each m of ``prefixes`` (increasing):
+        ``decode`` of f with latents m.. zeroed, built as running sums of one decode per slice."""
+        out, x_hat_BD, start = [], self.b_dec, 0
+        for m in prefixes:
+            x_hat_BD = x_hat_BD + f_BS[:, start:m] @ self.W_dec[start:m]
+            out.append(x_hat_BD)
+            start = m
+        return out
 
     def forward(self, x_BD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         pre_BS = self.pre_acts(x_BD)
@@ -322,4 +437,6 @@ class SAE(nn.Module):
     def extra_repr(self) -> str:
         c = self.cfg
         k = f", k={c.k}" if c.k is not None else ""
+        if c.matryoshka_prefixes is not None:
+            k += f", prefixes={list(c.matryoshka_prefixes)}"
         return f"d_vit={c.d_vit}, width={c.width}, activation={c.activation}{k}"

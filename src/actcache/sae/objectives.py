@@ -2,6 +2,8 @@
 
     obj = make_objective(sae, l1_coeff=1e-3)          # ReLU: needs l1_coeff
     obj = make_objective(sae)                          # TopK / BatchTopK: MSE + AuxK
+    obj = make_objective(sae, l0_coeff=1e-3)          # JumpReLU: MSE + L0 (+ pre-act penalty)
+    obj = make_objective(sae, prefix_weights=None)     # Matryoshka: sum over prefixes + AuxK
     out = obj(sae, x_BD)                               # LossOut
     out.loss.backward(); out.to_dict()                 # {"mse": ..., "nmse": ..., "l0": ..., ...}
 
@@ -22,6 +24,8 @@ Definitions (B batch, D d_vit, S latents):
   ``k_aux`` dead latents. As in the paper's nMSE + alpha * aux, it is added to the loss scaled by
   the batch variance of x (a detached constant), so the loss stays in MSE units:
   loss = mse + aux_coeff * var(x) * aux.  Zero when no latent is dead.
+JumpReLU and Matryoshka objectives add metrics of their own in ``LossOut.extras`` (their classes
+say which).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import dataclasses
 import torch
 
 from actcache.errors import ConfigError, TrainError
-from actcache.sae.modeling import SAE
+from actcache.sae.modeling import SAE, HeavisideStep
 
 
 @dataclasses.dataclass
@@ -47,10 +51,13 @@ class LossOut:
     n_dead: torch.Tensor
     n_dense: torch.Tensor
     aux: torch.Tensor
+    extras: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # an objective's own metrics
 
     def to_dict(self) -> dict[str, float]:
-        """All values as Python floats (one device sync); ``loss`` detached."""
-        return {f.name: float(getattr(self, f.name).detach()) for f in dataclasses.fields(self)}
+        """All values (``extras`` flattened in) as Python floats; ``loss`` detached."""
+        out = {f.name: float(getattr(self, f.name).detach()) for f in dataclasses.fields(self) if f.name != "extras"}
+        out.update({k: float(v.detach()) for k, v in self.extras.items()})
+        return out
 
 
 class FiringStats:
@@ -123,7 +130,12 @@ def _base_metrics(sae: SAE, x_BD: torch.Tensor, x_hat_BD: torch.Tensor, f_BS: to
 
 
 class Objective(abc.ABC):
-    """Shared state and metrics; subclasses define the sparsity / auxiliary term."""
+    """Shared state and metrics; subclasses define the sparsity / auxiliary term.
+
+    ``extra_metrics``: names of the subclass's own metrics, which its calls put in ``LossOut.extras``.
+    """
+
+    extra_metrics: tuple[str, ...] = ()
 
     def __init__(self, sae: SAE, dead_tokens_threshold: int = 10_000_000, dense_frac: float = 0.1):
         self.stats = FiringStats(sae.cfg.width, dead_tokens_threshold, dense_frac)
@@ -220,11 +232,121 @@ def auxk_loss(
     return (e_hat_BD - e_BD).pow(2).sum() / denom
 
 
-def make_objective(sae: SAE, *, l1_coeff: float | None = None, **kw) -> Objective:
-    """ReLUObjective for ``relu`` SAEs (``l1_coeff`` required), AuxKObjective otherwise.
+def _number(name: str, v: object, low: float = 0.0) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not v >= low or v != v:
+        raise ConfigError(f"{name} must be a number >= {low:g}, got {v!r}")
+    return float(v)
+
+
+class _ExtrasMixin:
+    """Puts the metrics a subclass's ``_extra`` left in ``self._extras`` into ``LossOut.extras``."""
+
+    def __call__(self, sae: SAE, x_BD: torch.Tensor, *, sparsity_scale: float = 1.0) -> LossOut:
+        self._extras: dict[str, torch.Tensor] = {}
+        out = super().__call__(sae, x_BD, sparsity_scale=sparsity_scale)
+        out.extras = self._extras
+        return out
+
+
+class JumpReLUObjective(_ExtrasMixin, Objective):
+    """loss = MSE + l0_coeff * sparsity_scale * var(x) * L0 + preact_coeff * P.
+
+    L0 is the mean number of latents with pre > theta, differentiated wrt theta by the
+    straight-through estimator (:class:`~actcache.sae.modeling.HeavisideStep`); scaled by the
+    (detached) batch variance of x, ``l0_coeff`` is the fraction of variance one active latent
+    must explain to be worth its place, whatever the data's scale. P, the pre-activation penalty
+    (Anthropic's variant, off by default): mean_b sum_s relu(theta_s - pre_bs) * ||W_dec[s]||,
+    which raises the pre-activations of latents below threshold so that ones that never fire
+    get a gradient again; it is in the units of the ReLU objective's L1 term.
+    Extras: ``l0_penalty`` (the L0 term as added to the loss), ``preact`` (P), ``threshold_mean``.
+    """
+
+    extra_metrics = ("l0_penalty", "preact", "threshold_mean")
+
+    def __init__(self, sae: SAE, l0_coeff: float, preact_coeff: float = 0.0, **kw):
+        if sae.cfg.activation != "jumprelu":
+            raise ConfigError(f"JumpReLUObjective needs a jumprelu SAE, got activation {sae.cfg.activation!r}")
+        self.l0_coeff = _number("l0_coeff", l0_coeff)
+        self.preact_coeff = _number("preact_coeff", preact_coeff)
+        super().__init__(sae, **kw)
+
+    def _extra(self, sae, x_BD, x_hat_BD, f_BS, pre_BS, mse, var_x, l1, sparsity_scale):
+        theta_S = sae.jumprelu_threshold()
+        l0 = HeavisideStep.apply(pre_BS, theta_S, sae.cfg.jumprelu_bandwidth).sum(1).mean()
+        penalty = (self.l0_coeff * sparsity_scale) * var_x * l0
+        with torch.set_grad_enabled(self.preact_coeff > 0 and torch.is_grad_enabled()):
+            preact = (torch.relu(theta_S - pre_BS) @ sae.W_dec.norm(dim=1)).mean()
+        extra = penalty + self.preact_coeff * preact if self.preact_coeff > 0 else penalty
+        self._extras = {"l0_penalty": penalty.detach(), "preact": preact.detach(),
+                        "threshold_mean": theta_S.detach().mean()}  # fmt: skip
+        return extra, torch.zeros((), device=mse.device)
+
+
+class MatryoshkaObjective(_ExtrasMixin, AuxKObjective):
+    """loss = sum_m w_m * mse_m + aux_coeff * var(x) * AuxK, over the SAE's ``matryoshka_prefixes``.
+
+    mse_m is the MSE of the reconstruction from the first m latents only (the last prefix is the
+    whole SAE); the weights ``prefix_weights`` (default equal) are normalised to sum to 1, so the
+    loss is in MSE units like the other objectives' and one prefix gives BatchTopK's loss.
+    Extras: ``nmse_prefix_<m>`` (each prefix's FVU, mse_m / var(x)).
+    """
+
+    def __init__(self, sae: SAE, prefix_weights: list[float] | tuple[float, ...] | None = None, **kw):
+        if sae.cfg.activation != "matryoshka":
+            raise ConfigError(f"MatryoshkaObjective needs a matryoshka SAE, got activation {sae.cfg.activation!r}")
+        prefixes = sae.cfg.matryoshka_prefixes
+        w = [1.0] * len(prefixes) if prefix_weights is None else list(prefix_weights)
+        if len(w) != len(prefixes):
+            raise ConfigError(f"matryoshka_weights has {len(w)} values for {len(prefixes)} prefixes {list(prefixes)}")
+        w = [_number("each of matryoshka_weights", v) for v in w]
+        if sum(w) <= 0:
+            raise ConfigError(f"matryoshka_weights must not all be 0, got {w}")
+        super().__init__(sae, **kw)
+        self.prefixes = prefixes
+        self.weights = [v / sum(w) for v in w]
+        self.extra_metrics = tuple(f"nmse_prefix_{m}" for m in prefixes)
+
+    def _extra(self, sae, x_BD, x_hat_BD, f_BS, pre_BS, mse, var_x, l1, sparsity_scale):
+        x_BD = x_BD.to(x_hat_BD.dtype)
+        tiny = torch.finfo(var_x.dtype).tiny
+        recon = torch.zeros((), dtype=mse.dtype, device=mse.device)
+        for m, w, xm_BD in zip(self.prefixes, self.weights, sae.decode_prefixes(f_BS, self.prefixes), strict=True):
+            mse_m = (xm_BD - x_BD).pow(2).mean()
+            recon = recon + w * mse_m
+            self._extras[f"nmse_prefix_{m}"] = mse_m.detach() / var_x.clamp_min(tiny)
+        aux_loss, aux = super()._extra(sae, x_BD, x_hat_BD, f_BS, pre_BS, mse, var_x, l1, sparsity_scale)
+        # The base class adds the full SAE's mse; the prefix sum replaces it.
+        return recon - mse + aux_loss, aux
+
+
+def make_objective(
+    sae: SAE,
+    *,
+    l1_coeff: float | None = None,
+    l0_coeff: float | None = None,
+    preact_coeff: float = 0.0,
+    prefix_weights: list[float] | tuple[float, ...] | None = None,
+    **kw,
+) -> Objective:
+    """ReLUObjective for ``relu`` SAEs (``l1_coeff`` required), JumpReLUObjective for ``jumprelu``
+    (``l0_coeff`` required, ``preact_coeff``), MatryoshkaObjective for ``matryoshka``
+    (``prefix_weights``), AuxKObjective otherwise.
 
     Keyword arguments: dead_tokens_threshold, dense_frac; aux_coeff, k_aux (TopK variants).
     """
+    act = sae.cfg.activation
+    if act != "jumprelu" and (l0_coeff is not None or preact_coeff):
+        raise ConfigError(f"l0_coeff and preact_coeff are only used by jumprelu SAEs; this SAE's activation is {act!r}")
+    if act != "matryoshka" and prefix_weights is not None:
+        raise ConfigError(f"prefix_weights are only used by matryoshka SAEs; this SAE's activation is {act!r}")
+    if act == "jumprelu":
+        if l0_coeff is None:
+            raise ConfigError("a jumprelu SAE needs l0_coeff (the L0 sparsity coefficient)")
+        if l1_coeff is not None:
+            raise ConfigError("l1_coeff is only used by relu SAEs; a jumprelu SAE takes l0_coeff")
+        return JumpReLUObjective(sae, l0_coeff, preact_coeff, **kw)
+    if act == "matryoshka" and l1_coeff is None:
+        return MatryoshkaObjective(sae, prefix_weights, **kw)
     if sae.cfg.activation == "relu":
         if l1_coeff is None:
             raise ConfigError("a relu SAE needs l1_coeff (the L1 sparsity coefficient)")

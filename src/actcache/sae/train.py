@@ -68,7 +68,9 @@ class _Member:
         self.sched = LRSchedule(lr=run.lr, warmup_steps=run.warmup_steps, total_steps=run.steps,
                                 decay=run.lr_decay, final_frac=run.final_lr_frac)  # fmt: skip
         self.params = list(self.sae.parameters())
-        self.acc_sum = torch.zeros(len(_SCALARS), dtype=torch.float64, device=device)  # since the last log line
+        self.metric_names = (*_SCALARS, *self.obj.extra_metrics)  # the objective's own metrics last
+        # sums since the last log line
+        self.acc_sum = torch.zeros(len(self.metric_names), dtype=torch.float64, device=device)
         self.acc_n = 0
         self.last = None  # the latest LossOut
         self.last_line: dict = {}
@@ -76,7 +78,7 @@ class _Member:
     def step(self, x_BD: torch.Tensor, step: int, ctx: ddp.DistContext) -> None:
         run, sae = self.run, self.sae
         lr = self.sched.apply(self.opt, step)
-        scale = sparsity_warmup(step, run.l1_warmup_steps)
+        scale = sparsity_warmup(step, run.sparsity_warmup_steps)
         if not ctx.enabled:
             out = train_step(sae, self.obj, self.opt, x_BD, max_grad_norm=run.max_grad_norm, sparsity_scale=scale)
         else:  # optim.train_step with the gradient average between backward and clipping
@@ -91,11 +93,12 @@ class _Member:
             self.opt.step()
             if sae.cfg.normalize_decoder:
                 sae.normalize_decoder_()
-            if sae.cfg.activation == "batchtopk":
+            if sae.cfg.activation in ("batchtopk", "matryoshka"):
                 ddp.average_(sae.threshold, ctx)
         self.lr = lr
         self.last = out
-        self.acc_sum += torch.stack([getattr(out, k).detach().double() for k in _SCALARS])
+        values = [getattr(out, k) for k in _SCALARS] + [out.extras[k] for k in self.obj.extra_metrics]
+        self.acc_sum += torch.stack([v.detach().double() for v in values])
         self.acc_n += 1
 
 
@@ -340,7 +343,7 @@ class GroupTrainer:
             means = (m.acc_sum / max(1, m.acc_n)).tolist()
             m.acc_sum.zero_()
             m.acc_n = 0
-            line = {"step": step, "tokens": step * run.batch_size, "lr": m.lr, **dict(zip(_SCALARS, means, strict=True)),
+            line = {"step": step, "tokens": step * run.batch_size, "lr": m.lr, **dict(zip(m.metric_names, means, strict=True)),
                     "n_dead": int(m.last.n_dead), "n_dense": int(m.last.n_dense), **timing, "time": _now()}  # fmt: skip
             m.last_line = line
 

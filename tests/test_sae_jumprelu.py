@@ -1,0 +1,224 @@
+"""JumpReLU SAEs (Rajamanoharan et al. 2024): the straight-through threshold gradients, dictionary
+recovery with learned thresholds, an l0_coeff sweep trained in one loader pass, the L0 warm-up,
+the train keys (and the SAE ids they leave alone), save/load and exact resume.
+
+In-memory data: tests/test_sae_modeling.py's 256 unit directions in d=64, 8 per example.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from actcache.errors import ConfigError
+from actcache.sae import SAE, LRSchedule, SAEConfig, make_objective, make_optimizer, sparsity_warmup, train_step
+from actcache.sae.config import RunConfig, expand_train_section, run_dir
+from actcache.sae.modeling import HeavisideStep
+from actcache.sae.train import Preempted, train_group
+from test_sae_modeling import K_TRUE, N_TRUE, D, recovery, synthetic
+from test_sae_resume import assert_same, collect, stop_after
+from test_sae_train import dictionary_cache
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def jump(width=8, d=4, **kw) -> SAE:
+    return SAE(SAEConfig(d_vit=d, width=width, activation="jumprelu", **kw))
+
+
+def test_forward_gates_at_the_threshold_and_gradients_follow_the_rectangle_kernel():
+    sae = jump(width=3, jumprelu_init_threshold=0.5, jumprelu_bandwidth=0.2)
+    pre_BS = torch.tensor([[0.45, 0.55, 1.0], [0.2, 0.62, -1.0]], requires_grad=True)
+    f_BS = sae.activate(pre_BS)
+    assert torch.equal(f_BS.detach(), torch.tensor([[0.0, 0.55, 1.0], [0.0, 0.62, 0.0]]))
+    f_BS.sum().backward()
+    assert torch.equal(pre_BS.grad, torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]]))  # the gate
+    # d f / d theta = -theta/eps per pre within eps/2 of theta (0.45, 0.55; not 0.62, 1.0), and
+    # d theta / d log theta = theta:  -(0.5 / 0.2) * 0.5 per such entry
+    want = torch.tensor([-1.25, -1.25, 0.0])
+    torch.testing.assert_close(sae.log_threshold.grad, want)
+
+
+def test_l0_penalty_pushes_thresholds_up_and_warm_up_scales_it():
+    sae = jump(width=16, d=8, jumprelu_init_threshold=0.1, jumprelu_bandwidth=1.0)
+    x = torch.randn(64, 8)
+    obj = make_objective(sae, l0_coeff=0.1)
+    out = obj(sae, x, sparsity_scale=0.0)
+    assert float(out.extras["l0_penalty"]) == 0.0 and torch.equal(out.loss.detach(), out.mse)
+    assert float(out.extras["threshold_mean"]) == pytest.approx(0.1)
+    full = obj(sae, x, sparsity_scale=1.0)
+    var_x = float(x.var(0, unbiased=False).mean())
+    assert float(full.extras["l0_penalty"]) == pytest.approx(0.1 * var_x * float(full.l0), rel=1e-5)
+    # the L0 term alone: its gradient raises every threshold and never reaches the encoder
+    _, _, aux = sae(x)
+    HeavisideStep.apply(aux["pre_BS"], sae.jumprelu_threshold(), 1.0).sum(1).mean().backward()
+    assert bool((sae.log_threshold.grad <= 0).all()) and float(sae.log_threshold.grad.sum()) < 0
+    assert sae.W_enc.grad is None and sae.b_enc.grad is None
+    with pytest.raises(ConfigError, match="jumprelu SAE needs l0_coeff"):
+        make_objective(sae)
+    with pytest.raises(ConfigError, match="only used by jumprelu"):
+        make_objective(SAE(SAEConfig(d_vit=8, width=16, activation="topk", k=2)), l0_coeff=0.1)
+
+
+def test_preact_penalty_raises_pre_activations_of_latents_below_threshold():
+    sae = jump(width=16, d=8, jumprelu_init_threshold=5.0)  # nothing fires
+    x = torch.randn(64, 8)
+    out = make_objective(sae, l0_coeff=0.0, preact_coeff=1.0)(sae, x)
+    assert float(out.l0) == 0.0 and float(out.extras["preact"]) > 0
+    out.loss.backward()
+    assert float(sae.b_enc.grad.max()) < 0  # gradient descent raises every pre-activation
+    assert float(sae.log_threshold.grad.min()) > 0  # ... and lowers every threshold
+
+
+def test_jumprelu_recovers_dictionary_and_learns_its_thresholds():
+    torch.manual_seed(0)
+    dirs, x = synthetic(32768)
+    sae = jump(width=2 * N_TRUE, d=D)
+    sae.init_b_dec(x[:2048])
+    obj = make_objective(sae, l0_coeff=1e-2, dead_tokens_threshold=100_000)
+    opt = make_optimizer(sae, 1e-2)
+    steps = 1000
+    sched = LRSchedule(lr=1e-2, warmup_steps=50, total_steps=steps, decay="linear", final_frac=0.1)
+    g = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        sched.apply(opt, step)
+        x_BD = x[torch.randint(0, x.shape[0], (512,), generator=g)]
+        out = train_step(sae, obj, opt, x_BD, sparsity_scale=sparsity_warmup(step, 200))
+    score = recovery(sae, dirs)
+    theta_S = sae.jumprelu_threshold().detach()
+    print(f"jumprelu recovery {score:.4f} nmse {float(out.nmse):.3f} l0 {float(out.l0):.1f} "
+          f"theta mean {float(theta_S.mean()):.3f} sd {float(theta_S.std()):.3f}")  # fmt: skip
+    assert score >= 0.9
+    assert K_TRUE / 2 <= float(out.l0) <= 2 * K_TRUE
+    # the thresholds moved away from their initial value, each its own way
+    assert float((theta_S - 1.0).abs().mean()) > 0.2 and float(theta_S.std()) > 0.02
+    sae.eval()  # inference needs nothing but the weights: the same gate
+    with torch.no_grad():
+        assert float((sae.encode(x[:4096]) != 0).sum(1).float().mean()) == pytest.approx(float(out.l0), rel=0.3)
+
+
+# ---- through `train_group`: a sweep in one pass, metrics, eval, resume --------------------------
+
+TRAIN = {"batch_size": 128, "steps": 40, "width": 128, "log_every": 10, "ckpt_every": 10, "eval_frac": 0.1,
+         "dead_tokens": 500, "lr": 3e-2, "warmup_steps": 5, "lr_decay": "linear", "activation": "jumprelu",
+         "l0_coeff": 1e-2, "l0_warmup_steps": 10, "preact_coeff": 1e-4}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    path, _ = dictionary_cache(tmp_path_factory.mktemp("jumprelu") / "cache", n_imgs=200, imgs_per_shard=64)
+    return path
+
+
+def test_l0_falls_monotonically_across_an_l0_coeff_sweep_trained_in_one_pass(cache, tmp_path):
+    train = {**TRAIN, "steps": 150, "ckpt_every": 1000, "log_every": 50, "preact_coeff": 0.0,
+             "sweep": {"l0_coeff": [1e-3, 4e-3, 1.6e-2, 6.4e-2]}}  # fmt: skip
+    runs = expand_train_section(train, "t.yaml")
+    assert len({r.group_id for r in runs}) == 1
+    dirs = train_group(cache, runs, tmp_path, device="cpu")
+    l0s = []
+    for d in dirs:
+        ev = json.load(open(os.path.join(d, "eval.json")))
+        lines = [json.loads(x) for x in open(os.path.join(d, "metrics.jsonl"))]
+        assert {"l0_penalty", "preact", "threshold_mean"} <= set(lines[-1])
+        assert lines[-1]["threshold_mean"] != pytest.approx(1.0)
+        l0s.append(ev["l0"])
+    print("held-out l0 by l0_coeff:", l0s)
+    assert all(a > b for a, b in zip(l0s, l0s[1:], strict=False)), l0s
+
+
+def test_l0_warm_up_ramps_the_penalty(cache, tmp_path):
+    (run,) = expand_train_section({**TRAIN, "steps": 20, "log_every": 1, "l0_warmup_steps": 10}, "t.yaml")
+    assert run.sparsity_warmup_steps == 10
+    (d,) = train_group(cache, [run], tmp_path, device="cpu")
+    pen = [json.loads(x)["l0_penalty"] for x in open(os.path.join(d, "metrics.jsonl"))]
+    assert pen[0] == 0.0 and all(p > 0 for p in pen[1:])  # step 0: scale 0; then rising to full
+
+
+def test_save_load_keeps_the_thresholds(tmp_path):
+    sae = jump(width=16, d=8, jumprelu_init_threshold=0.3, jumprelu_bandwidth=0.1)
+    with torch.no_grad():
+        sae.log_threshold.add_(0.1 * torch.randn(16))
+    sae.save(tmp_path / "s")
+    cfg = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert cfg["activation"] == "jumprelu" and cfg["jumprelu_bandwidth"] == 0.1 and "matryoshka_prefixes" not in cfg
+    loaded = SAE.load(tmp_path / "s")
+    assert torch.equal(loaded.log_threshold, sae.log_threshold) and loaded.cfg == sae.cfg
+    x = torch.randn(32, 8)
+    assert torch.equal(loaded.eval().encode(x), sae.eval().encode(x))
+    topk = SAE(SAEConfig(d_vit=8, width=16, activation="topk", k=2))
+    assert "log_threshold" not in topk.state_dict()  # other SAEs keep their tensors and config.json keys
+    assert "jumprelu_bandwidth" not in topk.cfg.to_dict()
+
+
+def test_preempted_jumprelu_group_resumes_to_identical_weights(cache, tmp_path):
+    runs = expand_train_section({**TRAIN, "sweep": {"l0_coeff": [3e-3, 1e-2]}}, "t.yaml")
+    train_group(cache, runs, tmp_path / "ref", device="cpu")
+    want = collect(cache, runs, tmp_path / "ref")
+    with pytest.raises(Preempted):
+        train_group(cache, runs, tmp_path / "cut", device="cpu", stop=stop_after(25))
+    train_group(cache, runs, tmp_path / "cut", device="cpu")
+    got = collect(cache, runs, tmp_path / "cut")
+    assert_same(got, want)
+    for r in runs:  # the objective's own metrics too
+        lines = [open(os.path.join(run_dir(p, os.path.basename(cache), r), "metrics.jsonl")).read()
+                 for p in (tmp_path / "ref", tmp_path / "cut")]  # fmt: skip
+        assert [
+            {k: v for k, v in json.loads(x).items() if k in ("l0_penalty", "preact", "threshold_mean")}
+            for x in lines[0].splitlines()
+        ] == [  # fmt: skip
+            {k: v for k, v in json.loads(x).items() if k in ("l0_penalty", "preact", "threshold_mean")}
+            for x in lines[1].splitlines()
+        ]
+
+
+# ---- keys and ids ---------------------------------------------------------------------------------
+
+
+def test_existing_sae_ids_do_not_change():
+    # computed on the code before the jumprelu/matryoshka keys existed
+    train = {"steps": 100, "batch_size": 256, "layer": -2,
+             "saes": [{"activation": "topk", "k": 16, "width": 512},
+                      {"activation": "relu", "width": 512, "l1_coeff": 1e-3, "l1_warmup_steps": 5},
+                      {"activation": "batchtopk", "k": 8, "exp_factor": 4}]}  # fmt: skip
+    runs = expand_train_section(train, "x.yaml")
+    assert [r.sae_id for r in runs] == ["b4c63eb724ee", "f2d2c0b64c91", "18cab986588d"]
+    assert {r.group_id for r in runs} == {"L-2-image-d5e49d00"}
+    assert (RunConfig().sae_id, RunConfig().group_id) == ("fd273e09c2f9", "Lauto-image-6cde478e")
+    (a,) = expand_train_section({"steps": 10, "activation": "jumprelu", "l0_coeff": 1e-3}, "x.yaml")
+    (b,) = expand_train_section({"steps": 10, "activation": "jumprelu", "l0_coeff": 1e-3, "jumprelu_bandwidth": 0.5},
+                                "x.yaml")  # fmt: skip
+    assert a.sae_id != b.sae_id and a.group_id == b.group_id  # per-SAE keys: one loader pass
+
+
+@pytest.mark.parametrize(
+    "train, match",
+    [
+        ({"activation": "jumprelu"}, r"x\.yaml: train: activation jumprelu needs 'l0_coeff'"),
+        ({"activation": "jumprelu", "l0_coeff": 1e-3, "k": 4}, r"key 'k' is only for activation .*not jumprelu"),
+        ({"activation": "topk", "l0_coeff": 1e-3}, r"key 'l0_coeff' is only for activation jumprelu, not topk"),
+        ({"activation": "relu", "l1_coeff": 1e-3, "preact_coeff": 1.0}, r"key 'preact_coeff' is only for .*jumprelu"),
+        ({"activation": "jumprelu", "l0_coeff": -1.0}, r"key 'l0_coeff' must be >= 0"),
+        ({"activation": "jumprelu", "l0_coeff": 1e-3, "jumprelu_bandwidth": 0}, r"'jumprelu_bandwidth' must be > 0"),
+        ({"activation": "jumprelu", "l0_coeff": 1e-3, "l0_warmup_steps": -1}, r"'l0_warmup_steps' must be >= 0"),
+    ],
+)
+def test_bad_jumprelu_keys_name_file_and_key(train, match):
+    with pytest.raises(ConfigError, match=match):
+        expand_train_section({"steps": 10, **train}, "x.yaml")
+
+
+def test_init_threshold_is_the_configured_value():
+    sae = jump(width=4, jumprelu_init_threshold=0.25)
+    assert torch.allclose(sae.jumprelu_threshold(), torch.full((4,), 0.25))
+    assert math.isclose(float(sae.log_threshold.detach()[0]), math.log(0.25), rel_tol=1e-6)
