@@ -16,6 +16,11 @@ Activations
   so examples share a budget of k on average; every train-mode forward also updates ``threshold``,
   an EMA of the smallest kept value. In eval mode ``f = pre * (pre > threshold)``, which needs no
   batch and so gives each example its own number of latents.
+
+Compute (set by the trainer, not part of the saved config): ``sae.set_compute(decode, precision)``.
+``decode="sparse"`` (topk variants) decodes from the chosen latents only and back-propagates into
+the encoder only through them (:class:`SparseDecode`, :class:`SparseEncode`); ``precision="bf16"``
+runs the forward's matmuls under autocast while weights stay float32.
 """
 
 from __future__ import annotations
@@ -32,6 +37,11 @@ from actcache.errors import ConfigError, TrainError
 from actcache.fsutil import atomic_write_bytes
 
 ACTIVATIONS = ("relu", "topk", "batchtopk")
+PRECISIONS = ("fp32", "tf32", "bf16")
+DECODES = ("auto", "dense", "sparse")
+SPARSE_ACTIVATIONS = ("topk", "batchtopk")
+# decode "auto" picks sparse when width >= SPARSE_MIN_RATIO * k (see choose_decode).
+SPARSE_MIN_RATIO = 16
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 WEIGHTS_FILE = "sae.safetensors"
 CONFIG_FILE = "config.json"
@@ -166,6 +176,123 @@ def geometric_median(x_ND: torch.Tensor, max_iter: int = 100, tol: float = 1e-6)
             break
     return y.to(x_ND.dtype)
 
+# -- sparse codes -------------------------------------------------------------------------------
+# N chosen (example, latent) pairs, sorted by example: example ``row_N``, latent ``col_N``; the
+# codes of example b are entries offsets_B[b] .. offsets_B[b+1] (embedding_bag's layout).
+_CHUNK_ELEMS = 1 << 24  # backward temporaries hold at most this many elements per chunk
+
+
+@dataclasses.dataclass(frozen=True)
+class Codes:
+    row_N: torch.Tensor
+    col_N: torch.Tensor
+    offsets_B: torch.Tensor
+
+    @classmethod
+    def per_row(cls, idx_BK: torch.Tensor) -> Codes:
+        """k latents per example (topk): ``idx_BK`` the chosen latent indices."""
+        b, k = idx_BK.shape
+        row_N = torch.arange(b, device=idx_BK.device).repeat_interleave(k)
+        return cls(row_N, idx_BK.reshape(-1), torch.arange(0, b * k, k, device=idx_BK.device))
+
+    @classmethod
+    def from_flat(cls, flat_N: torch.Tensor, width: int, batch: int) -> Codes:
+        """Indices into a flattened (B, S) matrix (batchtopk), in any order."""
+        flat_N = flat_N.sort().values
+        row_N = torch.div(flat_N, width, rounding_mode="floor")
+        counts_B = torch.bincount(row_N, minlength=batch)
+        return cls(row_N, flat_N - row_N * width, torch.cumsum(counts_B, 0) - counts_B)
+
+
+def _chunks(n: int, d: int):
+    step = max(1, _CHUNK_ELEMS // max(1, d))
+    for a in range(0, n, step):
+        yield slice(a, min(n, a + step))
+
+
+def _scatter_rows(codes: Codes, w_N: torch.Tensor, src_BD: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """out[s] = sum over codes n with col_N[n] = s of w_N[n] * src_BD[row_N[n]]  -> (n_rows, D)."""
+    out = torch.zeros(n_rows, src_BD.shape[1], dtype=src_BD.dtype, device=src_BD.device)
+    for c in _chunks(w_N.shape[0], src_BD.shape[1]):
+        out.index_add_(0, codes.col_N[c], src_BD.index_select(0, codes.row_N[c]) * w_N[c, None])
+    return out
+
+
+def _row_dots(codes: Codes, a_BD: torch.Tensor, w_SD: torch.Tensor) -> torch.Tensor:
+    """out[n] = <a_BD[row_N[n]], w_SD[col_N[n]]>  -> (N,)."""
+    out = torch.empty(codes.col_N.shape[0], dtype=a_BD.dtype, device=a_BD.device)
+    for c in _chunks(out.shape[0], a_BD.shape[1]):
+        out[c] = (a_BD.index_select(0, codes.row_N[c]) * w_SD.index_select(0, codes.col_N[c])).sum(1)
+    return out
+
+
+def _bag_sum(codes: Codes, w_N: torch.Tensor, w_SD: torch.Tensor) -> torch.Tensor:
+    """out[b] = sum over the codes of example b of w_N[n] * w_SD[col_N[n]]  -> (B, D)."""
+    return nn.functional.embedding_bag(
+        codes.col_N, w_SD, codes.offsets_B, mode="sum", per_sample_weights=w_N.to(w_SD.dtype)
+    )
+
+
+class SparseDecode(torch.autograd.Function):
+    """x_BD = sum over each example's codes of val * W_dec[latent] (the decoder without b_dec).
+
+    Equals ``f_BS @ W_dec`` for the f_BS holding ``val_N`` at the codes and zeros elsewhere, with
+    O(N * D) work instead of O(B * S * D); backward scatters into W_dec's gradient."""
+
+    @staticmethod
+    def forward(ctx, val_N, W_SD, codes: Codes):
+        ctx.codes = codes
+        ctx.save_for_backward(val_N, W_SD)
+        with torch.autocast(W_SD.device.type, enabled=False):
+            return _bag_sum(codes, val_N, W_SD)
+
+    @staticmethod
+    def backward(ctx, g_BD):
+        val_N, W_SD = ctx.saved_tensors
+        codes, g_BD = ctx.codes, g_BD.to(W_SD.dtype)
+        g_val = _row_dots(codes, g_BD, W_SD).to(val_N.dtype) if ctx.needs_input_grad[0] else None
+        g_W = _scatter_rows(codes, val_N.to(W_SD.dtype), g_BD, W_SD.shape[0]) if ctx.needs_input_grad[1] else None
+        return g_val, g_W, None
+
+
+class SparseEncode(torch.autograd.Function):
+    """The pre-activations at the codes, pre[b, s] = xc_BD[b] . W_enc[:, s] + b_enc[s], taken from
+    ``pre_BS`` (computed without a graph), with a backward through the codes only."""
+
+    @staticmethod
+    def forward(ctx, xc_BD, W_DS, b_S, pre_BS, codes: Codes):
+        ctx.codes = codes
+        ctx.save_for_backward(xc_BD, W_DS)
+        return pre_BS[codes.row_N, codes.col_N]
+
+    @staticmethod
+    def backward(ctx, g_N):
+        xc_BD, W_DS = ctx.saved_tensors
+        codes = ctx.codes
+        g_N = g_N.to(W_DS.dtype)
+        g_x = g_W = g_b = None
+        if ctx.needs_input_grad[0]:
+            g_x = _bag_sum(codes, g_N, W_DS.t().contiguous()).to(xc_BD.dtype)
+        if ctx.needs_input_grad[1]:
+            g_W = _scatter_rows(codes, g_N, xc_BD.to(W_DS.dtype), W_DS.shape[1]).t()
+        if ctx.needs_input_grad[2]:
+            g_b = torch.zeros(W_DS.shape[1], dtype=W_DS.dtype, device=W_DS.device).index_add_(0, codes.col_N, g_N)
+        return g_x, g_W, g_b, None, None
+
+
+def choose_decode(decode: str, activation: str, k: int | None, width: int) -> str:
+    """"dense" or "sparse". Sparse needs a topk variant; "auto" takes it when width >= 16 k,
+    where the gathers of N * D elements cost less than the dense matmuls' B * S * D."""
+    if decode not in DECODES:
+        raise ConfigError(f"decode must be one of {list(DECODES)}, got {decode!r}")
+    if activation not in SPARSE_ACTIVATIONS:
+        if decode == "sparse":
+            raise ConfigError(f"decode 'sparse' needs activation topk or batchtopk, not {activation!r}")
+        return "dense"
+    if decode == "auto":
+        return "sparse" if width >= SPARSE_MIN_RATIO * k else "dense"
+    return decode
+
 
 class SAE(nn.Module):
     """W_enc (D, S), b_enc (S,), W_dec (S, D), b_dec (D,); buffer ``threshold`` (batchtopk)."""
@@ -185,6 +312,7 @@ class SAE(nn.Module):
         self.b_dec = nn.Parameter(torch.zeros(d, dtype=dtype))
         # NaN until the first train-mode batchtopk forward estimates it.
         self.register_buffer("threshold", torch.tensor(float("nan"), dtype=torch.float32))
+        self.decode_mode, self.precision = "dense", "fp32"
 
     # -- encoder / decoder ------------------------------------------------------------------------
 
@@ -221,15 +349,19 @@ class SAE(nn.Module):
         vals, idx = flat.topk(n_keep, sorted=False)
         vals = torch.relu(vals)
         f_BS = torch.zeros_like(flat).scatter(0, idx, vals).reshape(pre_BS.shape)
-        with torch.no_grad():
-            pos = vals.detach().float()
-            pos = torch.where(pos > 0, pos, torch.full_like(pos, float("inf")))
-            m = pos.min()  # smallest kept positive value; inf when none is positive
-            decay = self.cfg.threshold_decay
-            th = self.threshold
-            new = torch.where(torch.isnan(th), m, decay * th + (1.0 - decay) * m)
-            self.threshold.copy_(torch.where(torch.isfinite(m), new, th))
+        self._update_threshold(vals)
         return f_BS
+
+    @torch.no_grad()
+    def _update_threshold(self, vals: torch.Tensor) -> None:
+        """EMA of the smallest kept positive value of a train-mode batchtopk forward."""
+        pos = vals.detach().float()
+        pos = torch.where(pos > 0, pos, torch.full_like(pos, float("inf")))
+        m = pos.min()  # smallest kept positive value; inf when none is positive
+        decay = self.cfg.threshold_decay
+        th = self.threshold
+        new = torch.where(torch.isnan(th), m, decay * th + (1.0 - decay) * m)
+        self.threshold.copy_(torch.where(torch.isfinite(m), new, th))
 
     def encode(self, x_BD: torch.Tensor) -> torch.Tensor:
         return self.activate(self.pre_acts(x_BD))
@@ -238,9 +370,61 @@ class SAE(nn.Module):
         return f_BS @ self.W_dec + self.b_dec
 
     def forward(self, x_BD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        with self.autocast():
+            if self.decode_mode == "sparse" and (self.training or self.cfg.activation == "topk"):
+                return self._forward_sparse(x_BD)
+            return self._forward_dense(x_BD)
+
+    def _forward_dense(self, x_BD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         pre_BS = self.pre_acts(x_BD)
         f_BS = self.activate(pre_BS)
         return self.decode(f_BS), f_BS, {"pre_BS": pre_BS}
+
+    # -- compute recipe: sparse decoding, mixed precision ------------------------------------------
+
+    def set_compute(self, decode: str = "dense", precision: str = "fp32") -> SAE:
+        """Choose the decoder path (auto | dense | sparse) and the precision (fp32 | tf32 | bf16)."""
+        if precision not in PRECISIONS:
+            raise ConfigError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
+        self.decode_mode = choose_decode(decode, self.cfg.activation, self.cfg.k, self.cfg.width)
+        self.precision = precision
+        return self
+
+    def autocast(self):
+        """bf16: autocast (matmuls in bfloat16, parameters and everything else float32)."""
+        device = self.W_enc.device.type
+        return torch.autocast(device, dtype=torch.bfloat16, enabled=self.precision == "bf16")
+
+    def _forward_sparse(self, x_BD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        self._check_x(x_BD)
+        xc_BD = x_BD.to(self.W_enc.dtype) - self.b_dec
+        with torch.no_grad():
+            pre_BS = (xc_BD @ self.W_enc + self.b_enc).to(self.W_enc.dtype)
+        if self.cfg.activation == "topk":
+            codes = self.topk_codes(pre_BS, self.cfg.k)
+        else:
+            codes = self._batch_topk_codes(pre_BS)
+        val_N = torch.relu(SparseEncode.apply(xc_BD, self.W_enc, self.b_enc, pre_BS, codes))
+        x_hat_BD = self.decode_codes(codes, val_N) + self.b_dec
+        f_BS = torch.zeros_like(pre_BS).index_put_((codes.row_N, codes.col_N), val_N.detach())
+        return x_hat_BD, f_BS, {"pre_BS": pre_BS, "xc_BD": xc_BD, "codes": codes}
+
+    def topk_codes(self, pre_BS: torch.Tensor, k: int) -> Codes:
+        return Codes.per_row(pre_BS.topk(k, dim=-1, sorted=False).indices)
+
+    def _batch_topk_codes(self, pre_BS: torch.Tensor) -> Codes:
+        flat = pre_BS.reshape(-1)
+        vals, idx = flat.topk(min(pre_BS.shape[0] * self.cfg.k, flat.numel()), sorted=False)
+        self._update_threshold(torch.relu(vals))
+        return Codes.from_flat(idx, pre_BS.shape[1], pre_BS.shape[0])
+
+    def encode_codes(self, xc_BD: torch.Tensor, pre_BS: torch.Tensor, codes: Codes) -> torch.Tensor:
+        """Pre-activations at ``codes`` with gradients into the encoder (see SparseEncode)."""
+        return SparseEncode.apply(xc_BD, self.W_enc, self.b_enc, pre_BS, codes)
+
+    def decode_codes(self, codes: Codes, val_N: torch.Tensor) -> torch.Tensor:
+        """``f_BS @ W_dec`` for f_BS holding ``val_N`` at ``codes`` (no b_dec; see SparseDecode)."""
+        return SparseDecode.apply(val_N, self.W_dec, codes)
 
     # -- data-dependent init and decoder constraint ------------------------------------------------
 
