@@ -52,16 +52,18 @@ def test_sparse_autograd_functions_pass_gradcheck():
     W_SD = torch.randn(s, d, generator=gen, dtype=torch.float64, requires_grad=True)
     W_DS = torch.randn(d, s, generator=gen, dtype=torch.float64, requires_grad=True)
     b_S = torch.randn(s, generator=gen, dtype=torch.float64, requires_grad=True)
-    xc_BD = torch.randn(b, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    x_BD = torch.randn(b, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    b_dec_D = torch.randn(d, generator=gen, dtype=torch.float64, requires_grad=True)
     idx_BK = torch.stack([torch.randperm(s, generator=gen)[:k] for _ in range(b)])
     codes = Codes.per_row(idx_BK)
     val_N = torch.randn(b * k, generator=gen, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda v, w: SparseDecode.apply(v, w, codes), (val_N, W_SD))
 
-    def enc(x, w, bias):
-        return SparseEncode.apply(x, w, bias, (x @ w + bias).detach(), codes)
+    def enc(x, b_dec, w, bias):
+        return SparseEncode.apply(x, b_dec, w, bias, ((x - b_dec) @ w + bias).detach(), codes)
 
-    assert torch.autograd.gradcheck(enc, (xc_BD, W_DS, b_S))
+    assert torch.autograd.gradcheck(enc, (x_BD, b_dec_D, W_DS, b_S))
+    assert torch.autograd.gradcheck(lambda b_dec: enc(x_BD.detach(), b_dec, W_DS, b_S), (b_dec_D,))
 
 
 def test_batchtopk_codes_give_examples_their_own_counts():

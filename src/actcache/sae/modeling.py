@@ -178,8 +178,7 @@ def geometric_median(x_ND: torch.Tensor, max_iter: int = 100, tol: float = 1e-6)
 
 # -- sparse codes -------------------------------------------------------------------------------
 # N chosen (example, latent) pairs, sorted by example: example ``row_N``, latent ``col_N``; the
-# codes of example b are entries offsets_B[b] .. offsets_B[b+1] (embedding_bag's layout).
-_CHUNK_ELEMS = 1 << 24  # backward temporaries hold at most this many elements per chunk
+# codes of example b are the bag_size_B[b] entries from offsets_B[b] (embedding_bag's layout).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,13 +186,16 @@ class Codes:
     row_N: torch.Tensor
     col_N: torch.Tensor
     offsets_B: torch.Tensor
+    bag_size_B: torch.Tensor
 
     @classmethod
     def per_row(cls, idx_BK: torch.Tensor) -> Codes:
         """k latents per example (topk): ``idx_BK`` the chosen latent indices."""
         b, k = idx_BK.shape
-        row_N = torch.arange(b, device=idx_BK.device).repeat_interleave(k)
-        return cls(row_N, idx_BK.reshape(-1), torch.arange(0, b * k, k, device=idx_BK.device))
+        dev = idx_BK.device
+        row_N = torch.arange(b, device=dev).repeat_interleave(k)
+        bag_size_B = torch.full((b,), k, dtype=torch.int64, device=dev)
+        return cls(row_N, idx_BK.reshape(-1), torch.arange(0, b * k, k, device=dev), bag_size_B)
 
     @classmethod
     def from_flat(cls, flat_N: torch.Tensor, width: int, batch: int) -> Codes:
@@ -201,29 +203,23 @@ class Codes:
         flat_N = flat_N.sort().values
         row_N = torch.div(flat_N, width, rounding_mode="floor")
         counts_B = torch.bincount(row_N, minlength=batch)
-        return cls(row_N, flat_N - row_N * width, torch.cumsum(counts_B, 0) - counts_B)
-
-
-def _chunks(n: int, d: int):
-    step = max(1, _CHUNK_ELEMS // max(1, d))
-    for a in range(0, n, step):
-        yield slice(a, min(n, a + step))
+        return cls(row_N, flat_N - row_N * width, torch.cumsum(counts_B, 0) - counts_B, counts_B)
 
 
 def _scatter_rows(codes: Codes, w_N: torch.Tensor, src_BD: torch.Tensor, n_rows: int) -> torch.Tensor:
-    """out[s] = sum over codes n with col_N[n] = s of w_N[n] * src_BD[row_N[n]]  -> (n_rows, D)."""
-    out = torch.zeros(n_rows, src_BD.shape[1], dtype=src_BD.dtype, device=src_BD.device)
-    for c in _chunks(w_N.shape[0], src_BD.shape[1]):
-        out.index_add_(0, codes.col_N[c], src_BD.index_select(0, codes.row_N[c]) * w_N[c, None])
-    return out
+    """out[s] = sum over codes n with col_N[n] = s of w_N[n] * src_BD[row_N[n]]  -> (n_rows, D).
+    (embedding_bag's weight gradient, with row_N as its offset2bag.)"""
+    return torch.ops.aten._embedding_bag_dense_backward(
+        src_BD.contiguous(), codes.col_N, codes.row_N, codes.bag_size_B, codes.row_N.new_zeros(0), n_rows, False, 0,
+        w_N, -1,
+    )  # fmt: skip
 
 
 def _row_dots(codes: Codes, a_BD: torch.Tensor, w_SD: torch.Tensor) -> torch.Tensor:
-    """out[n] = <a_BD[row_N[n]], w_SD[col_N[n]]>  -> (N,)."""
-    out = torch.empty(codes.col_N.shape[0], dtype=a_BD.dtype, device=a_BD.device)
-    for c in _chunks(out.shape[0], a_BD.shape[1]):
-        out[c] = (a_BD.index_select(0, codes.row_N[c]) * w_SD.index_select(0, codes.col_N[c])).sum(1)
-    return out
+    """out[n] = <a_BD[row_N[n]], w_SD[col_N[n]]>  -> (N,) (embedding_bag's per-sample-weight gradient)."""
+    return torch.ops.aten._embedding_bag_per_sample_weights_backward(
+        a_BD.contiguous(), w_SD, codes.col_N, codes.offsets_B, codes.row_N, 0, -1
+    )
 
 
 def _bag_sum(codes: Codes, w_N: torch.Tensor, w_SD: torch.Tensor) -> torch.Tensor:
@@ -256,28 +252,32 @@ class SparseDecode(torch.autograd.Function):
 
 
 class SparseEncode(torch.autograd.Function):
-    """The pre-activations at the codes, pre[b, s] = xc_BD[b] . W_enc[:, s] + b_enc[s], taken from
-    ``pre_BS`` (computed without a graph), with a backward through the codes only."""
+    """The pre-activations at the codes, pre[b, s] = (x_BD[b] - b_dec) . W_enc[:, s] + b_enc[s], taken
+    from ``pre_BS`` (computed without a graph), with a backward through the codes only. b_dec's
+    gradient is -W_enc @ (b_enc's gradient): no per-example gradient is formed unless x needs one."""
 
     @staticmethod
-    def forward(ctx, xc_BD, W_DS, b_S, pre_BS, codes: Codes):
+    def forward(ctx, x_BD, b_dec_D, W_DS, b_S, pre_BS, codes: Codes):
         ctx.codes = codes
-        ctx.save_for_backward(xc_BD, W_DS)
+        ctx.save_for_backward(x_BD, b_dec_D, W_DS)
         return pre_BS[codes.row_N, codes.col_N]
 
     @staticmethod
     def backward(ctx, g_N):
-        xc_BD, W_DS = ctx.saved_tensors
-        codes = ctx.codes
+        x_BD, b_dec_D, W_DS = ctx.saved_tensors
+        codes, need = ctx.codes, ctx.needs_input_grad
         g_N = g_N.to(W_DS.dtype)
-        g_x = g_W = g_b = None
-        if ctx.needs_input_grad[0]:
-            g_x = _bag_sum(codes, g_N, W_DS.t().contiguous()).to(xc_BD.dtype)
-        if ctx.needs_input_grad[1]:
-            g_W = _scatter_rows(codes, g_N, xc_BD.to(W_DS.dtype), W_DS.shape[1]).t()
-        if ctx.needs_input_grad[2]:
-            g_b = torch.zeros(W_DS.shape[1], dtype=W_DS.dtype, device=W_DS.device).index_add_(0, codes.col_N, g_N)
-        return g_x, g_W, g_b, None, None
+        g_x = g_bd = g_W = g_b = None
+        g_S = torch.zeros(W_DS.shape[1], dtype=W_DS.dtype, device=W_DS.device).index_add_(0, codes.col_N, g_N)
+        if need[0]:
+            g_x = _bag_sum(codes, g_N, W_DS.t().contiguous()).to(x_BD.dtype)
+        if need[1]:
+            g_bd = -(W_DS @ g_S)
+        if need[2]:
+            g_W = _scatter_rows(codes, g_N, x_BD.to(W_DS.dtype) - b_dec_D, W_DS.shape[1]).t()
+        if need[3]:
+            g_b = g_S
+        return g_x, g_bd, g_W, g_b, None, None
 
 
 def choose_decode(decode: str, activation: str, k: int | None, width: int) -> str:
@@ -397,17 +397,17 @@ class SAE(nn.Module):
 
     def _forward_sparse(self, x_BD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         self._check_x(x_BD)
-        xc_BD = x_BD.to(self.W_enc.dtype) - self.b_dec
+        x_BD = x_BD.to(self.W_enc.dtype)
         with torch.no_grad():
-            pre_BS = (xc_BD @ self.W_enc + self.b_enc).to(self.W_enc.dtype)
+            pre_BS = ((x_BD - self.b_dec) @ self.W_enc + self.b_enc).to(self.W_enc.dtype)
         if self.cfg.activation == "topk":
             codes = self.topk_codes(pre_BS, self.cfg.k)
         else:
             codes = self._batch_topk_codes(pre_BS)
-        val_N = torch.relu(SparseEncode.apply(xc_BD, self.W_enc, self.b_enc, pre_BS, codes))
+        val_N = torch.relu(self.encode_codes(x_BD, pre_BS, codes))
         x_hat_BD = self.decode_codes(codes, val_N) + self.b_dec
         f_BS = torch.zeros_like(pre_BS).index_put_((codes.row_N, codes.col_N), val_N.detach())
-        return x_hat_BD, f_BS, {"pre_BS": pre_BS, "xc_BD": xc_BD, "codes": codes}
+        return x_hat_BD, f_BS, {"pre_BS": pre_BS, "x_BD": x_BD, "codes": codes}
 
     def topk_codes(self, pre_BS: torch.Tensor, k: int) -> Codes:
         return Codes.per_row(pre_BS.topk(k, dim=-1, sorted=False).indices)
@@ -418,9 +418,9 @@ class SAE(nn.Module):
         self._update_threshold(torch.relu(vals))
         return Codes.from_flat(idx, pre_BS.shape[1], pre_BS.shape[0])
 
-    def encode_codes(self, xc_BD: torch.Tensor, pre_BS: torch.Tensor, codes: Codes) -> torch.Tensor:
-        """Pre-activations at ``codes`` with gradients into the encoder (see SparseEncode)."""
-        return SparseEncode.apply(xc_BD, self.W_enc, self.b_enc, pre_BS, codes)
+    def encode_codes(self, x_BD: torch.Tensor, pre_BS: torch.Tensor, codes: Codes) -> torch.Tensor:
+        """Pre-activations at ``codes`` with gradients into the encoder and b_dec (see SparseEncode)."""
+        return SparseEncode.apply(x_BD, self.b_dec, self.W_enc, self.b_enc, pre_BS, codes)
 
     def decode_codes(self, codes: Codes, val_N: torch.Tensor) -> torch.Tensor:
         """``f_BS @ W_dec`` for f_BS holding ``val_N`` at ``codes`` (no b_dec; see SparseDecode)."""

@@ -254,7 +254,7 @@ def auxk_loss(
     dead_pre_BS = pre_BS.masked_fill(~dead_S, float("-inf"))
     if fwd is not None and "codes" in fwd:
         codes = Codes.per_row(dead_pre_BS.detach().topk(k, dim=-1, sorted=False).indices)
-        val_N = torch.relu(sae.encode_codes(fwd["xc_BD"], pre_BS, codes)) * dead_S[codes.col_N]
+        val_N = torch.relu(sae.encode_codes(fwd["x_BD"], pre_BS, codes)) * dead_S[codes.col_N]
         with sae.autocast():
             e_hat_BD = sae.decode_codes(codes, val_N)
     else:
