@@ -176,6 +176,7 @@ def geometric_median(x_ND: torch.Tensor, max_iter: int = 100, tol: float = 1e-6)
             break
     return y.to(x_ND.dtype)
 
+
 # -- sparse codes -------------------------------------------------------------------------------
 # N chosen (example, latent) pairs, sorted by example: example ``row_N``, latent ``col_N``; the
 # codes of example b are the bag_size_B[b] entries from offsets_B[b] (embedding_bag's layout).
@@ -281,7 +282,7 @@ class SparseEncode(torch.autograd.Function):
 
 
 def choose_decode(decode: str, activation: str, k: int | None, width: int) -> str:
-    """"dense" or "sparse". Sparse needs a topk variant; "auto" takes it when width >= 16 k,
+    """Returns "dense" or "sparse". Sparse needs a topk variant; "auto" takes it when width >= 16 k,
     where the gathers of N * D elements cost less than the dense matmuls' B * S * D."""
     if decode not in DECODES:
         raise ConfigError(f"decode must be one of {list(DECODES)}, got {decode!r}")

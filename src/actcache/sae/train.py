@@ -177,7 +177,9 @@ class PinnedFeed:
         self.stopping = threading.Event()
         self.wait_s = 0.0
         self.device_wait_s = 0.0  # the thread's waits on events
-        self.thread = threading.Thread(target=self._fill, args=(iter(loader),), name="actcache-pinned-feed", daemon=True)
+        self.thread = threading.Thread(
+            target=self._fill, args=(iter(loader),), name="actcache-pinned-feed", daemon=True
+        )
         self.thread.start()
 
     def _fill(self, batches) -> None:
