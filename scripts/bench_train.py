@@ -155,12 +155,18 @@ def render(rows: list[dict], args, dev, load: tuple[float, float]) -> str:
     width = int(args.d * args.exp_factor)
     cols = ["SAEs per pass", "variant", "SAE-steps/s", "tokens/s", f"x {args.variants.split(',')[0]}",
             "loader SAE-steps/s", "loader tokens/s", "loader wait share"]  # fmt: skip
+    loader = (
+        f"; loader: train_group fed by the ShuffledLoader ({args.loader_steps} steps, {args.n_imgs}-image synthetic "
+        "cache, warm)"
+        if any("loader wait share" in r for r in rows)
+        else ""
+    )
     return (
-        f"TopK SAEs (d={args.d}, width {width}, k={args.k}, AuxK on) on {dev.words} (torch threads: "
-        f"{torch.get_num_threads()}), batch {args.batch}; variant = decode-precision. In memory: {args.steps} steps "
-        f"on one batch on the device; loader: train_group fed by the ShuffledLoader ({args.loader_steps} steps, "
-        f"{args.n_imgs}-image synthetic cache, warm). Best of {args.repeats}, variants alternating. "
-        f"Load average (1 min) at start / end: {load[0]:.1f} / {load[1]:.1f}.\n\n" + benchlib.table(rows, cols)
+        f"TopK SAEs (d={args.d}, width {width}, k={args.k}; AuxK objective, no latent dead this early) on "
+        f"{dev.words} (torch threads: {torch.get_num_threads()}), batch {args.batch}; variant = decode-precision. "
+        f"In memory: {args.steps} steps on one batch on the device{loader}. Best of {args.repeats}, variants "
+        f"alternating. Load average (1 min) at start / end: {load[0]:.1f} / {load[1]:.1f}.\n\n"
+        + benchlib.table(rows, cols)
     )
 
 
