@@ -1,7 +1,7 @@
 """Dictionary recovery at the size the SAE issue names: 1024 true unit directions in d=128.
 
-    python scripts/check_recovery.py [--activations topk,batchtopk,relu,jumprelu,matryoshka] [--n-true 1024] [--d 128]
-                                     [--n-imgs 16384] [--steps 1500] [--no-record]
+    python scripts/check_recovery.py [--activations topk,batchtopk,relu,jumprelu,matryoshka] [--n-true 1024]
+                                     [--d 128] [--n-imgs 16384] [--steps 1500] [--precisions fp32] [--no-record]
 
 Same data and pipeline as tests/test_sae_train.py (which runs 256 directions in d=64 to stay
 fast): every example is a non-negative mix of 8 true directions (coefficients uniform in
@@ -10,7 +10,8 @@ fast): every example is a non-negative mix of 8 true directions (coefficients un
 activation, the recovery score (mean over true directions of the best cosine similarity with a
 decoder row), held-out NMSE, L0 and dead latents, and the wall time; records section "recovery"
 of BENCHMARKS.md. The threshold asked for is 0.9. Matryoshka uses the prefixes [w/4, w/2, w] of
-the width w.
+the width w. ``--precisions fp32,bf16`` trains each activation once per precision (the train key
+``precision``) on the same cache, for the accuracy cost of bf16.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def main() -> None:
     ap.add_argument("--n-imgs", type=int, default=16384)
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--batch-size", type=int, default=1024)
+    ap.add_argument("--precisions", default="fp32", help="e.g. fp32,bf16 (the train key 'precision')")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
     import torch
@@ -63,15 +65,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="recovery-") as tmp:
         dirs = true_dictionary(0, n_true=args.n_true, d=args.d)
         cache = None
-        for act in args.activations.split(","):
+        for act, precision in [(a, p) for a in args.activations.split(",") for p in args.precisions.split(",")]:
             steps = args.steps * (2 if act in LONG else 1)
             width = 2 * args.n_true
             extra = {"matryoshka_prefixes": [width // 4, width // 2, width]} if act == "matryoshka" else {}
-            train = {"batch_size": args.batch_size, "width": 2 * args.n_true, "lr": 1e-2, "warmup_steps": 50,
+            train = {"batch_size": args.batch_size, "width": width, "lr": 1e-2, "warmup_steps": 50,
                      "lr_decay": "linear", "final_lr_frac": 0.1, "log_every": 100, "ckpt_every": 10_000,
-                     "eval_frac": 0.05, "dead_tokens": 200_000, "steps": steps, **SECTIONS[act], **extra}  # fmt: skip
+                     "eval_frac": 0.05, "dead_tokens": 200_000, "steps": steps, "precision": precision,
+                     **SECTIONS[act], **extra}  # fmt: skip
             exp = write_experiment(__import__("pathlib").Path(tmp), train, n_imgs=args.n_imgs, d=args.d,
-                                   name=f"rec-{act}")  # fmt: skip
+                                   name=f"rec-{act}-{precision}")  # fmt: skip
             md = experiment_metadata(load_experiment(exp))
             if cache is None:
                 cache = write_cache(os.path.join(tmp, "cache"), md, dictionary_fill(dirs, md.n_tokens_per_img))
@@ -86,7 +89,7 @@ def main() -> None:
             score = recovery(SAE.load(d), dirs)
             with open(os.path.join(d, "eval.json")) as fh:
                 ev = json.load(fh)
-            rows.append({"activation": act, "true dirs": args.n_true, "d": args.d, "width": 2 * args.n_true,
+            rows.append({"activation": act, "precision": precision, "true dirs": args.n_true, "d": args.d, "width": 2 * args.n_true,
                          "steps": steps, "batch": args.batch_size, "recovery": score, "threshold": 0.9,
                          "held-out NMSE": ev["nmse"], "held-out L0": ev["l0"], "dead": ev["n_dead"], "train s": dt,
                          "result": "ok" if score >= 0.9 else "MISSED"})  # fmt: skip

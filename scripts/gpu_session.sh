@@ -10,7 +10,8 @@
 #          test_dump.py, test_dump_kill.py (SIGKILL at 10+ moments, concurrent dumps, bad input)
 #          and test_models.py: their experiments use device "auto", which picks the GPU there
 # dump     scripts/bench_dump.py --device cuda (I/O-bound: tiny model, cores - 2 image workers)
-# train    scripts/bench_train.py --device cuda (d=768, width 12,288, batch 16,384)
+# train    scripts/bench_train.py --device cuda --quick (d=768, width 12,288, k=32, batch 16,384; 1 and 8
+#          SAEs per pass, dense/sparse x fp32/tf32/bf16; a few minutes; rows also in $OUT/train.json)
 # visuals  scripts/bench_visuals.py --device cuda (4 GiB cache; target visuals <= 1.5x one pass)
 #
 # Extra arguments per step: DUMP_ARGS, TRAIN_ARGS, VISUALS_ARGS, CHECK_ARGS (word-split), e.g.
@@ -63,7 +64,8 @@ print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"no GPU\"
         dump)
             run_step dump "$PY" scripts/bench_dump.py --device cuda --dir "${BENCH_DIR:-bench-out}/dump" ${DUMP_ARGS:-} ;;
         train)
-            run_step train "$PY" scripts/bench_train.py --device cuda --out "${BENCH_DIR:-bench-out}/train" ${TRAIN_ARGS:-} ;;
+            run_step train "$PY" scripts/bench_train.py --device cuda --quick --json "$OUT/train.json" \
+                --out "${BENCH_DIR:-bench-out}/train" ${TRAIN_ARGS:-} ;;
         visuals)
             run_step visuals "$PY" scripts/bench_visuals.py --device cuda --out "${BENCH_DIR:-bench-out}/visuals" ${VISUALS_ARGS:-} ;;
         *)

@@ -47,7 +47,16 @@ from typing import Any
 from actcache.errors import ConfigError
 from actcache.loaders.kernels import PREFETCH_SCHEMES
 from actcache.loaders.maps import COLD_READS
-from actcache.sae.modeling import ACTIVATIONS, DTYPES, JUMPRELU_BANDWIDTH, JUMPRELU_INIT, NO_K, SAEConfig
+from actcache.sae.modeling import (
+    ACTIVATIONS,
+    DECODES,
+    DTYPES,
+    JUMPRELU_BANDWIDTH,
+    JUMPRELU_INIT,
+    NO_K,
+    PRECISIONS,
+    SAEConfig,
+)  # fmt: skip
 
 ID_VERSION = 1
 PATCHES = ("cls", "image", "all")
@@ -102,6 +111,9 @@ FIELDS: dict[str, tuple[tuple, Any, str]] = {
     "l0_warmup_steps": ((int,), 0, "jumprelu: the L0 coefficient rises linearly from 0 over these steps"),
     "max_grad_norm": ((float, None), 1.0, "clip the gradient norm (null: no clipping)"),
     "b_dec_init": ((str,), "geometric_median", "geometric_median | mean | zero (from the first batch)"),
+    # compute recipe of a group: how the step is computed
+    "precision": ((str,), "fp32", "fp32 | tf32 (CUDA TF32 matmuls) | bf16 (autocast matmuls, float32 weights)"),
+    "decode": ((str,), "auto", "auto | dense | sparse: topk variants decode from the k chosen latents"),
     # logistics: do not change the weights, so they are not part of sae_id
     "log_every": ((int,), 100, "metrics every N steps"),
     "ckpt_every": ((int,), 1000, "checkpoint every N steps (and at the end)"),
@@ -139,7 +151,11 @@ LOGISTICS = ("log_every", "ckpt_every", "wandb_project", "wandb_entity", *LOADER
 # Keys added after group ids were first issued: hashed into group_id only when set to something
 # other than their default, so the groups of an existing experiment keep their ids (and the
 # workflow does not see their finished training jobs as new).
-LATE_GROUP_KEYS = LOADER_IO
+LATE_GROUP_KEYS = (*LOADER_IO, "precision", "decode")
+# Keys added after sae ids were first issued: hashed into sae_id only when not at their default.
+# ``decode`` is never hashed: dense and sparse decoding compute the same sums (in another order).
+LATE_SAE_KEYS = ("precision", *OBJECTIVE_KEYS)
+NOT_IN_SAE_ID = (*LOGISTICS, "decode")
 GROUP_KEYS = (
     "layer",
     "patches",
@@ -153,6 +169,8 @@ GROUP_KEYS = (
     "eval_cache",
     "eval_tokens",
     *LOGISTICS,
+    "precision",
+    "decode",
 )
 SECTION_ONLY = ("sweep", "saes")
 
@@ -209,6 +227,8 @@ class RunConfig:
     cold_read: str = "read"
     batch_timeout_s: float | None = 30.0
     prefetch: str = "auto"
+    precision: str = "fp32"
+    decode: str = "auto"
 
     # -- identity ---------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -225,11 +245,8 @@ class RunConfig:
 
     @property
     def sae_id(self) -> str:
-        doc = {
-            k: v
-            for k, v in self.to_dict().items()
-            if k not in LOGISTICS and not (k in OBJECTIVE_KEYS and v == FIELDS[k][1])
-        }
+        doc = {k: v for k, v in self.to_dict().items()
+               if k not in NOT_IN_SAE_ID and (k not in LATE_SAE_KEYS or v != FIELDS[k][1])}  # fmt: skip
         return _hash({"v": ID_VERSION, **doc})[:12]
 
     @property
@@ -421,6 +438,8 @@ def _positive(d: dict, where: str) -> None:
         ("b_dec_init", B_DEC_INITS),
         ("cold_read", COLD_READS),
         ("prefetch", ("auto", *PREFETCH_SCHEMES)),
+        ("precision", PRECISIONS),
+        ("decode", DECODES),
     ):
         if d[key] not in allowed:
             bad(key, f"must be one of {', '.join(allowed)}")

@@ -22,6 +22,11 @@ Activations
 - ``matryoshka`` (Bussmann et al. 2025): BatchTopK selection and threshold over the whole width;
   the latents are ordered, ``matryoshka_prefixes`` naming nested prefixes that the objective
   asks to reconstruct on their own (:meth:`SAE.decode_prefixes`).
+
+Compute (set by the trainer, not part of the saved config): ``sae.set_compute(decode, precision)``.
+``decode="sparse"`` (topk variants) decodes from the chosen latents only and back-propagates into
+the encoder only through them (:class:`SparseDecode`, :class:`SparseEncode`); ``precision="bf16"``
+runs the forward's matmuls under autocast while weights stay float32.
 """
 
 from __future__ import annotations
@@ -40,6 +45,11 @@ from actcache.rundir import CONFIG_FILE, WEIGHTS_FILE
 
 ACTIVATIONS = ("relu", "topk", "batchtopk", "jumprelu", "matryoshka")
 NO_K = ("relu", "jumprelu")  # activations without a fixed number of latents
+PRECISIONS = ("fp32", "tf32", "bf16")
+DECODES = ("auto", "dense", "sparse")
+SPARSE_ACTIVATIONS = ("topk", "batchtopk")
+# decode "auto" picks sparse when width >= SPARSE_MIN_RATIO * k (see choose_decode).
+SPARSE_MIN_RATIO = 16
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
@@ -261,6 +271,124 @@ class HeavisideStep(torch.autograd.Function):
         return None, g_theta, None
 
 
+# -- sparse codes -------------------------------------------------------------------------------
+# N chosen (example, latent) pairs, sorted by example: example ``row_N``, latent ``col_N``; the
+# codes of example b are the bag_size_B[b] entries from offsets_B[b] (embedding_bag's layout).
+
+
+@dataclasses.dataclass(frozen=True)
+class Codes:
+    row_N: torch.Tensor
+    col_N: torch.Tensor
+    offsets_B: torch.Tensor
+    bag_size_B: torch.Tensor
+
+    @classmethod
+    def per_row(cls, idx_BK: torch.Tensor) -> Codes:
+        """k latents per example (topk): ``idx_BK`` the chosen latent indices."""
+        b, k = idx_BK.shape
+        dev = idx_BK.device
+        row_N = torch.arange(b, device=dev).repeat_interleave(k)
+        bag_size_B = torch.full((b,), k, dtype=torch.int64, device=dev)
+        return cls(row_N, idx_BK.reshape(-1), torch.arange(0, b * k, k, device=dev), bag_size_B)
+
+    @classmethod
+    def from_flat(cls, flat_N: torch.Tensor, width: int, batch: int) -> Codes:
+        """Indices into a flattened (B, S) matrix (batchtopk), in any order."""
+        flat_N = flat_N.sort().values
+        row_N = torch.div(flat_N, width, rounding_mode="floor")
+        counts_B = torch.bincount(row_N, minlength=batch)
+        return cls(row_N, flat_N - row_N * width, torch.cumsum(counts_B, 0) - counts_B, counts_B)
+
+
+def _scatter_rows(codes: Codes, w_N: torch.Tensor, src_BD: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """out[s] = sum over codes n with col_N[n] = s of w_N[n] * src_BD[row_N[n]]  -> (n_rows, D).
+    (embedding_bag's weight gradient, with row_N as its offset2bag.)"""
+    return torch.ops.aten._embedding_bag_dense_backward(
+        src_BD.contiguous(), codes.col_N, codes.row_N, codes.bag_size_B, codes.row_N.new_zeros(0), n_rows, False, 0,
+        w_N, -1,
+    )  # fmt: skip
+
+
+def _row_dots(codes: Codes, a_BD: torch.Tensor, w_SD: torch.Tensor) -> torch.Tensor:
+    """out[n] = <a_BD[row_N[n]], w_SD[col_N[n]]>  -> (N,) (embedding_bag's per-sample-weight gradient)."""
+    return torch.ops.aten._embedding_bag_per_sample_weights_backward(
+        a_BD.contiguous(), w_SD, codes.col_N, codes.offsets_B, codes.row_N, 0, -1
+    )
+
+
+def _bag_sum(codes: Codes, w_N: torch.Tensor, w_SD: torch.Tensor) -> torch.Tensor:
+    """out[b] = sum over the codes of example b of w_N[n] * w_SD[col_N[n]]  -> (B, D)."""
+    return nn.functional.embedding_bag(
+        codes.col_N, w_SD, codes.offsets_B, mode="sum", per_sample_weights=w_N.to(w_SD.dtype)
+    )
+
+
+class SparseDecode(torch.autograd.Function):
+    """x_BD = sum over each example's codes of val * W_dec[latent] (the decoder without b_dec).
+
+    Equals ``f_BS @ W_dec`` for the f_BS holding ``val_N`` at the codes and zeros elsewhere, with
+    O(N * D) work instead of O(B * S * D); backward scatters into W_dec's gradient."""
+
+    @staticmethod
+    def forward(ctx, val_N, W_SD, codes: Codes):
+        ctx.codes = codes
+        ctx.save_for_backward(val_N, W_SD)
+        with torch.autocast(W_SD.device.type, enabled=False):
+            return _bag_sum(codes, val_N, W_SD)
+
+    @staticmethod
+    def backward(ctx, g_BD):
+        val_N, W_SD = ctx.saved_tensors
+        codes, g_BD = ctx.codes, g_BD.to(W_SD.dtype)
+        g_val = _row_dots(codes, g_BD, W_SD).to(val_N.dtype) if ctx.needs_input_grad[0] else None
+        g_W = _scatter_rows(codes, val_N.to(W_SD.dtype), g_BD, W_SD.shape[0]) if ctx.needs_input_grad[1] else None
+        return g_val, g_W, None
+
+
+class SparseEncode(torch.autograd.Function):
+    """The pre-activations at the codes, pre[b, s] = (x_BD[b] - b_dec) . W_enc[:, s] + b_enc[s], taken
+    from ``pre_BS`` (computed without a graph), with a backward through the codes only. b_dec's
+    gradient is -W_enc @ (b_enc's gradient): no per-example gradient is formed unless x needs one."""
+
+    @staticmethod
+    def forward(ctx, x_BD, b_dec_D, W_DS, b_S, pre_BS, codes: Codes):
+        ctx.codes = codes
+        ctx.save_for_backward(x_BD, b_dec_D, W_DS)
+        return pre_BS[codes.row_N, codes.col_N]
+
+    @staticmethod
+    def backward(ctx, g_N):
+        x_BD, b_dec_D, W_DS = ctx.saved_tensors
+        codes, need = ctx.codes, ctx.needs_input_grad
+        g_N = g_N.to(W_DS.dtype)
+        g_x = g_bd = g_W = g_b = None
+        g_S = torch.zeros(W_DS.shape[1], dtype=W_DS.dtype, device=W_DS.device).index_add_(0, codes.col_N, g_N)
+        if need[0]:
+            g_x = _bag_sum(codes, g_N, W_DS.t().contiguous()).to(x_BD.dtype)
+        if need[1]:
+            g_bd = -(W_DS @ g_S)
+        if need[2]:
+            g_W = _scatter_rows(codes, g_N, x_BD.to(W_DS.dtype) - b_dec_D, W_DS.shape[1]).t()
+        if need[3]:
+            g_b = g_S
+        return g_x, g_bd, g_W, g_b, None, None
+
+
+def choose_decode(decode: str, activation: str, k: int | None, width: int) -> str:
+    """Returns "dense" or "sparse". Sparse needs a topk variant; "auto" takes it when width >= 16 k,
+    where the gathers of N * D elements cost less than the dense matmuls' B * S * D."""
+    if decode not in DECODES:
+        raise ConfigError(f"decode must be one of {list(DECODES)}, got {decode!r}")
+    if activation not in SPARSE_ACTIVATIONS:
+        if decode == "sparse":
+            raise ConfigError(f"decode 'sparse' needs activation topk or batchtopk, not {activation!r}")
+        return "dense"
+    if decode == "auto":
+        return "sparse" if width >= SPARSE_MIN_RATIO * k else "dense"
+    return decode
+
+
 class SAE(nn.Module):
     """W_enc (D, S), b_enc (S,), W_dec (S, D), b_dec (D,); buffer ``threshold`` (batchtopk,
     matryoshka); jumprelu: parameter ``log_threshold`` (S,)."""
@@ -283,6 +411,7 @@ class SAE(nn.Module):
         if cfg.activation == "jumprelu":  # only then: other SAEs keep their tensor names
             log_th = torch.full((s,), math.log(cfg.jumprelu_init_threshold), dtype=torch.float64)
             self.log_threshold = nn.Parameter(log_th.to(dtype))
+        self.decode_mode, self.precision = "dense", "fp32"
 
     # -- encoder / decoder ------------------------------------------------------------------------
 
@@ -321,19 +450,22 @@ class SAE(nn.Module):
         vals, idx = flat.topk(n_keep, sorted=False)
         vals = torch.relu(vals)
         f_BS = torch.zeros_like(flat).scatter(0, idx, vals).reshape(pre_BS.shape)
-        with torch.no_grad():
-            pos = vals.detach().float()
-            pos = torch.where(pos > 0, pos, torch.full_like(pos, float("inf")))
-            m = pos.min()  # smallest kept positive value; inf when none is positive
-            decay = self.cfg.threshold_decay
-            th = self.threshold
-            new = torch.where(torch.isnan(th), m, decay * th + (1.0 - decay) * m)
-            self.threshold.copy_(torch.where(torch.isfinite(m), new, th))
+        self._update_threshold(vals)
         return f_BS
 
     def jumprelu_threshold(self) -> torch.Tensor:
         """theta (S,) = exp(log_threshold) of a jumprelu SAE (differentiable)."""
         return self.log_threshold.exp()
+    @torch.no_grad()
+    def _update_threshold(self, vals: torch.Tensor) -> None:
+        """EMA of the smallest kept positive value of a train-mode batchtopk forward."""
+        pos = vals.detach().float()
+        pos = torch.where(pos > 0, pos, torch.full_like(pos, float("inf")))
+        m = pos.min()  # smallest kept positive value; inf when none is positive
+        decay = self.cfg.threshold_decay
+        th = self.threshold
+        new = torch.where(torch.isnan(th), m, decay * th + (1.0 - decay) * m)
+        self.threshold.copy_(torch.where(torch.isfinite(m), new, th))
 
     def encode(self, x_BD: torch.Tensor) -> torch.Tensor:
         return self.activate(self.pre_acts(x_BD))
@@ -352,9 +484,61 @@ class SAE(nn.Module):
         return out
 
     def forward(self, x_BD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        with self.autocast():
+            if self.decode_mode == "sparse" and (self.training or self.cfg.activation == "topk"):
+                return self._forward_sparse(x_BD)
+            return self._forward_dense(x_BD)
+
+    def _forward_dense(self, x_BD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         pre_BS = self.pre_acts(x_BD)
         f_BS = self.activate(pre_BS)
         return self.decode(f_BS), f_BS, {"pre_BS": pre_BS}
+
+    # -- compute recipe: sparse decoding, mixed precision ------------------------------------------
+
+    def set_compute(self, decode: str = "dense", precision: str = "fp32") -> SAE:
+        """Choose the decoder path (auto | dense | sparse) and the precision (fp32 | tf32 | bf16)."""
+        if precision not in PRECISIONS:
+            raise ConfigError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
+        self.decode_mode = choose_decode(decode, self.cfg.activation, self.cfg.k, self.cfg.width)
+        self.precision = precision
+        return self
+
+    def autocast(self):
+        """bf16: autocast (matmuls in bfloat16, parameters and everything else float32)."""
+        device = self.W_enc.device.type
+        return torch.autocast(device, dtype=torch.bfloat16, enabled=self.precision == "bf16")
+
+    def _forward_sparse(self, x_BD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        self._check_x(x_BD)
+        x_BD = x_BD.to(self.W_enc.dtype)
+        with torch.no_grad():
+            pre_BS = ((x_BD - self.b_dec) @ self.W_enc + self.b_enc).to(self.W_enc.dtype)
+        if self.cfg.activation == "topk":
+            codes = self.topk_codes(pre_BS, self.cfg.k)
+        else:
+            codes = self._batch_topk_codes(pre_BS)
+        val_N = torch.relu(self.encode_codes(x_BD, pre_BS, codes))
+        x_hat_BD = self.decode_codes(codes, val_N) + self.b_dec
+        f_BS = torch.zeros_like(pre_BS).index_put_((codes.row_N, codes.col_N), val_N.detach())
+        return x_hat_BD, f_BS, {"pre_BS": pre_BS, "x_BD": x_BD, "codes": codes}
+
+    def topk_codes(self, pre_BS: torch.Tensor, k: int) -> Codes:
+        return Codes.per_row(pre_BS.topk(k, dim=-1, sorted=False).indices)
+
+    def _batch_topk_codes(self, pre_BS: torch.Tensor) -> Codes:
+        flat = pre_BS.reshape(-1)
+        vals, idx = flat.topk(min(pre_BS.shape[0] * self.cfg.k, flat.numel()), sorted=False)
+        self._update_threshold(torch.relu(vals))
+        return Codes.from_flat(idx, pre_BS.shape[1], pre_BS.shape[0])
+
+    def encode_codes(self, x_BD: torch.Tensor, pre_BS: torch.Tensor, codes: Codes) -> torch.Tensor:
+        """Pre-activations at ``codes`` with gradients into the encoder and b_dec (see SparseEncode)."""
+        return SparseEncode.apply(x_BD, self.b_dec, self.W_enc, self.b_enc, pre_BS, codes)
+
+    def decode_codes(self, codes: Codes, val_N: torch.Tensor) -> torch.Tensor:
+        """``f_BS @ W_dec`` for f_BS holding ``val_N`` at ``codes`` (no b_dec; see SparseDecode)."""
+        return SparseDecode.apply(val_N, self.W_dec, codes)
 
     # -- data-dependent init and decoder constraint ------------------------------------------------
 

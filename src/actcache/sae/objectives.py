@@ -36,7 +36,7 @@ import dataclasses
 import torch
 
 from actcache.errors import ConfigError, TrainError
-from actcache.sae.modeling import SAE, HeavisideStep
+from actcache.sae.modeling import SAE, Codes, HeavisideStep
 
 
 @dataclasses.dataclass
@@ -78,12 +78,19 @@ class FiringStats:
         self.tokens_since_fired_S = torch.zeros(width, dtype=torch.int64)
         self.freq_S = torch.zeros(width, dtype=torch.float32)
         self.n_tokens = 0
+        # lag_host_reads (the trainer sets it on CUDA): n_dead_before is read from a copy made
+        # without waiting at the end of the previous update, so no step waits for the device.
+        self.lag_host_reads = False
+        self.n_dead_before: int | None = None  # dead latents before the latest update (lagged mode)
+        self._host_copy = None  # (pinned int64 tensor, event or None) of the previous update
 
     @torch.no_grad()
     def update(self, f_BS: torch.Tensor) -> None:
         if self.tokens_since_fired_S.device != f_BS.device:
             self.tokens_since_fired_S = self.tokens_since_fired_S.to(f_BS.device)
             self.freq_S = self.freq_S.to(f_BS.device)
+        if self.lag_host_reads:
+            self.n_dead_before = self._read_host_copy()
         fired_BS = f_BS != 0
         fired_S = fired_BS.any(0)
         b = f_BS.shape[0]
@@ -94,6 +101,27 @@ class FiringStats:
         a = max(b / self.dead_tokens_threshold, b / self.n_tokens)
         a = min(a, 1.0)
         self.freq_S.mul_(1.0 - a).add_(fired_BS.float().mean(0), alpha=a)
+        if self.lag_host_reads:
+            self._start_host_copy()
+
+    def _start_host_copy(self) -> None:
+        cuda = self.tokens_since_fired_S.is_cuda
+        if self._host_copy is None:
+            self._host_copy = (torch.zeros((), dtype=torch.int64, pin_memory=cuda), None)
+        host = self._host_copy[0]
+        host.copy_(self.n_dead(), non_blocking=cuda)
+        event = torch.cuda.Event() if cuda else None
+        if event is not None:
+            event.record()
+        self._host_copy = (host, event)
+
+    def _read_host_copy(self) -> int:
+        if self._host_copy is None:  # first update (or after a resume): one read of the device
+            return int(self.n_dead())
+        host, event = self._host_copy
+        if event is not None:
+            event.synchronize()  # recorded a whole step ago: done by now
+        return int(host)
 
     def dead_mask(self) -> torch.Tensor:
         return self.tokens_since_fired_S >= self.dead_tokens_threshold
@@ -118,6 +146,7 @@ class FiringStats:
         self.tokens_since_fired_S = t.clone().to(torch.int64)
         self.freq_S = state["freq_S"].clone().to(torch.float32)
         self.n_tokens = int(state["n_tokens"])
+        self._host_copy = None
 
 
 def _base_metrics(sae: SAE, x_BD: torch.Tensor, x_hat_BD: torch.Tensor, f_BS: torch.Tensor):
@@ -146,7 +175,9 @@ class Objective(abc.ABC):
         x_hat_BD, f_BS, aux = sae(x_BD)
         self.stats.update(f_BS)
         mse, var_x, l1 = _base_metrics(sae, x_BD, x_hat_BD, f_BS)
+        self.fwd_aux = aux  # the forward's extras (sparse codes) for _extra; dropped below
         extra, aux_term = self._extra(sae, x_BD, x_hat_BD, f_BS, aux["pre_BS"], mse, var_x, l1, sparsity_scale)
+        self.fwd_aux = None
         nz = f_BS.detach() != 0
         return LossOut(
             loss=mse + extra,
@@ -201,7 +232,9 @@ class AuxKObjective(Objective):
         self.k_aux = k_aux
 
     def _extra(self, sae, x_BD, x_hat_BD, f_BS, pre_BS, mse, var_x, l1, sparsity_scale):
-        aux = auxk_loss(sae, x_BD, x_hat_BD, pre_BS, self.stats.dead_mask(), self.k_aux)
+        stats = self.stats
+        n_dead = stats.n_dead_before if stats.lag_host_reads else None
+        aux = auxk_loss(sae, x_BD, x_hat_BD, pre_BS, stats.dead_mask(), self.k_aux, n_dead=n_dead, fwd=self.fwd_aux)
         return self.aux_coeff * var_x * aux, aux
 
 
@@ -212,22 +245,35 @@ def auxk_loss(
     pre_BS: torch.Tensor,
     dead_S: torch.Tensor,
     k_aux: int,
+    n_dead: int | None = None,
+    fwd: dict | None = None,
 ) -> torch.Tensor:
     """Normalized MSE of reconstructing the residual x - x_hat (detached) from the top
     min(k_aux, n_dead) relu'd pre-activations of the dead latents (decoder without b_dec).
 
-    Zero (with a graph-free zero tensor) when no latent is dead. ``k_aux`` is a Python int; the
-    number of dead latents is read once from the device (one sync per step).
+    Zero (with a graph-free zero tensor) when no latent is dead. ``k_aux`` is a Python int;
+    ``n_dead`` (default: read from ``dead_S``, one device sync) may be a lagged count: picks
+    beyond the latents dead now contribute zero. ``fwd`` holding "codes" (the forward was
+    sparse): the reconstruction goes through SAE.encode_codes / decode_codes.
     """
-    n_dead = int(dead_S.sum())
+    if n_dead is None:
+        n_dead = int(dead_S.sum())
     if n_dead == 0:
         return torch.zeros((), dtype=x_hat_BD.dtype, device=x_hat_BD.device)
     e_BD = (x_BD.to(x_hat_BD.dtype) - x_hat_BD).detach()
-    k = min(k_aux, n_dead)
-    dead_pre_BS = pre_BS.masked_fill(~dead_S.to(pre_BS.device), float("-inf"))
-    vals_BK, idx_BK = dead_pre_BS.topk(k, dim=-1, sorted=False)
-    f_aux_BS = torch.zeros_like(pre_BS).scatter(-1, idx_BK, torch.relu(vals_BK))
-    e_hat_BD = f_aux_BS @ sae.W_dec
+    k = min(k_aux, n_dead, pre_BS.shape[1])
+    dead_S = dead_S.to(pre_BS.device)
+    dead_pre_BS = pre_BS.masked_fill(~dead_S, float("-inf"))
+    if fwd is not None and "codes" in fwd:
+        codes = Codes.per_row(dead_pre_BS.detach().topk(k, dim=-1, sorted=False).indices)
+        val_N = torch.relu(sae.encode_codes(fwd["x_BD"], pre_BS, codes)) * dead_S[codes.col_N]
+        with sae.autocast():
+            e_hat_BD = sae.decode_codes(codes, val_N)
+    else:
+        vals_BK, idx_BK = dead_pre_BS.topk(k, dim=-1, sorted=False)
+        f_aux_BS = torch.zeros_like(pre_BS).scatter(-1, idx_BK, torch.relu(vals_BK))
+        with sae.autocast():
+            e_hat_BD = (f_aux_BS @ sae.W_dec).to(e_BD.dtype)
     denom = e_BD.pow(2).sum().clamp_min(torch.finfo(e_BD.dtype).tiny)
     return (e_hat_BD - e_BD).pow(2).sum() / denom
 

@@ -10,6 +10,7 @@ for step, x_BD in enumerate(batches):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -96,6 +97,21 @@ def clip_grad_norm(sae: SAE, max_norm: float) -> torch.Tensor:
     return torch.nn.utils.clip_grad_norm_(sae.parameters(), max_norm)
 
 
+@contextlib.contextmanager
+def matmul_precision(precision: str):
+    """``tf32``: CUDA float32 matmuls may use TF32 inside the block (CPU matmuls are unchanged);
+    the previous setting is restored after. Other precisions leave the setting alone."""
+    if precision != "tf32":
+        yield
+        return
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
 def train_step(
     sae: SAE,
     objective,
@@ -106,10 +122,12 @@ def train_step(
     sparsity_scale: float = 1.0,
 ):
     """One update in the order the decoder constraint needs: loss, backward, (remove parallel
-    decoder grads), clip, Adam step, (renormalize decoder rows). Returns the objective's LossOut."""
+    decoder grads), clip, Adam step, (renormalize decoder rows). Returns the objective's LossOut.
+    The forward and backward run at ``sae.precision`` (see SAE.set_compute)."""
     optimizer.zero_grad(set_to_none=True)
-    out = objective(sae, x_BD, sparsity_scale=sparsity_scale)
-    out.loss.backward()
+    with matmul_precision(getattr(sae, "precision", "fp32")):
+        out = objective(sae, x_BD, sparsity_scale=sparsity_scale)
+        out.loss.backward()
     if sae.cfg.normalize_decoder:
         sae.remove_parallel_grads_()
     if max_grad_norm is not None:

@@ -15,6 +15,10 @@ loader started at the saved (epoch, batch); in deterministic loader mode on CPU 
 bit-identical to an uninterrupted run. Unfinished SAEs without any checkpoint (added to the sweep
 later) train in a second pass from step 0, so finished or running members are never restarted.
 
+On CUDA a step never waits for the device: batches reach it through page-locked buffers
+(:class:`PinnedFeed`), and the finiteness of the activations and AuxK's dead-latent count are read
+back at log steps and checkpoints, or one step late (``GroupTrainer.sync_free``; CPU: off).
+
 Stopping: ``stop`` (a callable polled once per step, e.g. set by a SIGTERM/SIGUSR2 handler) makes
 the trainer write a checkpoint at the current step and raise :class:`Preempted`.
 """
@@ -43,7 +47,14 @@ from actcache.sae.config import RunConfig
 from actcache.sae.evaluate import check_finite, evaluate_many, write_eval
 from actcache.sae.modeling import SAE
 from actcache.sae.objectives import make_objective
-from actcache.sae.optim import LRSchedule, clip_grad_norm, make_optimizer, sparsity_warmup, train_step
+from actcache.sae.optim import (
+    LRSchedule,
+    clip_grad_norm,
+    make_optimizer,
+    matmul_precision,
+    sparsity_warmup,
+    train_step,
+)
 
 log = logging.getLogger(__name__)
 _SCALARS = ("loss", "mse", "nmse", "l0", "l1", "aux")
@@ -60,10 +71,11 @@ class Preempted(TrainError):
 class _Member:
     """One SAE of a pass with its objective, optimizer, schedule and metric accumulators."""
 
-    def __init__(self, run: RunConfig, directory: str, d_vit: int, device: torch.device):
+    def __init__(self, run: RunConfig, directory: str, d_vit: int, device: torch.device, sync_free: bool = False):
         self.run, self.dir = run, directory
-        self.sae = SAE(run.sae_config(d_vit)).to(device)
+        self.sae = SAE(run.sae_config(d_vit)).to(device).set_compute(run.decode, run.precision)
         self.obj = make_objective(self.sae, **run.objective_kwargs())
+        self.obj.stats.lag_host_reads = sync_free
         self.opt = make_optimizer(self.sae, lr=run.lr, betas=(run.beta1, run.beta2))
         self.sched = LRSchedule(lr=run.lr, warmup_steps=run.warmup_steps, total_steps=run.steps,
                                 decay=run.lr_decay, final_frac=run.final_lr_frac)  # fmt: skip
@@ -83,8 +95,9 @@ class _Member:
             out = train_step(sae, self.obj, self.opt, x_BD, max_grad_norm=run.max_grad_norm, sparsity_scale=scale)
         else:  # optim.train_step with the gradient average between backward and clipping
             self.opt.zero_grad(set_to_none=True)
-            out = self.obj(sae, x_BD, sparsity_scale=scale)
-            out.loss.backward()
+            with matmul_precision(run.precision):
+                out = self.obj(sae, x_BD, sparsity_scale=scale)
+                out.loss.backward()
             ddp.average_grads_(self.params, ctx)
             if sae.cfg.normalize_decoder:
                 sae.remove_parallel_grads_()
@@ -144,6 +157,89 @@ def restrict_images(cache, n_imgs: int):
     return ActivationCache(cache.path, md, shards)
 
 
+class PinnedFeed:
+    """A loader's activations as device tensors, staged through a ring of page-locked buffers.
+
+    A thread copies each batch's ``act`` into the next buffer of the ring, ``depth`` batches
+    ahead of the consumer, after waiting on the event recorded when that buffer's previous
+    copy to the device was queued; ``next()`` queues the copy with ``non_blocking=True`` and
+    records the event. ``wait_s`` adds up the time ``next()`` waited for the loader: its waits
+    less the time the thread meanwhile waited on the device (a step ahead of the device waits
+    for the device, not for data). On a CPU device (tests) the buffers are plain memory and the
+    copy a clone.
+    """
+
+    def __init__(self, loader, device: torch.device, depth: int = 2):
+        import queue
+
+        self.device, self.cuda = device, device.type == "cuda"
+        self.bufs: list = [None] * (depth + 2)  # in the queue, being filled, being consumed
+        self.events: list = [None] * (depth + 2)
+        self.q: queue.Queue = queue.Queue(maxsize=depth)
+        self.stopping = threading.Event()
+        self.wait_s = 0.0
+        self.device_wait_s = 0.0  # the thread's waits on events
+        self.thread = threading.Thread(
+            target=self._fill, args=(iter(loader),), name="actcache-pinned-feed", daemon=True
+        )
+        self.thread.start()
+
+    def _fill(self, batches) -> None:
+        try:
+            for n, batch in enumerate(batches):
+                i, act = n % len(self.bufs), batch["act"]
+                if self.events[i] is not None:
+                    t0 = time.perf_counter()
+                    self.events[i].synchronize()  # its previous copy to the device is done
+                    self.device_wait_s += time.perf_counter() - t0
+                buf = self.bufs[i]
+                if buf is None or buf.shape != act.shape or buf.dtype != act.dtype:
+                    buf = self.bufs[i] = torch.empty(act.shape, dtype=act.dtype, pin_memory=self.cuda)
+                buf.copy_(act)
+                del batch, act  # the loader may reuse its buffer set now
+                if not self._put(("item", i)):
+                    return
+            self._put(("end", None))
+        except BaseException as err:  # noqa: BLE001 - raised in the consumer
+            self._put(("error", err))
+
+    def _put(self, entry) -> bool:
+        import queue
+
+        while not self.stopping.is_set():
+            try:
+                self.q.put(entry, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        t0, dev0 = time.perf_counter(), self.device_wait_s
+        kind, item = self.q.get()
+        self.wait_s += max(0.0, time.perf_counter() - t0 - (self.device_wait_s - dev0))
+        if kind != "item":
+            self.q.put((kind, item))  # every later next() ends (or fails) the same way
+            if kind == "end":
+                raise StopIteration
+            raise item
+        if not self.cuda:
+            return self.bufs[item].clone()
+        x_BD = self.bufs[item].to(self.device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.events[item] = event
+        return x_BD
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread (it ends at its next batch; the loader's own close() stops a read)."""
+        self.stopping.set()
+        self.thread.join(timeout)
+
+
 def _write_json(path: str, doc: dict) -> None:
     atomic_write_bytes(path, (json.dumps(doc, indent=2) + "\n").encode())
 
@@ -163,6 +259,7 @@ class GroupTrainer:
         self.ctx = ctx or ddp.env_context()
         self.device = ddp.device_for(self.ctx, device)
         self.group_id = runs[0].group_id
+        self.sync_free = self.device.type == "cuda"  # see the module docstring; settable (tests)
         self.trained: dict[str, SAE] = {}  # sae_id -> the SAE trained in this process (tests, DDP checks)
 
     # -- set-up ------------------------------------------------------------------------------------
@@ -265,7 +362,7 @@ class GroupTrainer:
 
     def _train_pass(self, cache, start: int, pending: list[tuple[RunConfig, str]]) -> None:
         run = self.runs[0]
-        members = [_Member(r, d, self.md.d_vit, self.device) for r, d in pending]
+        members = [_Member(r, d, self.md.d_vit, self.device, self.sync_free) for r, d in pending]
         for m in members:
             if start > 0:
                 _, extra = ckpt.load(m.dir, start, m.sae, m.opt, m.obj)
@@ -280,36 +377,65 @@ class GroupTrainer:
                      len(members), start, *loader.start_at)  # fmt: skip
         step = start
         t_log, wait_log, step_log = time.perf_counter(), 0.0, start
-        it = iter(loader)
+        feed = PinnedFeed(loader, self.device) if self.sync_free else None
+        it = iter(loader) if feed is None else feed
+        self._bad_step = torch.full((), -1, dtype=torch.int64, device=self.device)
         try:
             while step < run.steps:
-                t0 = time.perf_counter()
-                batch = next(it, None)
-                if batch is None:
-                    raise TrainError(f"the loader ended at step {step} of {run.steps}")
-                wait_log += time.perf_counter() - t0
-                x_BD = batch["act"].to(self.device, non_blocking=True)
-                check_finite(x_BD, batch, f"activations of {self.cache_dir}")
+                t0, fed0 = time.perf_counter(), feed.wait_s if feed else 0.0
+                x_BD = self._next_batch(it, step, run.steps)
+                wait_log += feed.wait_s - fed0 if feed else time.perf_counter() - t0
                 if step == 0:
+                    self._check_deferred()  # (b_dec's init reads the batch anyway)
                     self._init_b_dec(members, x_BD)
                 for m in members:
                     m.step(x_BD, step, self.ctx)
                 step += 1
                 if step % run.log_every == 0 or step == run.steps:
+                    self._check_deferred()
                     self._log(members, step, time.perf_counter() - t_log, wait_log, step - step_log)
                     t_log, wait_log, step_log = time.perf_counter(), 0.0, step
                 periodic = step % run.ckpt_every == 0 and step < run.steps
                 if periodic:
+                    self._check_deferred()
                     self._save(members, step)
                 if ddp.any_true(self.stop(), self.ctx, self.device):
                     if not periodic:
+                        self._check_deferred()
                         self._save(members, step)
                     raise Preempted(step)
         finally:
+            if feed is not None:
+                feed.close()
             loader.close()
+        self._check_deferred()
         self._save(members, run.steps)
         self.trained.update({m.run.sae_id: m.sae for m in members})
         ddp.on_main(self.ctx, self.device, "the final weights and evaluation", lambda: self._finish(cache, members))
+
+    def _next_batch(self, it, step: int, steps: int) -> torch.Tensor:
+        """The next batch on the device. Sync-free: its finiteness is kept on the device (the first
+        bad step, read by _check_deferred); otherwise checked now, naming the image."""
+        batch = next(it, None)
+        if batch is None:
+            raise TrainError(f"the loader ended at step {step} of {steps}")
+        if self.sync_free:
+            bad = ~torch.isfinite(batch).all()
+            self._bad_step = torch.where(bad & (self._bad_step < 0), step, self._bad_step)
+            return batch
+        x_BD = batch["act"].to(self.device, non_blocking=True)
+        check_finite(x_BD, batch, f"activations of {self.cache_dir}")
+        return x_BD
+
+    def _check_deferred(self) -> None:
+        """Sync-free mode: raise for a batch with NaN/Inf since the last check (one device read),
+        before any metric or checkpoint comes from it."""
+        bad = int(self._bad_step) if self.sync_free else -1
+        if bad >= 0:
+            raise TrainError(
+                f"activations of {self.cache_dir} contain NaN or Inf in the batch of step {bad}; not training "
+                "through it. Check the cache with `actcache verify --deep DIR` and re-dump the shard holding it."
+            )
 
     def _init_b_dec(self, members: list[_Member], x_BD: torch.Tensor) -> None:
         for m in members:
