@@ -102,3 +102,14 @@ def test_one_default_per_key_for_yaml_and_direct_construction():
     assert (relu.k, relu.exp_factor) == (None, None)  # keys that do not apply are null
     with pytest.raises(ConfigError, match=r"key 'k' is only for activation topk/batchtopk"):
         expand_train_section({"steps": 1, "activation": "relu", "l1_coeff": 1e-3, "k": 32}, "x.yaml")
+
+
+def test_workflow_config_is_read_by_the_same_validator():
+    from actcache.config import workflow_config_from_dict
+
+    cfg = workflow_config_from_dict({"dump_to": "/c", "runs_to": "/r", "experiments": ["a.yaml"]}, "config.yaml")
+    assert cfg.experiments == ("a.yaml",)
+    with pytest.raises(ConfigError, match=r"config.yaml: key 'experiments' needs at least 1 item\(s\), got \(\)"):
+        workflow_config_from_dict({"dump_to": "/c", "runs_to": "/r", "experiments": []}, "config.yaml")
+    with pytest.raises(ConfigError, match=r"config.yaml: missing required key 'runs_to'"):
+        workflow_config_from_dict({"dump_to": "/c", "experiments": ["a.yaml"]}, "config.yaml")
