@@ -11,8 +11,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 PKG = "actcache"
 
@@ -143,11 +141,6 @@ def test_hash_command_does_not_import_torch(tmp_path):
     assert len(digest) == 64 and torch_loaded == "False"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="sae/config.py imports actcache.loaders.kernels, which loads the C kernel; passes once the "
-    "light loaders options module is merged (then remove this mark)",
-)
 def test_planning_the_workflow_does_not_load_the_c_kernel(tmp_path):
     from tests.fixtures_vit import make_checkpoint
     from tests.workflow_helpers import write_project

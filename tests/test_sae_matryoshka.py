@@ -108,14 +108,13 @@ def test_prefixes_are_a_value_in_an_entry_and_a_grid_in_a_sweep():
     [
         (
             {"sweep": {"matryoshka_prefixes": [16, 64]}},
-            r"sweep\.matryoshka_prefixes: key 'matryoshka_prefixes' "
-            r"must be a non-empty list of int .*a list of such lists",
+            r"sweep: key 'matryoshka_prefixes' takes a list as ONE value, so its sweep is a list of such lists",
         ),
         ({"matryoshka_prefixes": [16, 32]}, r"'matryoshka_prefixes' = \[16, 32\] must end with the width 64"),
         ({"matryoshka_prefixes": [32, 16, 64]}, r"must be increasing sizes"),
-        ({"matryoshka_prefixes": [16, 64.5]}, r"must be a list of int"),
+        ({"matryoshka_prefixes": [16, 64.5]}, r"must be list of int or null, got \[16, 64.5\]"),
         ({"matryoshka_prefixes": [16, 64], "matryoshka_weights": [1]}, r"has 1 values for 2 prefixes"),
-        ({"matryoshka_weights": [-1]}, r"'matryoshka_weights' must be numbers >= 0"),
+        ({"matryoshka_weights": [-1]}, r"'matryoshka_weights' must hold items >= 0"),
         ({"activation": "topk", "matryoshka_prefixes": [16, 64]}, r"only for activation matryoshka, not topk"),
     ],
 )

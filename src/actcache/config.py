@@ -19,6 +19,10 @@ One YAML file per experiment (config/experiments/NAME.yaml); config/README.md do
 
 Keys that change the cache (vit.*, data.*, cache.max_patches_per_shard) go into metadata.json and
 so into the hash; the others (batch size, workers, shards_per_job, train.*) never touch it.
+
+Each key is declared once, as a field below (:func:`actcache.keys.key`: type, default, help,
+checks, ``hashed``); validation, workflow/schemas/ and config/README.md's tables come from them.
+The ``data:`` keys are the fields of the data configs in :mod:`actcache.images`.
 """
 
 from __future__ import annotations
@@ -30,93 +34,94 @@ from typing import Any
 import yaml
 
 from actcache.errors import ConfigError
+from actcache.keys import check_fields, key, read_section
+from actcache.protocol import DEFAULT_MAX_PATCHES_PER_SHARD, FAMILIES
 
-FAMILIES = ("clip", "siglip", "dinov2", "dinov3", "siglip2")
-
-
-def _where(src: str, key: str) -> str:
-    return f"{src}: key '{key}'"
+NAME_PATTERN = r"^[A-Za-z0-9_.-]+$"
 
 
-def _take(d: dict, allowed: dict[str, tuple], src: str, prefix: str) -> dict:
-    """Check keys/types of mapping ``d`` against ``allowed`` = {key: (types, required, default)}."""
-    if not isinstance(d, dict):
-        raise ConfigError(f"{src}: '{prefix.rstrip('.')}' must be a mapping, got {type(d).__name__}")
-    unknown = sorted(set(d) - set(allowed))
-    if unknown:
-        raise ConfigError(
-            f"{src}: unknown key '{prefix}{unknown[0]}'. Allowed under "
-            f"'{prefix.rstrip('.') or 'top level'}': {', '.join(sorted(allowed))}. Check the spelling (config/README.md)."
-        )
-    out = {}
-    for key, (types, required, default) in allowed.items():
-        if key not in d:
-            if required:
-                raise ConfigError(f"{src}: missing required key '{prefix}{key}' (see config/README.md).")
-            out[key] = default
-            continue
-        v = d[key]
-        if types is not None and not _is_type(v, types):
-            names = " or ".join(t.__name__ if isinstance(t, type) else str(t) for t in types)
-            raise ConfigError(f"{_where(src, prefix + key)} must be {names}, got {v!r} ({type(v).__name__}).")
-        out[key] = v
-    return out
+def _vit(help: str, **kw):
+    return key(help=help, scope="vit", required=True, **kw)
 
 
-def _is_type(v: Any, types: tuple) -> bool:
-    for t in types:
-        if t is int and isinstance(v, int) and not isinstance(v, bool):
-            return True
-        if t is float and isinstance(v, (int, float)) and not isinstance(v, bool):
-            return True
-        if t not in (int, float) and isinstance(t, type) and isinstance(v, t):
-            return True
-        if t is None and v is None:
-            return True
-    return False
+def _cache(default, help: str, **kw):
+    return key(default, help, scope="cache", hashed=False, **kw)
 
 
 @dataclasses.dataclass(frozen=True)
 class VitConfig:
-    family: str
-    ckpt: str
-    layers: tuple[int, ...]
+    family: str = _vit(
+        "model family: transformers `CLIPVisionModel`, `SiglipVisionModel` (no CLS token), `Dinov2Model` "
+        "or with registers (registers not stored)",
+        choices=FAMILIES,
+    )
+    ckpt: str = _vit(
+        "Hugging Face hub id, or a local directory written by `save_pretrained` (made absolute); its "
+        "`config.json` and `preprocessor_config.json` give the shapes without loading weights",
+        min_len=1,
+        example="openai/clip-vit-base-patch16",
+    )
+    layers: tuple[int, ...] = _vit(
+        "residual-block outputs to record, as written: `-2` is the second-to-last block; loaders select "
+        "by the same values. Non-empty, no repeats, within the model's depth",
+        min_len=1,
+        unique=True,
+        example=(-2,),
+    )
 
     def __post_init__(self) -> None:
-        if self.family not in FAMILIES:
-            raise ConfigError(f"vit.family={self.family!r} is not supported; use one of {', '.join(FAMILIES)}.")
-        if not self.layers:
-            raise ConfigError("vit.layers is empty; list at least one residual-block index, e.g. [-2].")
-        if len(set(self.layers)) != len(self.layers):
-            raise ConfigError(f"vit.layers={list(self.layers)} repeats a layer.")
+        check_fields(self, "vit config", "vit.")
 
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
-    max_patches_per_shard: int = 2_400_000
-    batch_size: int = 256
-    n_workers: int = 4
-    shards_per_job: int = 1
-    device: str = "auto"
+    max_patches_per_shard: int = key(
+        DEFAULT_MAX_PATCHES_PER_SHARD,
+        "vectors per shard; images per shard = this // (tokens x layers); the default gives ~10 GiB shards at d=1024",
+        scope="cache",
+        ge=1,
+    )
+    batch_size: int = _cache(256, "images per forward pass in `actcache dump`", ge=1)
+    n_workers: int = _cache(4, "image decoding processes (the workflow passes the job's threads instead)", ge=0)
+    shards_per_job: int = _cache(1, "shards per dump job: one Slurm job per range of this many shards", ge=1)
+    device: str = _cache("auto", "`auto` (CUDA when present), `cpu`, `cuda`, `cuda:1`")
 
     def __post_init__(self) -> None:
-        for k in ("max_patches_per_shard", "batch_size", "shards_per_job"):
-            if getattr(self, k) < 1:
-                raise ConfigError(f"cache.{k} must be >= 1, got {getattr(self, k)}.")
-        if self.n_workers < 0:
-            raise ConfigError(f"cache.n_workers must be >= 0, got {self.n_workers}.")
+        check_fields(self, "cache config", "cache.")
 
 
-@dataclasses.dataclass(frozen=True)
+def _data_schema() -> dict:
+    from actcache.images import DATA_KINDS  # the data configs own their keys
+
+    return {"type": "object", "properties": {"kind": {"enum": list(DATA_KINDS)}}, "required": ["kind"]}
+
+
+def _top(default, help: str, **kw):
+    return key(default, help, scope="experiment", hashed=False, **kw)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Experiment:
-    name: str
-    source: str  # the YAML file it came from ("<dict>" otherwise)
-    vit: VitConfig
-    data: Any  # an actcache.images data config (frozen dataclass)
-    cache: CacheConfig
-    train: dict | None = None
-    dump_to: str | None = None
-    runs_to: str | None = None
+    name: str = _top(
+        None, "unique experiment name (letters, digits, `-`, `_`, `.`); default: the file name without .yaml",
+        pattern=NAME_PATTERN, example="demo",
+    )  # fmt: skip
+    source: str = "<dict>"  # the YAML file it came from
+    vit: VitConfig = key(help="the model and the layers recorded", scope="experiment", required=True)
+    data: Any = key(
+        help="the image dataset: `kind` and that kind's keys (table below)",
+        scope="experiment",
+        required=True,
+        schema=_data_schema,
+    )  # an actcache.images data config (frozen dataclass)
+    cache: CacheConfig = _top(CacheConfig(), "how the cache is cut and written")
+    train: dict | None = _top(None, "the SAE sweep (section `train:` below)")
+    dump_to: str | None = _top(
+        None, "used by `actcache dump/train` run by hand without `--dump-to`; the workflow uses config.yaml's"
+    )
+    runs_to: str | None = _top(
+        None, "used by `actcache train` run by hand without `--runs-to`; the workflow uses config.yaml's"
+    )
 
     @property
     def data_dict(self) -> dict:
@@ -125,23 +130,28 @@ class Experiment:
         return metadata_data(self.data)
 
 
-_TOP = {
-    "name": ((str,), False, None),
-    "vit": ((dict,), True, None),
-    "data": ((dict,), True, None),
-    "cache": ((dict,), False, {}),
-    "train": ((dict, None), False, None),
-    "dump_to": ((str,), False, None),
-    "runs_to": ((str,), False, None),
-}
-_VIT = {"family": ((str,), True, None), "ckpt": ((str,), True, None), "layers": ((list, int), True, None)}
-_CACHE = {
-    "max_patches_per_shard": ((int,), False, 2_400_000),
-    "batch_size": ((int,), False, 256),
-    "n_workers": ((int,), False, 4),
-    "shards_per_job": ((int,), False, 1),
-    "device": ((str,), False, "auto"),
-}
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WorkflowConfig:
+    """config/config.yaml: the workflow's roots and experiments."""
+
+    dump_to: str = key(
+        help="root of the activation caches: each lives in `<dump_to>/<HASH>/` (protocol v1); on a "
+        "cluster, a shared scratch filesystem",
+        scope="workflow",
+        required=True,
+    )
+    runs_to: str = key(help="root of SAE training runs: `<runs_to>/<HASH>/<sae-id>/`", scope="workflow", required=True)
+    experiments: tuple[str, ...] = key(
+        help="experiment files, relative to the project root; two experiments may not share a `name`",
+        scope="workflow",
+        required=True,
+        min_len=1,
+        example=("config/experiments/demo.yaml",),
+    )
+
+
+def workflow_config_from_dict(doc: object, source: str) -> WorkflowConfig:
+    return WorkflowConfig(**read_section(doc, WorkflowConfig, source))
 
 
 def _norm_ckpt(ckpt: str, base: str) -> str:
@@ -159,27 +169,12 @@ def experiment_from_dict(doc: object, source: str = "<dict>", base_dir: str | No
     """Validate an experiment mapping; every error names ``source`` and the key."""
     if not isinstance(doc, dict):
         raise ConfigError(f"{source}: an experiment file must be a YAML mapping, got {type(doc).__name__}.")
-    top = _take(doc, _TOP, source, "")
-    vit = _take(top["vit"], _VIT, source, "vit.")
-    layers = vit["layers"]
-    if isinstance(layers, int):
-        layers = [layers]
-    if not all(_is_type(x, (int,)) for x in layers):
-        raise ConfigError(f"{_where(source, 'vit.layers')} must be a list of integers, got {layers!r}.")
-    if not layers:
-        raise ConfigError(f"{_where(source, 'vit.layers')} is empty; list at least one layer, e.g. [-2].")
-    if vit["family"] not in FAMILIES:
-        raise ConfigError(f"{_where(source, 'vit.family')} is {vit['family']!r}; allowed: {', '.join(FAMILIES)}.")
-    base = base_dir or os.getcwd()
-    try:
-        vitc = VitConfig(vit["family"], _norm_ckpt(vit["ckpt"], base), tuple(layers))
-    except ConfigError as err:
-        raise ConfigError(f"{source}: {err}") from None
-    cache = _take(top["cache"] or {}, _CACHE, source, "cache.")
-    try:
-        cachec = CacheConfig(**cache)
-    except ConfigError as err:
-        raise ConfigError(f"{source}: {err}") from None
+    top = read_section(doc, Experiment, source)
+    vit = read_section(top["vit"], VitConfig, source, "vit.")
+    vit["ckpt"] = _norm_ckpt(vit["ckpt"], base_dir or os.getcwd())
+    cache = top["cache"]
+    if not isinstance(cache, CacheConfig):
+        cache = CacheConfig(**read_section(cache, CacheConfig, source, "cache."))
     from actcache.images import data_config_from_dict
 
     data = data_config_from_dict(dict(top["data"]), where=f"{source}: data")
@@ -187,17 +182,8 @@ def experiment_from_dict(doc: object, source: str = "<dict>", base_dir: str | No
     if name is None:
         name = os.path.splitext(os.path.basename(source))[0] if source != "<dict>" else "experiment"
     if not name or any(c in name for c in "/\\ \t\n"):
-        raise ConfigError(f"{_where(source, 'name')} is {name!r}; use letters, digits, '-', '_' or '.'.")
-    return Experiment(
-        name=name,
-        source=source,
-        vit=vitc,
-        data=data,
-        cache=cachec,
-        train=top["train"],
-        dump_to=top["dump_to"],
-        runs_to=top["runs_to"],
-    )
+        raise ConfigError(f"{source}: key 'name' is {name!r}; use letters, digits, '-', '_' or '.'.")
+    return Experiment(**{**top, "name": name, "source": source, "vit": VitConfig(**vit), "data": data, "cache": cache})
 
 
 def load_experiment(path: str | os.PathLike, base_dir: str | None = None) -> Experiment:

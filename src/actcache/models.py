@@ -35,13 +35,13 @@ import PIL.Image
 
 from actcache.errors import ConfigError, DumpError
 from actcache.images import ImageTransform
+from actcache.protocol import FAMILIES
 
 if TYPE_CHECKING:  # annotations only: torch is imported where a model is built
     import torch
 
 logger = logging.getLogger(__name__)
 
-FAMILIES = ("clip", "siglip", "dinov2", "dinov3", "siglip2")
 FAMILY_MODEL_TYPES = {
     "clip": ("clip", "clip_vision_model"),
     "siglip": ("siglip", "siglip_vision_model"),

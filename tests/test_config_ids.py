@@ -1,0 +1,125 @@
+"""Identity is unchanged by the key declarations: cache hash, sae_id and group_id of existing configs.
+
+The expected values were computed on the code before the keys were declared with actcache.keys
+(FIELDS and RunConfig then gave different defaults for k, exp_factor and steps).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import yaml
+
+from actcache.config import experiment_from_dict
+from actcache.protocol import Metadata
+from actcache.sae.config import RUN_KEYS, RunConfig, expand_train_section
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SWEEP = {
+    "layer": -2, "batch_size": 512, "n_tokens": "1e6", "lr": "3e-4",
+    "sweep": {"seed": [0, 1]},
+    "saes": [
+        {"activation": "topk", "exp_factor": 8, "sweep": {"k": [16, 32]}},
+        {"activation": "topk", "width": 1024},
+        {"activation": "batchtopk", "width": 2048, "k": 64, "k_aux": 256},
+        {"activation": "relu", "width": 1024, "sweep": {"l1_coeff": ["1e-4", 1.0e-3]}, "l1_warmup_steps": 10},
+        {"activation": "relu", "l1_coeff": 3.0e-4, "normalize_decoder": True},
+        {"exp_factor": 16, "n_readers": 2, "cold_read": "fault"},
+        {"k": 8, "lr_decay": "cosine", "warmup_steps": 5, "max_grad_norm": None, "batch_timeout_s": None},
+    ],
+}  # fmt: skip
+MISC = [
+    {"steps": 10},
+    {"steps": 10, "activation": "relu", "l1_coeff": 1e-3},
+    {"steps": 10, "width": 256, "exp_factor": 4, "k": 8},
+    {"steps": 10, "k": None, "exp_factor": None},
+    {
+        "steps": 10,
+        "patches": "all",
+        "scale_norm": True,
+        "deterministic": False,
+        "eval_cache": "/x",
+        "prefetch": "whole",
+    },
+]
+
+
+def _demo():
+    with open(os.path.join(REPO, "config", "experiments", "demo.yaml")) as fd:
+        doc = yaml.safe_load(fd)
+    doc["data"]["root"] = "/actcache-demo/images"  # absolute: the hash must not depend on the checkout
+    return experiment_from_dict(doc, source="demo.yaml", base_dir="/nonexistent-base")
+
+
+def _ids(runs):
+    return [(r.sae_id, r.group_id) for r in runs]
+
+
+def test_demo_cache_hash_and_ids_are_unchanged():
+    exp = _demo()
+    md = Metadata(
+        vit_family=exp.vit.family, vit_ckpt=exp.vit.ckpt, layers=tuple(exp.vit.layers), n_patches_per_img=16,
+        cls_token=True, d_vit=64, n_imgs=240, max_patches_per_shard=exp.cache.max_patches_per_shard,
+        data=exp.data_dict,
+    )  # fmt: skip
+    assert md.hash == "a16eb444fc98b0a5bd2470fb098317fb27be3a03fbf27084d03459d5518a7e35"
+    runs = expand_train_section(exp.train, "demo.yaml", layers=exp.vit.layers)
+    assert _ids(runs) == [
+        ("92a21d2a43a4", "L-2-image-ab0d21e2"),
+        ("344d5f1c8e16", "L-2-image-ab0d21e2"),
+    ]
+
+
+def test_sweep_over_several_objectives_keeps_its_ids():
+    runs = expand_train_section(SWEEP, "s.yaml", layers=(-2,))
+    assert _ids(runs) == [
+        ("28044ba28cb3", "L-2-image-15f44486"),
+        ("9dca8539c58a", "L-2-image-15f44486"),
+        ("e07ae3c90787", "L-2-image-15f44486"),
+        ("53255e32031c", "L-2-image-15f44486"),
+        ("89d980a0ccc3", "L-2-image-15f44486"),
+        ("5104512e5e48", "L-2-image-15f44486"),
+        ("6dc0402d180e", "L-2-image-15f44486"),
+        ("eb158061a60a", "L-2-image-15f44486"),
+        ("316748ff8169", "L-2-image-15f44486"),
+        ("ae6ef7f7b607", "L-2-image-15f44486"),
+        ("230279dda7d1", "L-2-image-15f44486"),
+        ("7cc7111e477b", "L-2-image-15f44486"),
+        ("49b05cc7b0a5", "L-2-image-15f44486"),
+        ("dc4550bc9b10", "L-2-image-15f44486"),
+        ("0191aeb39da0", "L-2-image-cfdee58e"),
+        ("0d0386834939", "L-2-image-cfdee58e"),
+        ("dcc5be0f37be", "L-2-image-8823a8ad"),
+        ("08f60050c56e", "L-2-image-8823a8ad"),
+    ]
+
+
+def test_defaults_resolved_per_key_keep_ids():
+    # k null for relu, exp_factor null beside a width, the default 16 / 32 otherwise
+    runs = [r for train in MISC for r in expand_train_section(train, "m.yaml")]
+    assert _ids(runs) == [
+        ("37765c028eea", "Lauto-image-4b8ad8d2"),
+        ("e09f12921ccc", "Lauto-image-4b8ad8d2"),
+        ("da60d01669ed", "Lauto-image-4b8ad8d2"),
+        ("37765c028eea", "Lauto-image-4b8ad8d2"),
+        ("2efce78bcb25", "Lauto-all-12e70b6c"),
+    ]
+    direct = [RunConfig(), RunConfig(activation="relu", l1_coeff=1e-3, steps=5)]
+    assert _ids(direct) == [
+        ("fd273e09c2f9", "Lauto-image-6cde478e"),
+        ("8a3456de9708", "Lauto-image-611000f5"),
+    ]
+
+
+def test_every_resolved_value_is_unchanged():
+    exp = _demo()
+    runs = [r for t in [exp.train, SWEEP, *MISC] for r in expand_train_section(t, "m.yaml")]
+    # keys added later (at their defaults here) are left out: the pin predates them
+    later = {"jumprelu_bandwidth", "jumprelu_init_threshold", "matryoshka_prefixes", "l0_coeff", "preact_coeff",
+             "matryoshka_weights", "l0_warmup_steps", "precision", "decode"}  # fmt: skip
+    assert all(getattr(r, k) == RUN_KEYS[k].default for r in runs for k in later)
+    blob = json.dumps([{k: v for k, v in r.to_dict().items() if k not in later} for r in runs], sort_keys=True).encode()
+    assert hashlib.sha256(blob).hexdigest() == "b40696bd67a874e921384d7ffb40177c877122e75a9872d9bc805dfb56b1b443"
