@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from actcache.errors import ConfigError
-from actcache.sae import SAE, LRSchedule, SAEConfig, make_objective, make_optimizer, sparsity_warmup, train_step
 from actcache.rundir import run_dir
+from actcache.sae import SAE, LRSchedule, SAEConfig, make_objective, make_optimizer, sparsity_warmup, train_step
 from actcache.sae.config import RunConfig, expand_train_section
 from actcache.sae.modeling import HeavisideStep
 from actcache.sae.train import Preempted, train_group
