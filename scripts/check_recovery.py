@@ -42,7 +42,7 @@ SECTIONS = {  # the recipes of tests/test_sae_train.py, with --steps steps (relu
     "batchtopk": {"activation": "batchtopk", "k": K_TRUE},
     "relu": {"activation": "relu", "l1_coeff": 5e-3, "lr": 3e-2, "l1_warmup_steps": 200},
     # the recipe of tests/test_sae_jumprelu.py (which trains in memory)
-    "jumprelu": {"activation": "jumprelu", "l0_coeff": 1e-2, "l0_warmup_steps": 200},
+    "jumprelu": {"activation": "jumprelu", "l0_coeff": 1e-2, "l0_warmup_steps": 200, "jumprelu_init_threshold": 0.5},
     "matryoshka": {"activation": "matryoshka", "k": K_TRUE},
 }
 LONG = ("relu", "jumprelu")

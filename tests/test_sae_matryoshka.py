@@ -159,3 +159,54 @@ def test_preempted_matryoshka_group_resumes_to_identical_weights_and_metrics(cac
         ev = json.load(open(os.path.join(a, "eval.json")))
         assert 0 < ev["l0"] and ev["nmse"] < 1.0  # eval mode: the inference threshold
         assert SAE.load(a).cfg.matryoshka_prefixes == r.matryoshka_prefixes
+
+
+# ---- feature absorption (Chanin et al. 2024's toy) -------------------------------------------------
+
+N_PARENTS, N_CHILDREN, D_TOY, W_TOY = 8, 8, 96, 80
+
+
+def hierarchy(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(parent directions (P, D), examples (n, D)). Orthonormal parents and children; each parent
+    is active with probability 1/P, and then exactly one of its children with it (a child never
+    fires without its parent, a parent never alone); coefficients uniform in [0.5, 1.5]."""
+    g = torch.Generator().manual_seed(seed)
+    q_DD, _ = torch.linalg.qr(torch.randn(D_TOY, D_TOY, generator=g))
+    parents_PD = q_DD[:N_PARENTS]
+    children_PCD = q_DD[N_PARENTS : N_PARENTS * (N_CHILDREN + 1)].reshape(N_PARENTS, N_CHILDREN, D_TOY)
+    on_NP1 = (torch.rand(n, N_PARENTS, 1, generator=g) < 1 / N_PARENTS).float()
+    child_NP = torch.randint(0, N_CHILDREN, (n, N_PARENTS), generator=g)
+    a_NP1, b_NP1 = (torch.rand(n, N_PARENTS, 1, generator=g) + 0.5 for _ in range(2))
+    picked_NPD = children_PCD[torch.arange(N_PARENTS)[None], child_NP]
+    return parents_PD, (on_NP1 * (a_NP1 * parents_PD + b_NP1 * picked_NPD)).sum(1)
+
+
+def best_cosine(rows_SD: torch.Tensor, dirs_PD: torch.Tensor) -> float:
+    """Mean over the directions of their best cosine with a row (as ``recovery`` does)."""
+    rows_SD = rows_SD.detach() / rows_SD.detach().norm(dim=1, keepdim=True)
+    return float((dirs_PD @ rows_SD.T).max(1).values.mean())
+
+
+def train_toy(sae: SAE, x_ND: torch.Tensor, **objective_kw) -> SAE:
+    sae.init_b_dec(x_ND[:2048])
+    obj, opt = make_objective(sae, dead_tokens_threshold=2048, **objective_kw), make_optimizer(sae, 1e-2)
+    sched = LRSchedule(lr=1e-2, warmup_steps=20, total_steps=1000, decay="linear", final_frac=0.1)
+    g = torch.Generator().manual_seed(1)
+    for step in range(1000):
+        sched.apply(opt, step)
+        train_step(sae, obj, opt, x_ND[torch.randint(0, x_ND.shape[0], (256,), generator=g)])
+    return sae
+
+
+def test_first_prefix_recovers_parents_that_plain_batchtopk_absorbs():
+    # k = 1 while the data has two active features on average: a plain SAE does best with one
+    # latent per parent+child pair (absorption), so no decoder row points at a parent. With the
+    # first prefix weighted up, that prefix alone must reconstruct, which only parents can do well.
+    parents_PD, x_ND = hierarchy(16384)
+    width, first = W_TOY, 2 * N_PARENTS
+    mat_sae = train_toy(mat(width=width, d=D_TOY, k=1, prefixes=(first, width)), x_ND, prefix_weights=[4, 1])
+    plain = train_toy(SAE(SAEConfig(d_vit=D_TOY, width=width, activation="batchtopk", k=1)), x_ND)
+    score_mat, score_plain = best_cosine(mat_sae.W_dec[:first], parents_PD), best_cosine(plain.W_dec, parents_PD)
+    print(f"parents recovered: matryoshka first {first} latents {score_mat:.3f}, batchtopk all {score_plain:.3f}")
+    assert score_mat >= 0.9
+    assert score_plain <= score_mat - 0.1
