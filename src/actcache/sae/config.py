@@ -113,7 +113,7 @@ FIELDS: dict[str, tuple[tuple, Any, str]] = {
     "b_dec_init": ((str,), "geometric_median", "geometric_median | mean | zero (from the first batch)"),
     # compute recipe of a group: how the step is computed
     "precision": ((str,), "fp32", "fp32 | tf32 (CUDA TF32 matmuls) | bf16 (autocast matmuls, float32 weights)"),
-    "decode": ((str,), "auto", "auto | dense | sparse: topk variants decode from the k chosen latents"),
+    "decode": ((str,), "auto", "auto | dense | sparse | hybrid: topk variants decode from the k chosen latents"),
     # logistics: do not change the weights, so they are not part of sae_id
     "log_every": ((int,), 100, "metrics every N steps"),
     "ckpt_every": ((int,), 1000, "checkpoint every N steps (and at the end)"),
