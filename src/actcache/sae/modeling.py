@@ -326,13 +326,15 @@ def _bag_sum(codes: Codes, w_N: torch.Tensor, w_SD: torch.Tensor) -> torch.Tenso
     )
 
 
-def _dense_outer(codes: Codes, w_N: torch.Tensor, src_BD: torch.Tensor, n_rows: int, dtype) -> torch.Tensor:
-    """The transpose of :func:`_scatter_rows` as one matmul, src_BD^T @ F_BS with F_BS holding w_N at
-    the codes and zeros elsewhere, in ``dtype``  -> (D, n_rows)."""
+def _dense_outer(codes: Codes, w_N: torch.Tensor, src_BD: torch.Tensor, n_rows: int, dtype, rows_first: bool):
+    """:func:`_scatter_rows` as one matmul in ``dtype``, F_BS^T @ src_BD with F_BS holding w_N at the
+    codes and zeros elsewhere: (n_rows, D) if ``rows_first``, else its transpose (D, n_rows), each
+    computed in that layout (contiguous, as the parameter's gradient)."""
     f_BS = torch.zeros(src_BD.shape[0], n_rows, dtype=dtype, device=src_BD.device)
     f_BS.index_put_((codes.row_N, codes.col_N), w_N.to(dtype))
+    src_BD = src_BD.to(dtype)
     with torch.autocast(src_BD.device.type, enabled=False):
-        return src_BD.to(dtype).t() @ f_BS
+        return f_BS.t() @ src_BD if rows_first else src_BD.t() @ f_BS
 
 
 class SparseDecode(torch.autograd.Function):
@@ -355,7 +357,7 @@ class SparseDecode(torch.autograd.Function):
         g_val = _row_dots(codes, g_BD, W_SD).to(val_N.dtype) if ctx.needs_input_grad[0] else None
         g_W = None
         if ctx.needs_input_grad[1] and ctx.mm_dtype is not None:
-            g_W = _dense_outer(codes, val_N, g_BD, W_SD.shape[0], ctx.mm_dtype).t()
+            g_W = _dense_outer(codes, val_N, g_BD, W_SD.shape[0], ctx.mm_dtype, rows_first=True)
         elif ctx.needs_input_grad[1]:
             g_W = _scatter_rows(codes, val_N.to(W_SD.dtype), g_BD, W_SD.shape[0])
         return g_val, g_W.to(W_SD.dtype) if g_W is not None else None, None, None
@@ -384,7 +386,8 @@ class SparseEncode(torch.autograd.Function):
         if need[1]:
             g_bd = -(W_DS @ g_S)
         if need[2] and ctx.mm_dtype is not None:
-            g_W = _dense_outer(codes, g_N, x_BD.to(W_DS.dtype) - b_dec_D, W_DS.shape[1], ctx.mm_dtype).to(W_DS.dtype)
+            src_BD = x_BD.to(W_DS.dtype) - b_dec_D
+            g_W = _dense_outer(codes, g_N, src_BD, W_DS.shape[1], ctx.mm_dtype, rows_first=False).to(W_DS.dtype)
         elif need[2]:
             g_W = _scatter_rows(codes, g_N, x_BD.to(W_DS.dtype) - b_dec_D, W_DS.shape[1]).t()
         if need[3]:
