@@ -39,10 +39,12 @@ from actcache.sae.optim import train_step  # noqa: E402
 from actcache.sae.train import train_group  # noqa: E402
 from actcache.writer import synthetic_metadata, write_cache  # noqa: E402
 
-ALL_VARIANTS = "dense-fp32,sparse-fp32,sparse-tf32,sparse-bf16,dense-bf16"
+ALL_VARIANTS = "dense-fp32,sparse-fp32,sparse-tf32,sparse-bf16,hybrid-tf32,hybrid-bf16,dense-bf16"
+# Variants of sparse decoding: "hybrid" forms the weight gradients by dense matmuls (see choose_decode).
+SPARSE_FAMILY = ("sparse", "hybrid")
 SIZES = {  # (cuda?, quick?) -> defaults
     (True, True): dict(d=768, exp_factor=16, batch=16384, steps=20, loader_steps=60, n_imgs=1024, repeats=1,
-                       saes="1,8", variants=ALL_VARIANTS, loader_variants="sparse-bf16,dense-fp32", warmup=3),
+                       saes="1,8", variants=ALL_VARIANTS, loader_variants="hybrid-bf16,dense-fp32", warmup=3),
     (True, False): dict(d=768, exp_factor=16, batch=16384, steps=50, loader_steps=200, n_imgs=2048, repeats=3,
                         saes="1,8", variants=ALL_VARIANTS, loader_variants=ALL_VARIANTS, warmup=3),
     (False, True): dict(d=768, exp_factor=16, batch=4096, steps=2, loader_steps=0, n_imgs=64, repeats=2,
@@ -153,10 +155,18 @@ def measure(cache: str, args, dev) -> list[dict]:
 
 
 def checks(rows: list[dict], args, dev) -> list[benchlib.Check]:
-    """Issue targets: on the CPU sparse >= 1.7 x dense (fp32); on CUDA, sparse-bf16 at >= 100 steps/s
-    for one SAE, >= 90 SAE-steps/s for 8, and a loader wait share of at most 2%."""
-    def rate(n, v, col="SAE-steps/s"):
+    """Issue targets: on the CPU sparse >= 1.7 x dense (fp32); on CUDA, sparse decoding (sparse or
+    hybrid, the faster) in bf16 at >= 100 steps/s for one SAE, >= 90 SAE-steps/s for 8, and a loader
+    wait share of at most 2%."""
+
+    def row_rate(n, v, col):
         return next((r.get(col) for r in rows if r["SAEs per pass"] == n and r["variant"] == v), None)
+
+    def rate(n, v, col="SAE-steps/s"):
+        if v == "sparse-bf16":  # the issue's "bf16 with sparse decoding": the best of the family
+            found = [row_rate(n, f"{d}-bf16", col) for d in SPARSE_FAMILY]
+            return max((r for r in found if r and r == r), default=None)
+        return row_rate(n, v, col)
 
     out = []
     one = min(r["SAEs per pass"] for r in rows)
@@ -165,12 +175,13 @@ def checks(rows: list[dict], args, dev) -> list[benchlib.Check]:
         out.append(benchlib.check(f"sparse decoding >= 1.7 x dense (fp32, batch {args.batch})", ratio, 1.7,
                                   f"x dense at {one} SAE"))  # fmt: skip
     if dev.cuda and rate(1, "sparse-bf16"):
-        out.append(benchlib.check("1 SAE, sparse bf16, batch 16,384: >= 100 steps/s", rate(1, "sparse-bf16"), 100,
+        out.append(benchlib.check("1 SAE, sparse/hybrid bf16, batch 16,384: >= 100 steps/s", rate(1, "sparse-bf16"), 100,
                                   "steps/s"))  # fmt: skip
     if dev.cuda and rate(8, "sparse-bf16"):
-        out.append(benchlib.check("8 SAEs per pass, sparse bf16: >= 90 SAE-steps/s", rate(8, "sparse-bf16"), 90,
+        out.append(benchlib.check("8 SAEs per pass, sparse/hybrid bf16: >= 90 SAE-steps/s", rate(8, "sparse-bf16"), 90,
                                   "SAE-steps/s"))  # fmt: skip
-    waits = [r["loader wait share"] for r in rows if "loader wait share" in r and "sparse" in r["variant"]]
+    family = [r for r in rows if r["variant"].split("-")[0] in SPARSE_FAMILY]
+    waits = [r["loader wait share"] for r in family if "loader wait share" in r]
     if dev.cuda and waits:
         out.append(benchlib.check("loader wait share <= 2% (sparse)", max(waits), 0.02, "", at_least=False))
     return out

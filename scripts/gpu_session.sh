@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The checks and benchmarks that need an NVIDIA GPU, for a machine that has one.
 #
-#   bash scripts/gpu_session.sh [STEP...]      STEP: env check dump train visuals (default: all five)
+#   bash scripts/gpu_session.sh [STEP...]      STEP: env check dump train visuals (default: all five), profile
 #
 # env      nvidia-smi, torch / transformers versions, the GPU torch sees
 # check    ACTCACHE_TEST_DEVICE=cuda pytest tests/test_device.py: CUDA dump (3 families) equals
@@ -13,8 +13,10 @@
 # train    scripts/bench_train.py --device cuda --quick (d=768, width 12,288, k=32, batch 16,384; 1 and 8
 #          SAEs per pass, dense/sparse x fp32/tf32/bf16; a few minutes; rows also in $OUT/train.json)
 # visuals  scripts/bench_visuals.py --device cuda (4 GiB cache; target visuals <= 1.5x one pass)
+# profile  scripts/profile_train_step.py --device cuda: steps/s and the top operators of one SAE's
+#          training step per variant (under a minute; not in the default list)
 #
-# Extra arguments per step: DUMP_ARGS, TRAIN_ARGS, VISUALS_ARGS, CHECK_ARGS (word-split), e.g.
+# Extra arguments per step: DUMP_ARGS, TRAIN_ARGS, VISUALS_ARGS, CHECK_ARGS, PROFILE_ARGS (word-split), e.g.
 # TRAIN_ARGS="--repeats 1 --steps 50"; CHECK_TESTS replaces check's test files, CHECK_LOG its log's
 # name (default check). STEP_TIMEOUT=S interrupts any one step after S seconds (SIGINT, so that
 # pytest still prints the failures so far; SIGKILL 30 s later) and goes on with the next, so one
@@ -68,8 +70,10 @@ print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"no GPU\"
                 --out "${BENCH_DIR:-bench-out}/train" ${TRAIN_ARGS:-} ;;
         visuals)
             run_step visuals "$PY" scripts/bench_visuals.py --device cuda --out "${BENCH_DIR:-bench-out}/visuals" ${VISUALS_ARGS:-} ;;
+        profile)
+            run_step profile "$PY" scripts/profile_train_step.py --device cuda ${PROFILE_ARGS:-} ;;
         *)
-            echo "unknown step '$step': use env, check, dump, train or visuals" >&2
+            echo "unknown step '$step': use env, check, dump, train, visuals or profile" >&2
             exit 2 ;;
     esac
 done

@@ -57,7 +57,7 @@ def step_once(precision: str, decode: str = "dense"):
     return sae, opt, outs[-1]
 
 
-@pytest.mark.parametrize("decode", ["dense", "sparse"])
+@pytest.mark.parametrize("decode", ["dense", "sparse", "hybrid"])
 def test_bf16_runs_on_the_cpu_with_float32_weights_state_and_loss(decode):
     sae, opt, out = step_once("bf16", decode)
     ref, _, ref_out = step_once("fp32", decode)

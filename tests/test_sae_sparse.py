@@ -28,16 +28,20 @@ def loss_and_grads(activation: str, dtype: str, decode: str, dead_every: int | N
         obj.stats.tokens_since_fired_S[::dead_every] = 10**6
     out = obj(sae, x_BD)
     out.loss.backward()
-    return out, {n: p.grad for n, p in sae.named_parameters()}, sae.threshold
+    return out, {n: p.grad for n, p in sae.named_parameters()}, sae.threshold, obj.stats
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("activation", ["topk", "batchtopk"])
 @pytest.mark.parametrize("dead_every", [None, 3])
-def test_sparse_decoding_gives_the_dense_loss_and_gradients(activation, dtype, dead_every):
-    dense, g_dense, th_dense = loss_and_grads(activation, dtype, "dense", dead_every)
-    sparse, g_sparse, th_sparse = loss_and_grads(activation, dtype, "sparse", dead_every)
+@pytest.mark.parametrize("decode", ["sparse", "hybrid"])
+def test_sparse_decoding_gives_the_dense_loss_and_gradients(activation, dtype, dead_every, decode):
+    dense, g_dense, th_dense, st_dense = loss_and_grads(activation, dtype, "dense", dead_every)
+    sparse, g_sparse, th_sparse, st_sparse = loss_and_grads(activation, dtype, decode, dead_every)
     tol = TOL[dtype]
+    # firing statistics taken from the codes equal those of the dense f_BS
+    assert torch.equal(st_sparse.tokens_since_fired_S, st_dense.tokens_since_fired_S)
+    assert torch.equal(st_sparse.freq_S, st_dense.freq_S)
     assert (float(sparse.aux) > 0) == (dead_every is not None)
     for name in ("loss", "mse", "aux", "l0", "l1"):
         assert rel_err(getattr(sparse, name).detach(), getattr(dense, name).detach()) <= tol, name
@@ -95,6 +99,44 @@ def test_auto_decode_takes_sparse_for_a_small_k_over_width():
     assert choose_decode("auto", "batchtopk", 32, 256) == "dense"
     assert choose_decode("auto", "relu", None, 12288) == "dense"
     assert choose_decode("dense", "topk", 32, 12288) == "dense"
+
+
+def test_auto_decode_takes_hybrid_only_on_cuda_in_reduced_precision():
+    assert choose_decode("auto", "topk", 32, 12288, "cuda", "bf16") == "hybrid"
+    assert choose_decode("auto", "topk", 32, 12288, "cuda", "tf32") == "hybrid"
+    assert choose_decode("auto", "topk", 32, 12288, "cuda", "fp32") == "sparse"
+    assert choose_decode("auto", "topk", 32, 12288, "cpu", "bf16") == "sparse"
+    assert choose_decode("auto", "batchtopk", 32, 256, "cuda", "bf16") == "dense"
+    with pytest.raises(ConfigError, match="hybrid"):
+        choose_decode("hybrid", "jumprelu", None, 1024)
+
+
+def test_hybrid_weight_gradients_pass_gradcheck():
+    gen = torch.Generator().manual_seed(1)
+    b, d, s, k = 4, 5, 16, 3
+    W_SD = torch.randn(s, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    W_DS = torch.randn(d, s, generator=gen, dtype=torch.float64, requires_grad=True)
+    b_S = torch.randn(s, generator=gen, dtype=torch.float64, requires_grad=True)
+    x_BD = torch.randn(b, d, generator=gen, dtype=torch.float64)
+    b_dec_D = torch.randn(d, generator=gen, dtype=torch.float64, requires_grad=True)
+    codes = Codes.per_row(torch.stack([torch.randperm(s, generator=gen)[:k] for _ in range(b)]))
+    val_N = torch.randn(b * k, generator=gen, dtype=torch.float64, requires_grad=True)
+    f64 = torch.float64
+    assert torch.autograd.gradcheck(lambda v, w: SparseDecode.apply(v, w, codes, f64), (val_N, W_SD))
+
+    def enc(b_dec, w, bias):
+        return SparseEncode.apply(x_BD, b_dec, w, bias, ((x_BD - b_dec) @ w + bias).detach(), codes, f64)
+
+    assert torch.autograd.gradcheck(enc, (b_dec_D, W_DS, b_S))
+
+
+def test_sparse_objective_builds_no_dense_codes_matrix():
+    sae = SAE(SAEConfig(d_vit=16, width=128, activation="topk", k=4)).set_compute(decode="sparse")
+    x_BD = torch.randn(8, 16, generator=torch.Generator().manual_seed(2))
+    _, f_BS, aux = sae(x_BD, dense_f=False)
+    assert f_BS is None and aux["val_N"].shape == (8 * 4,)
+    out = make_objective(sae)(sae, x_BD)
+    assert float(out.l0) <= 4.0 and float(out.l1) > 0
     with pytest.raises(ConfigError, match="needs activation topk or batchtopk"):
         choose_decode("sparse", "relu", None, 1024)
 

@@ -133,7 +133,7 @@ class RunConfig:
     b_dec_init: str = _sae("geometric_median", "decoder bias from the first batch", choices=B_DEC_INITS)
     precision: str = _compute("fp32", "fp32 | tf32 (CUDA TF32 matmuls) | bf16 (autocast matmuls, float32 weights)",
                               choices=PRECISIONS)  # fmt: skip
-    decode: str = _compute("auto", "topk variants: decode from the k chosen latents (sparse) or by matmul (dense)",
+    decode: str = _compute("auto", "topk variants: sparse (gather the k chosen latents), hybrid (sparse forward, matmul weight gradients), dense",
                            choices=DECODES, hashed=False)  # fmt: skip
     log_every: int = _logging(100, "metrics every N steps", ge=1)
     ckpt_every: int = _logging(1000, "checkpoint every N steps (and at the end)", ge=1)

@@ -25,8 +25,10 @@ Activations
 
 Compute (set by the trainer, not part of the saved config): ``sae.set_compute(decode, precision)``.
 ``decode="sparse"`` (topk variants) decodes from the chosen latents only and back-propagates into
-the encoder only through them (:class:`SparseDecode`, :class:`SparseEncode`); ``precision="bf16"``
-runs the forward's matmuls under autocast while weights stay float32.
+the encoder only through them (:class:`SparseDecode`, :class:`SparseEncode`); ``decode="hybrid"``
+does the same but forms the two weight gradients by dense matmuls of the zero-filled codes, which
+tensor cores do faster than the scatter kernels; ``precision="bf16"`` runs the forward's matmuls
+under autocast while weights stay float32.
 """
 
 from __future__ import annotations
@@ -46,9 +48,9 @@ from actcache.rundir import CONFIG_FILE, WEIGHTS_FILE
 ACTIVATIONS = ("relu", "topk", "batchtopk", "jumprelu", "matryoshka")
 NO_K = ("relu", "jumprelu")  # activations without a fixed number of latents
 PRECISIONS = ("fp32", "tf32", "bf16")
-DECODES = ("auto", "dense", "sparse")
+DECODES = ("auto", "dense", "sparse", "hybrid")
 SPARSE_ACTIVATIONS = ("topk", "batchtopk")
-# decode "auto" picks sparse when width >= SPARSE_MIN_RATIO * k (see choose_decode).
+# decode "auto" picks sparse (or hybrid) when width >= SPARSE_MIN_RATIO * k (see choose_decode).
 SPARSE_MIN_RATIO = 16
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -324,6 +326,17 @@ def _bag_sum(codes: Codes, w_N: torch.Tensor, w_SD: torch.Tensor) -> torch.Tenso
     )
 
 
+def _dense_outer(codes: Codes, w_N: torch.Tensor, src_BD: torch.Tensor, n_rows: int, dtype, rows_first: bool):
+    """:func:`_scatter_rows` as one matmul in ``dtype``, F_BS^T @ src_BD with F_BS holding w_N at the
+    codes and zeros elsewhere: (n_rows, D) if ``rows_first``, else its transpose (D, n_rows), each
+    computed in that layout (contiguous, as the parameter's gradient)."""
+    f_BS = torch.zeros(src_BD.shape[0], n_rows, dtype=dtype, device=src_BD.device)
+    f_BS.index_put_((codes.row_N, codes.col_N), w_N.to(dtype))
+    src_BD = src_BD.to(dtype)
+    with torch.autocast(src_BD.device.type, enabled=False):
+        return f_BS.t() @ src_BD if rows_first else src_BD.t() @ f_BS
+
+
 class SparseDecode(torch.autograd.Function):
     """x_BD = sum over each example's codes of val * W_dec[latent] (the decoder without b_dec).
 
@@ -331,8 +344,8 @@ class SparseDecode(torch.autograd.Function):
     O(N * D) work instead of O(B * S * D); backward scatters into W_dec's gradient."""
 
     @staticmethod
-    def forward(ctx, val_N, W_SD, codes: Codes):
-        ctx.codes = codes
+    def forward(ctx, val_N, W_SD, codes: Codes, mm_dtype=None):
+        ctx.codes, ctx.mm_dtype = codes, mm_dtype
         ctx.save_for_backward(val_N, W_SD)
         with torch.autocast(W_SD.device.type, enabled=False):
             return _bag_sum(codes, val_N, W_SD)
@@ -342,8 +355,12 @@ class SparseDecode(torch.autograd.Function):
         val_N, W_SD = ctx.saved_tensors
         codes, g_BD = ctx.codes, g_BD.to(W_SD.dtype)
         g_val = _row_dots(codes, g_BD, W_SD).to(val_N.dtype) if ctx.needs_input_grad[0] else None
-        g_W = _scatter_rows(codes, val_N.to(W_SD.dtype), g_BD, W_SD.shape[0]) if ctx.needs_input_grad[1] else None
-        return g_val, g_W, None
+        g_W = None
+        if ctx.needs_input_grad[1] and ctx.mm_dtype is not None:
+            g_W = _dense_outer(codes, val_N, g_BD, W_SD.shape[0], ctx.mm_dtype, rows_first=True)
+        elif ctx.needs_input_grad[1]:
+            g_W = _scatter_rows(codes, val_N.to(W_SD.dtype), g_BD, W_SD.shape[0])
+        return g_val, g_W.to(W_SD.dtype) if g_W is not None else None, None, None
 
 
 class SparseEncode(torch.autograd.Function):
@@ -352,10 +369,10 @@ class SparseEncode(torch.autograd.Function):
     gradient is -W_enc @ (b_enc's gradient): no per-example gradient is formed unless x needs one."""
 
     @staticmethod
-    def forward(ctx, x_BD, b_dec_D, W_DS, b_S, pre_BS, codes: Codes):
-        ctx.codes = codes
+    def forward(ctx, x_BD, b_dec_D, W_DS, b_S, pre_BS, codes: Codes, mm_dtype=None):
+        ctx.codes, ctx.mm_dtype = codes, mm_dtype
         ctx.save_for_backward(x_BD, b_dec_D, W_DS)
-        return pre_BS[codes.row_N, codes.col_N]
+        return pre_BS[codes.row_N, codes.col_N].to(W_DS.dtype)
 
     @staticmethod
     def backward(ctx, g_N):
@@ -368,24 +385,33 @@ class SparseEncode(torch.autograd.Function):
             g_x = _bag_sum(codes, g_N, W_DS.t().contiguous()).to(x_BD.dtype)
         if need[1]:
             g_bd = -(W_DS @ g_S)
-        if need[2]:
+        if need[2] and ctx.mm_dtype is not None:
+            src_BD = x_BD.to(W_DS.dtype) - b_dec_D
+            g_W = _dense_outer(codes, g_N, src_BD, W_DS.shape[1], ctx.mm_dtype, rows_first=False).to(W_DS.dtype)
+        elif need[2]:
             g_W = _scatter_rows(codes, g_N, x_BD.to(W_DS.dtype) - b_dec_D, W_DS.shape[1]).t()
         if need[3]:
             g_b = g_S
-        return g_x, g_bd, g_W, g_b, None, None
+        return g_x, g_bd, g_W, g_b, None, None, None
 
 
-def choose_decode(decode: str, activation: str, k: int | None, width: int) -> str:
-    """Returns "dense" or "sparse". Sparse needs a topk variant; "auto" takes it when width >= 16 k,
-    where the gathers of N * D elements cost less than the dense matmuls' B * S * D."""
+def choose_decode(
+    decode: str, activation: str, k: int | None, width: int, device: str = "cpu", precision: str = "fp32"
+) -> str:
+    """Returns "dense", "sparse" or "hybrid". Sparse and hybrid need a topk variant; "auto" takes
+    one when width >= 16 k, where the gathers of N * D elements cost less than the dense matmuls'
+    B * S * D: hybrid on CUDA in tf32/bf16, where tensor-core matmuls of the zero-filled codes form
+    the weight gradients faster than the scatter kernels' sorts and atomics; sparse elsewhere."""
     if decode not in DECODES:
         raise ConfigError(f"decode must be one of {list(DECODES)}, got {decode!r}")
     if activation not in SPARSE_ACTIVATIONS:
-        if decode == "sparse":
-            raise ConfigError(f"decode 'sparse' needs activation topk or batchtopk, not {activation!r}")
+        if decode in ("sparse", "hybrid"):
+            raise ConfigError(f"decode {decode!r} needs activation topk or batchtopk, not {activation!r}")
         return "dense"
     if decode == "auto":
-        return "sparse" if width >= SPARSE_MIN_RATIO * k else "dense"
+        if width < SPARSE_MIN_RATIO * k:
+            return "dense"
+        return "hybrid" if device == "cuda" and precision in ("tf32", "bf16") else "sparse"
     return decode
 
 
@@ -483,10 +509,13 @@ class SAE(nn.Module):
             start = m
         return out
 
-    def forward(self, x_BD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    def forward(self, x_BD: torch.Tensor, dense_f: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+        """Returns (x_hat_BD, f_BS, aux). ``dense_f=False`` lets a sparse forward skip building
+        f_BS (returned as None): aux then holds the codes and their values "val_N" instead."""
+        mode = self.decode_mode
         with self.autocast():
-            if self.decode_mode == "sparse" and (self.training or self.cfg.activation == "topk"):
-                return self._forward_sparse(x_BD)
+            if mode in ("sparse", "hybrid") and (self.training or self.cfg.activation == "topk"):
+                return self._forward_sparse(x_BD, dense_f)
             return self._forward_dense(x_BD)
 
     def _forward_dense(self, x_BD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -497,31 +526,50 @@ class SAE(nn.Module):
     # -- compute recipe: sparse decoding, mixed precision ------------------------------------------
 
     def set_compute(self, decode: str = "dense", precision: str = "fp32") -> SAE:
-        """Choose the decoder path (auto | dense | sparse) and the precision (fp32 | tf32 | bf16)."""
+        """Choose the decoder path (auto | dense | sparse | hybrid) and the precision (fp32 | tf32 |
+        bf16). "auto" depends on the device: call this after moving the SAE to it."""
         if precision not in PRECISIONS:
             raise ConfigError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
-        self.decode_mode = choose_decode(decode, self.cfg.activation, self.cfg.k, self.cfg.width)
+        device = self.W_enc.device.type
+        self.decode_mode = choose_decode(decode, self.cfg.activation, self.cfg.k, self.cfg.width, device, precision)
         self.precision = precision
         return self
+
+    def _mm_dtype(self):
+        """The dtype of the hybrid path's weight-gradient matmuls (None: sparse scatter kernels)."""
+        if self.decode_mode != "hybrid":
+            return None
+        return torch.bfloat16 if self.precision == "bf16" else self.W_enc.dtype
 
     def autocast(self):
         """bf16: autocast (matmuls in bfloat16, parameters and everything else float32)."""
         device = self.W_enc.device.type
         return torch.autocast(device, dtype=torch.bfloat16, enabled=self.precision == "bf16")
 
-    def _forward_sparse(self, x_BD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    def _forward_sparse(self, x_BD: torch.Tensor, dense_f: bool = True) -> tuple[torch.Tensor, torch.Tensor, dict]:
         self._check_x(x_BD)
         x_BD = x_BD.to(self.W_enc.dtype)
         with torch.no_grad():
-            pre_BS = ((x_BD - self.b_dec) @ self.W_enc + self.b_enc).to(self.W_enc.dtype)
+            pre_BS = self._sparse_pre_acts(x_BD)
         if self.cfg.activation == "topk":
             codes = self.topk_codes(pre_BS, self.cfg.k)
         else:
             codes = self._batch_topk_codes(pre_BS)
         val_N = torch.relu(self.encode_codes(x_BD, pre_BS, codes))
         x_hat_BD = self.decode_codes(codes, val_N) + self.b_dec
-        f_BS = torch.zeros_like(pre_BS).index_put_((codes.row_N, codes.col_N), val_N.detach())
-        return x_hat_BD, f_BS, {"pre_BS": pre_BS, "x_BD": x_BD, "codes": codes}
+        aux = {"pre_BS": pre_BS, "x_BD": x_BD, "codes": codes, "val_N": val_N.detach()}
+        if not dense_f:
+            return x_hat_BD, None, aux
+        f_BS = torch.zeros(pre_BS.shape, dtype=val_N.dtype, device=val_N.device)
+        return x_hat_BD, f_BS.index_put_((codes.row_N, codes.col_N), val_N.detach()), aux
+
+    def _sparse_pre_acts(self, x_BD: torch.Tensor) -> torch.Tensor:
+        """Pre-activations for choosing the codes: float32 (the weights' dtype), or under bf16 the
+        bfloat16 output of one matmul with the bias added in its epilogue (half the memory traffic
+        for top-k; the chosen values are taken back to float32 by SparseEncode)."""
+        if self.precision == "bf16":
+            return torch.addmm(self.b_enc, x_BD - self.b_dec, self.W_enc)  # bfloat16 under autocast
+        return ((x_BD - self.b_dec) @ self.W_enc + self.b_enc).to(self.W_enc.dtype)
 
     def topk_codes(self, pre_BS: torch.Tensor, k: int) -> Codes:
         return Codes.per_row(pre_BS.topk(k, dim=-1, sorted=False).indices)
@@ -534,11 +582,11 @@ class SAE(nn.Module):
 
     def encode_codes(self, x_BD: torch.Tensor, pre_BS: torch.Tensor, codes: Codes) -> torch.Tensor:
         """Pre-activations at ``codes`` with gradients into the encoder and b_dec (see SparseEncode)."""
-        return SparseEncode.apply(x_BD, self.b_dec, self.W_enc, self.b_enc, pre_BS, codes)
+        return SparseEncode.apply(x_BD, self.b_dec, self.W_enc, self.b_enc, pre_BS, codes, self._mm_dtype())
 
     def decode_codes(self, codes: Codes, val_N: torch.Tensor) -> torch.Tensor:
         """``f_BS @ W_dec`` for f_BS holding ``val_N`` at ``codes`` (no b_dec; see SparseDecode)."""
-        return SparseDecode.apply(val_N, self.W_dec, codes)
+        return SparseDecode.apply(val_N, self.W_dec, codes, self._mm_dtype())
 
     # -- data-dependent init and decoder constraint ------------------------------------------------
 

@@ -86,21 +86,30 @@ class FiringStats:
 
     @torch.no_grad()
     def update(self, f_BS: torch.Tensor) -> None:
-        if self.tokens_since_fired_S.device != f_BS.device:
-            self.tokens_since_fired_S = self.tokens_since_fired_S.to(f_BS.device)
-            self.freq_S = self.freq_S.to(f_BS.device)
+        fired_BS = f_BS != 0
+        self._update(fired_BS.any(0), fired_BS.float().mean(0), f_BS.shape[0])
+
+    @torch.no_grad()
+    def update_codes(self, col_N: torch.Tensor, val_N: torch.Tensor, batch: int) -> None:
+        """The same update from sparse codes (latent ``col_N``, value ``val_N``) of ``batch`` examples,
+        without a dense (B, S) tensor; each (example, latent) pair appears at most once."""
+        fired_N = (val_N != 0).float()
+        count_S = torch.zeros(self.width, dtype=torch.float32, device=col_N.device).index_add_(0, col_N, fired_N)
+        self._update(count_S > 0, count_S / batch, batch)
+
+    def _update(self, fired_S: torch.Tensor, rate_S: torch.Tensor, b: int) -> None:
+        if self.tokens_since_fired_S.device != fired_S.device:
+            self.tokens_since_fired_S = self.tokens_since_fired_S.to(fired_S.device)
+            self.freq_S = self.freq_S.to(fired_S.device)
         if self.lag_host_reads:
             self.n_dead_before = self._read_host_copy()
-        fired_BS = f_BS != 0
-        fired_S = fired_BS.any(0)
-        b = f_BS.shape[0]
         self.tokens_since_fired_S += b
         self.tokens_since_fired_S.masked_fill_(fired_S, 0)
         # EMA with a horizon of ~dead_tokens_threshold tokens (the full mean while fewer were seen).
         self.n_tokens += b
         a = max(b / self.dead_tokens_threshold, b / self.n_tokens)
         a = min(a, 1.0)
-        self.freq_S.mul_(1.0 - a).add_(fired_BS.float().mean(0), alpha=a)
+        self.freq_S.mul_(1.0 - a).add_(rate_S, alpha=a)
         if self.lag_host_reads:
             self._start_host_copy()
 
@@ -153,9 +162,17 @@ def _base_metrics(sae: SAE, x_BD: torch.Tensor, x_hat_BD: torch.Tensor, f_BS: to
     x_BD = x_BD.to(x_hat_BD.dtype)
     mse = (x_hat_BD - x_BD).pow(2).mean()
     var_x = x_BD.detach().var(0, unbiased=False).mean()
-    dec_norm_S = sae.W_dec.norm(dim=1)
-    l1 = (f_BS.abs() @ dec_norm_S).mean()
+    if f_BS is None:
+        return mse, var_x, None
+    l1 = (f_BS.abs() @ sae.W_dec.norm(dim=1)).mean()
     return mse, var_x, l1
+
+
+def _codes_metrics(sae: SAE, aux: dict, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """l1 and l0 of a sparse forward from its codes (the values of f_BS elsewhere are zero)."""
+    col_N, val_N = aux["codes"].col_N, aux["val_N"]
+    l1 = (val_N.abs() * sae.W_dec.norm(dim=1)[col_N]).sum() / batch
+    return l1, (val_N != 0).sum().float() / batch
 
 
 class Objective(abc.ABC):
@@ -165,6 +182,7 @@ class Objective(abc.ABC):
     """
 
     extra_metrics: tuple[str, ...] = ()
+    needs_f = False  # True: _extra reads the dense f_BS, so a sparse forward must build it
 
     def __init__(self, sae: SAE, dead_tokens_threshold: int = 10_000_000, dense_frac: float = 0.1):
         self.stats = FiringStats(sae.cfg.width, dead_tokens_threshold, dense_frac)
@@ -172,18 +190,23 @@ class Objective(abc.ABC):
     def __call__(self, sae: SAE, x_BD: torch.Tensor, *, sparsity_scale: float = 1.0) -> LossOut:
         if x_BD.ndim != 2 or x_BD.shape[0] < 1:
             raise TrainError(f"objective: expected a non-empty batch shaped (B, d_vit), got {tuple(x_BD.shape)}")
-        x_hat_BD, f_BS, aux = sae(x_BD)
-        self.stats.update(f_BS)
-        mse, var_x, l1 = _base_metrics(sae, x_BD, x_hat_BD, f_BS)
+        x_hat_BD, f_BS, aux = sae(x_BD, dense_f=self.needs_f)
+        if f_BS is None:  # sparse forward: the metrics come from the codes
+            self.stats.update_codes(aux["codes"].col_N, aux["val_N"], x_BD.shape[0])
+            mse, var_x, _ = _base_metrics(sae, x_BD, x_hat_BD, None)
+            l1, l0 = _codes_metrics(sae, aux, x_BD.shape[0])
+        else:
+            self.stats.update(f_BS)
+            mse, var_x, l1 = _base_metrics(sae, x_BD, x_hat_BD, f_BS)
+            l0 = (f_BS.detach() != 0).sum(1).float().mean()
         self.fwd_aux = aux  # the forward's extras (sparse codes) for _extra; dropped below
         extra, aux_term = self._extra(sae, x_BD, x_hat_BD, f_BS, aux["pre_BS"], mse, var_x, l1, sparsity_scale)
         self.fwd_aux = None
-        nz = f_BS.detach() != 0
         return LossOut(
             loss=mse + extra,
             mse=mse.detach(),
             nmse=(mse.detach() / var_x.clamp_min(torch.finfo(var_x.dtype).tiny)),
-            l0=nz.sum(1).float().mean(),
+            l0=l0,
             l1=l1.detach(),
             n_dead=self.stats.n_dead(),
             n_dense=self.stats.n_dense(),
@@ -308,6 +331,7 @@ class JumpReLUObjective(_ExtrasMixin, Objective):
     """
 
     extra_metrics = ("l0_penalty", "preact", "threshold_mean")
+    needs_f = True
 
     def __init__(self, sae: SAE, l0_coeff: float, preact_coeff: float = 0.0, **kw):
         if sae.cfg.activation != "jumprelu":
@@ -336,6 +360,8 @@ class MatryoshkaObjective(_ExtrasMixin, AuxKObjective):
     loss is in MSE units like the other objectives' and one prefix gives BatchTopK's loss.
     Extras: ``nmse_prefix_<m>`` (each prefix's FVU, mse_m / var(x)).
     """
+
+    needs_f = True  # decode_prefixes reads f_BS
 
     def __init__(self, sae: SAE, prefix_weights: list[float] | tuple[float, ...] | None = None, **kw):
         if sae.cfg.activation != "matryoshka":
