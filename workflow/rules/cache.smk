@@ -22,7 +22,7 @@ rule dump:
         shards=lambda w: "{}:{}".format(*(int(x) for x in w.range.split("-"))),
         dump_to=lambda w, output: os.path.dirname(os.path.dirname(os.path.dirname(output.mark))),
         stale=lambda w, output: other_mark(output.mark),
-        claim=lambda w, output: output.mark.rsplit(".", 1)[0] + ".job",
+        claim=lambda w, output: "{}.job".format(output.mark.rsplit(".", 1)[0]),
     log:
         "logs/dump/{hash}/{range}.{slot}.log",
     benchmark:
@@ -34,12 +34,17 @@ rule dump:
         gpu=1,
         attempt=attempt,
     shell:
-        ATTEMPT_LOG + "rm -f {params.stale} && "
-        "if [ -n \"${{SLURM_JOB_ID:-}}\" ]; then echo \"$SLURM_JOB_ID\" > {params.claim}; fi && "
-        + AS_TASK
-        + " {params.actcache} dump --experiment {params.experiment} --shards {params.shards} "
-        "--dump-to {params.dump_to} --workers {threads} --no-progress >> {log} 2>&1 "
-        "&& touch {output.mark}"
+        "".join(
+            (
+                ATTEMPT_LOG,
+                "rm -f {params.stale} && ",
+                'if [ -n "${{SLURM_JOB_ID:-}}" ]; then echo "$SLURM_JOB_ID" > {params.claim}; fi && ',
+                AS_TASK,
+                " {params.actcache} dump --experiment {params.experiment} --shards {params.shards} "
+                "--dump-to {params.dump_to} --workers {threads} --no-progress >> {log} 2>&1 "
+                "&& touch {output.mark}",
+            )
+        )
 
 
 rule await_dump:
@@ -57,6 +62,8 @@ rule await_dump:
     wildcard_constraints:
         range=IN_FLIGHT_RANGES,
     localrule: True
+    conda:
+        "../envs/actcache.yaml"
     shell:
         "{params.python} -m actcache.slurmjobs await {params.job} {output.mark} > {log} 2>&1"
 
@@ -79,4 +86,10 @@ rule gather:
     resources:
         attempt=attempt,
     shell:
-        ATTEMPT_LOG + "{params.actcache} gather $(dirname {output}) >> {log} 2>&1 && {params.actcache} verify $(dirname {output}) >> {log} 2>&1"
+        "".join(
+            (
+                ATTEMPT_LOG,
+                "{params.actcache} gather $(dirname {output}) >> {log} 2>&1 && "
+                "{params.actcache} verify $(dirname {output}) >> {log} 2>&1",
+            )
+        )

@@ -78,7 +78,7 @@ ATTEMPT_LOG = (
     'echo "attempt {resources.attempt}, Slurm job ${{SLURM_JOB_ID:-none}}, host $(hostname)" >> {log:q} && '
 )
 
-# The `attempt` resource of every job rule (1, then 2 on the first retry...): names its log.
+# The `attempt` resource of each job (1, then 2 on the first retry, ...) names its log.
 def attempt(wildcards, attempt):
     return attempt
 
@@ -89,6 +89,17 @@ _DEFAULT_RESOURCES = workflow.resource_settings.default_resources
 if workflow.is_main_process and _DEFAULT_RESOURCES is not None and "slurm_account" in _DEFAULT_RESOURCES.keys():
     for _w in site_warnings():
         print(f"actcache: warning: {_w}", file=sys.stderr)
+
+# A lock left by a snakemake that was killed (lost login session, SIGKILL): Snakemake refuses to
+# run until `--unlock`. Say what is safe to do, since its jobs may still be queued or running.
+_LOCKS = os.path.join(".snakemake", "locks")
+if workflow.is_main_process and os.path.isdir(_LOCKS) and os.listdir(_LOCKS):
+    print(
+        "actcache: this directory holds a Snakemake lock. If no other snakemake runs here (one that was "
+        "killed left it), run the same command with --unlock, then again without it: dump jobs the killed "
+        "run submitted that are still queued or running are awaited (rule await_dump), never submitted twice.",
+        file=sys.stderr,
+    )
 
 # hash -> the mark of each shard range (a range found incomplete on disk gets the other slot, so
 # its dump job runs again; the gather after it verifies the cache again).

@@ -32,7 +32,7 @@ rule report:
         gpu=1,
         attempt=attempt,
     shell:
-        ATTEMPT_LOG + AS_TASK + " {params.actcache} visuals {params.run_dir} >> {log} 2>&1"
+        "".join((ATTEMPT_LOG, AS_TASK, " {params.actcache} visuals {params.run_dir} >> {log} 2>&1"))
 
 
 rule sweep_report:
@@ -66,4 +66,9 @@ rule sweep_report:
     resources:
         attempt=attempt,
     shell:
-        ATTEMPT_LOG + "{params.actcache} visuals --plots-only --out {params.out} {params.run_dirs} >> {log} 2>&1"
+        "".join(
+            (
+                ATTEMPT_LOG,
+                "{params.actcache} visuals --plots-only --out {params.out} {params.run_dirs} >> {log} 2>&1",
+            )
+        )

@@ -33,7 +33,13 @@ rule train:
         gpu=1,
         attempt=attempt,
     shell:
-        ATTEMPT_LOG + "rm -f {params.stale} && for experiment in {params.experiments}; do "
-        + AS_TASK
-        + " {params.actcache} train --experiment $experiment --group {wildcards.group} "
-        "--dump-to {params.dump_to} --runs-to {params.runs_to} || exit 1; done >> {log} 2>&1 && touch {output.mark}"
+        "".join(
+            (
+                ATTEMPT_LOG,
+                "rm -f {params.stale} && for experiment in {params.experiments}; do ",
+                AS_TASK,
+                " {params.actcache} train --experiment $experiment --group {wildcards.group} "
+                "--dump-to {params.dump_to} --runs-to {params.runs_to} || exit 1; "
+                "done >> {log} 2>&1 && touch {output.mark}",
+            )
+        )
