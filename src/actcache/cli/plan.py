@@ -100,6 +100,14 @@ def attempt_logs(log: str) -> list[str]:
     return sorted(glob.glob(glob.escape(base) + ".attempt*.log"), key=os.path.getmtime)
 
 
+def _head(path: str) -> str:
+    try:
+        with open(path, errors="replace") as fd:
+            return fd.readline().rstrip("\n")
+    except OSError:
+        return ""
+
+
 def _tail(path: str, n: int) -> list[str]:
     try:
         with open(path, errors="replace") as fd:
@@ -115,7 +123,7 @@ def print_failures(workdir: str, tail: int = FAILURE_TAIL_LINES) -> int:
         return 0
     print(f"{len(jobs)} failed job(s) in {log}")
     for job in jobs:
-        print(f"\nrule {job['rule']}  {job['wildcards']}".rstrip())
+        print(f"\nrule {job['rule']}  {job['wildcards'] or job['output']}".rstrip())
         if job["message"] not in ("", "None"):
             print(f"  message  {job['message']}")
         for f in job["logs"]:
@@ -123,6 +131,9 @@ def print_failures(workdir: str, tail: int = FAILURE_TAIL_LINES) -> int:
             older = [a for a in attempt_logs(path) if not os.path.samefile(a, path)] if os.path.exists(path) else []
             for a in older:
                 print(f"  earlier attempt: {a}")
+            first = _head(path)
+            if first.startswith("attempt "):  # the rule logs' first line (workflow/rules/common.smk)
+                print(f"  {first}")
             print(f"  --- last {tail} lines of {f}")
             for line in _tail(path, tail):
                 print(f"  | {line}")
