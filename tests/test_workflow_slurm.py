@@ -225,3 +225,47 @@ def test_killed_snakemake_rerun_waits_for_in_flight_jobs(slurm_cluster, tmp_path
         per_range.setdefault(m.group(1) if m else r["Comment"], []).append(r)
     for rng in started:
         assert len(per_range.get(rng, [])) == 1, (rng, rows)  # no second job for an in-flight range
+
+
+def test_scancel_of_a_train_job_checkpoints_and_the_retry_resumes(slurm_cluster, tmp_path):
+    cfg = dump_project(tmp_path, n_imgs=40)
+    exp_file = os.path.join(os.path.dirname(cfg), "experiments", "onslurm.yaml")
+    import yaml
+
+    with open(exp_file) as fd:
+        doc = yaml.safe_load(fd)
+    doc["train"] = {
+        "layer": -2, "batch_size": 64, "steps": 3000, "buffer_bytes": 1 << 20, "eval_frac": 0.1,
+        "eval_tokens": 256, "exp_factor": 2, "dead_tokens": 512, "log_every": 25, "ckpt_every": 100000,
+        "sweep": {"k": [4]},
+    }  # fmt: skip
+    with open(exp_file, "w") as fd:
+        yaml.safe_dump(doc, fd)
+    # the cache first, without Slurm: this test is about the training job
+    p = plan_of(cfg)
+    for cmd in (["dump", "--experiment", exp_file, "--no-progress"], ["gather", p["dir"]]):
+        subprocess.run([sys.executable, "-m", "actcache.cli", *cmd], check=True, capture_output=True, env=site_env())
+    proc = start_osc(cfg, "--until", "train")
+    log_dir = tmp_path / "proj" / "logs" / "train" / p["hash"]
+
+    def training_job():
+        logs = sorted(log_dir.glob("*.attempt1.*.log")) if log_dir.is_dir() else []
+        text = logs[0].read_text() if logs else ""
+        m = re.search(r"Slurm job (\d+)", text)
+        return m.group(1) if m and re.search(r"step \d+/3000", text) else None
+
+    try:
+        job = wait_until("training to log a step", training_job, timeout_s=240, proc=proc, cfg=cfg)
+        subprocess.run(["scancel", job], check=True)
+        rc = proc.wait(timeout=RUN_TIMEOUT_S + 10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = output_of(cfg)
+    assert rc == 0, out[-5000:]
+    first, second = sorted(log_dir.glob("*.attempt*.log"))
+    assert "got SIGTERM: checkpointing" in first.read_text(), first.read_text()[-3000:]
+    m = re.search(r"resuming 1 SAE\(s\) at step (\d+)", second.read_text())
+    assert m and int(m.group(1)) > 0, second.read_text()[-3000:]
+    (sae,) = plan_of(cfg)["training"]
+    assert sae["done"], sae
