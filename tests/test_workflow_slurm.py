@@ -243,7 +243,8 @@ def test_scancel_of_a_train_job_checkpoints_and_the_retry_resumes(slurm_cluster,
         yaml.safe_dump(doc, fd)
     # the cache first, without Slurm: this test is about the training job
     p = plan_of(cfg)
-    for cmd in (["dump", "--experiment", exp_file, "--no-progress"], ["gather", p["dir"]]):
+    dump_to = os.path.dirname(p["dir"])
+    for cmd in (["dump", "--experiment", exp_file, "--dump-to", dump_to, "--no-progress"], ["gather", p["dir"]]):
         subprocess.run([sys.executable, "-m", "actcache.cli", *cmd], check=True, capture_output=True, env=site_env())
     proc = start_osc(cfg, "--until", "train")
     log_dir = tmp_path / "proj" / "logs" / "train" / p["hash"]
