@@ -4,8 +4,9 @@
   (``sacctmgr``), or MinJobAge is too short for the profile's ``squeue`` status check. Printed by
   the dry run and by ``actcache plan``; they warn, never fail.
 - Claims: a dump job under Slurm writes its job id to ``<HASH>/.actcache-dump/<A-B>.job`` before
-  it starts. :func:`in_flight_claims` finds the ranges whose claiming job is still queued or
-  running (one ``squeue`` call), so a rerun after a killed snakemake waits for that job
+  it starts. :func:`in_flight_claims` finds the ranges whose claiming job is still running, or
+  whose job is still queued (by the job comment the plugin sets; one ``squeue`` call), so a
+  rerun after a killed snakemake waits for that job
   (``python -m actcache.slurmjobs await ...``, rule ``await_dump``) instead of submitting a
   second job for the same range.
 Every Slurm command is optional: where it is missing or fails, nothing is in flight and there is
@@ -92,21 +93,34 @@ def read_claim(path: str) -> str | None:
 
 
 def live_jobs() -> dict[str, str]:
-    """Job id -> state of this user's queued or running Slurm jobs ({} without Slurm)."""
-    out = _run(["squeue", "-h", "-u", getpass.getuser(), "-o", "%A %T"])
-    jobs = dict(line.split(None, 1) for line in (out or "").splitlines() if line.strip())
-    return {j: st.strip() for j, st in jobs.items() if st.strip() in LIVE_STATES}
+    """Job id -> comment of this user's queued or running Slurm jobs ({} without Slurm)."""
+    out = _run(["squeue", "-h", "-u", getpass.getuser(), "-o", "%A|%T|%k"])
+    rows = [line.split("|", 2) for line in (out or "").splitlines() if line.count("|") >= 2]
+    return {job: comment.strip() for job, state, comment in rows if state.strip() in LIVE_STATES}
 
 
 def in_flight_claims(ranges: dict[str, list[str]], marks_dirs: dict[str, str]) -> dict[str, dict[str, str]]:
-    """hash -> {range tag: job id} for the given unfinished ranges whose claim names a live job."""
-    claims = {
-        h: {r: job for r in tags if (job := read_claim(claim_path(marks_dirs[h], r)))} for h, tags in ranges.items()
-    }
-    if not any(claims.values()):
+    """hash -> {range tag: job id} for the given unfinished ranges that a live Slurm job is dumping:
+    one that claimed the range (running), or one whose comment, set by the Snakemake plugin to the
+    rule and its wildcards, names the range (still queued, so without a claim yet)."""
+    if not any(ranges.values()):
         return {h: {} for h in ranges}
     live = live_jobs()
-    return {h: {r: job for r, job in c.items() if job in live} for h, c in claims.items()}
+    if not live:
+        return {h: {} for h in ranges}
+    out: dict[str, dict[str, str]] = {}
+    for h, tags in ranges.items():
+        found = out.setdefault(h, {})
+        for r in tags:
+            job = read_claim(claim_path(marks_dirs[h], r))
+            if job in live:
+                found[r] = job
+        by_comment = {c: j for j, c in live.items() if c.startswith(f"rule_dump_wildcards_{h}_")}
+        for comment, job in by_comment.items():
+            for r in tags:
+                if r not in found and comment.startswith(f"rule_dump_wildcards_{h}_{r}_"):
+                    found[r] = job
+    return out
 
 
 def await_job(job: str, mark: str, poll_s: float = 10.0) -> int:

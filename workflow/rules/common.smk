@@ -121,15 +121,21 @@ SAE_GROUP = {(h, sae): gid for (h, gid), job in TRAIN_JOBS.items() for sae in jo
 # Ranges whose dump job from an earlier (killed) snakemake is still queued or running in Slurm:
 # hash -> {range tag: job id}. The await_dump rule waits for that job instead of submitting a
 # second one (cache.smk).
+# Asked only by the snakemake a user started (a job's own snakemake would find itself).
 IN_FLIGHT = in_flight_claims(
-    {_h: [os.path.basename(m).rsplit(".", 1)[0] for m in DUMP_MARKS[_h] if not os.path.exists(m)] for _h in CACHES},
+    {
+        _h: [os.path.basename(m).rsplit(".", 1)[0] for m in DUMP_MARKS[_h] if not os.path.exists(m)]
+        for _h in CACHES
+    }
+    if workflow.is_main_process
+    else {},
     {_h: os.path.join(DUMP_TO, _h, DUMP_MARKS_DIR) for _h in CACHES},
 )
 IN_FLIGHT_RANGES = "|".join(sorted({r for ranges in IN_FLIGHT.values() for r in ranges})) or "(?!)"
 
 
 def in_flight_job(hash, range):
-    return IN_FLIGHT[hash][range]
+    return IN_FLIGHT.get(hash, {})[range]
 
 
 def experiment_file(hash):
