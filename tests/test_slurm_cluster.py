@@ -214,3 +214,14 @@ def test_osc_profile_takes_site_settings_from_the_environment_with_osc_defaults(
     assert "slurm_partition=gpu" in res["dump"] and "gpu_model" not in res["dump"], res["dump"]
     assert "mem_mb=64000" in res["dump"] and "cpus_per_gpu=8" in res["dump"], res["dump"]
     assert "runtime=720" in res["train"] and "slurm_partition=cpu" in res["gather"], res
+
+
+@pytest.mark.slurm
+def test_site_warnings_name_an_unset_or_unknown_account_and_stay_quiet_for_a_known_one(slurm_cluster):
+    from actcache.slurmjobs import site_warnings
+
+    (unset,) = site_warnings(env={})
+    assert "ACTCACHE_SLURM_ACCOUNT is not set" in unset and slurm_cluster.account in unset
+    (unknown,) = site_warnings(env={"ACTCACHE_SLURM_ACCOUNT": "nosuchproject"})
+    assert "nosuchproject is not one of your Slurm accounts" in unknown
+    assert site_warnings(env={"ACTCACHE_SLURM_ACCOUNT": slurm_cluster.account}) == []
