@@ -166,6 +166,7 @@ PROFILE_SNAKEFILE = textwrap.dedent(
 
 def _dry_run_resources(profile, tmp_path, env):
     """`snakemake --profile PROFILE -n` on a throwaway workflow: {rule: resources line}."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "Snakefile").write_text(PROFILE_SNAKEFILE)
     snakemake = os.path.join(os.path.dirname(sys.executable), "snakemake")
     proc = subprocess.run(
@@ -190,3 +191,37 @@ def test_slurm_profiles_parse_and_give_gpu_rules_a_gpu(profile, tmp_path):
     assert "gpu=" not in res["gather"], res["gather"]
     account = "proj123" if profile == "osc" else "actcache"  # osc reads $ACTCACHE_SLURM_ACCOUNT
     assert all(f"slurm_account={account}" in r for r in res.values()), res
+
+
+def test_osc_profile_takes_site_settings_from_the_environment_with_osc_defaults(tmp_path):
+    site = {
+        "ACTCACHE_SLURM_ACCOUNT": "proj9",
+        "ACTCACHE_SLURM_GPU_PARTITION": "gpu-a100",
+        "ACTCACHE_SLURM_CPU_PARTITION": "short",
+        "ACTCACHE_SLURM_GPU_MODEL": "a100",
+        "ACTCACHE_SLURM_CPUS_PER_GPU": "6",
+        "ACTCACHE_SLURM_DUMP_MEM_MB": "1234",
+        "ACTCACHE_SLURM_TRAIN_RUNTIME": "99",
+    }
+    res, log = _dry_run_resources("osc", tmp_path / "site", {**site})
+    assert "slurm_partition=gpu-a100" in res["dump"] and "gpu_model=a100" in res["dump"], res["dump"]
+    assert "mem_mb=1234" in res["dump"] and "cpus_per_gpu=6" in res["dump"], res["dump"]
+    assert "runtime=99" in res["train"] and "slurm_partition=short" in res["gather"], res
+    assert all("slurm_account=proj9" in r for r in res.values()), res
+
+    unset = {k: "" for k in site}  # empty counts as unset: OSC's values
+    res, log = _dry_run_resources("osc", tmp_path / "osc", unset)
+    assert "slurm_partition=gpu" in res["dump"] and "gpu_model" not in res["dump"], res["dump"]
+    assert "mem_mb=64000" in res["dump"] and "cpus_per_gpu=8" in res["dump"], res["dump"]
+    assert "runtime=720" in res["train"] and "slurm_partition=cpu" in res["gather"], res
+
+
+@pytest.mark.slurm
+def test_site_warnings_name_an_unset_or_unknown_account_and_stay_quiet_for_a_known_one(slurm_cluster):
+    from actcache.slurmjobs import site_warnings
+
+    (unset,) = site_warnings(env={})
+    assert "ACTCACHE_SLURM_ACCOUNT is not set" in unset and slurm_cluster.account in unset
+    (unknown,) = site_warnings(env={"ACTCACHE_SLURM_ACCOUNT": "nosuchproject"})
+    assert "nosuchproject is not one of your Slurm accounts" in unknown
+    assert site_warnings(env={"ACTCACHE_SLURM_ACCOUNT": slurm_cluster.account}) == []

@@ -183,8 +183,25 @@ def train_jobs(planned: list[Planned], runs_to: str) -> list[TrainJob]:
 
 
 def dump_marks(p: Planned, cache_dir: str) -> list[str]:
-    """The mark of each shard range of ``p`` under ``cache_dir`` that the workflow asks for."""
-    return [current_mark(_dump_mark_base(cache_dir, a, b), p.range_complete(a, b)) for a, b in p.ranges]
+    """The mark of each shard range of ``p`` under ``cache_dir`` that the workflow asks for.
+
+    The job layout (``cache.shards_per_job``) is not part of the cache: a complete, gathered cache
+    asks for the marks its own jobs left, whatever the layout now, so it never schedules work.
+    """
+    complete = {(a, b): p.range_complete(a, b) for a, b in p.ranges}
+    if all(complete.values()) and os.path.exists(os.path.join(cache_dir, SHARDS_FILE)):
+        return marks_on_disk(cache_dir)
+    return [current_mark(_dump_mark_base(cache_dir, a, b), complete[a, b]) for a, b in p.ranges]
+
+
+def marks_on_disk(cache_dir: str) -> list[str]:
+    """The newest mark of every range that has one in ``cache_dir`` (any job layout)."""
+    try:
+        names = os.listdir(os.path.join(cache_dir, DUMP_MARKS))
+    except FileNotFoundError:
+        return []
+    bases = {n.rsplit(".", 1)[0] for n in names if n.rsplit(".", 1)[-1] in MARK_SLOTS}
+    return [current_mark(os.path.join(cache_dir, DUMP_MARKS, b), True) for b in sorted(bases)]
 
 
 def load_workflow_config(path: str) -> dict:

@@ -7,9 +7,13 @@ wildcard_constraints:
     slot="|".join(MARK_SLOTS),
 
 
+ruleorder: await_dump > dump
+
+
 rule dump:
     """Run the ViT over the images of shards A..B-1 and write them (atomic, resumable). First it
-    deletes the range's mark in the other slot: a stale claim that the range was complete."""
+    deletes the range's mark in the other slot (a stale claim that the range was complete) and,
+    under Slurm, claims the range with its job id (see await_dump)."""
     output:
         mark=os.path.join(DUMP_TO, "{hash}", DUMP_MARKS_DIR, "{range}.{slot}"),
     params:
@@ -18,6 +22,7 @@ rule dump:
         shards=lambda w: "{}:{}".format(*(int(x) for x in w.range.split("-"))),
         dump_to=lambda w, output: os.path.dirname(os.path.dirname(os.path.dirname(output.mark))),
         stale=lambda w, output: other_mark(output.mark),
+        claim=lambda w, output: "{}.job".format(output.mark.rsplit(".", 1)[0]),
     log:
         "logs/dump/{hash}/{range}.{slot}.log",
     benchmark:
@@ -27,11 +32,40 @@ rule dump:
         "../envs/actcache.yaml"
     resources:
         gpu=1,
+        attempt=attempt,
     shell:
-        "rm -f {params.stale} && "
-        "{params.actcache} dump --experiment {params.experiment} --shards {params.shards} "
-        "--dump-to {params.dump_to} --workers {threads} --no-progress > {log} 2>&1 "
-        "&& touch {output.mark}"
+        "".join(
+            (
+                ATTEMPT_LOG,
+                "rm -f {params.stale} && ",
+                'if [ -n "${{SLURM_JOB_ID:-}}" ]; then echo "$SLURM_JOB_ID" > {params.claim}; fi && ',
+                AS_TASK,
+                " {params.actcache} dump --experiment {params.experiment} --shards {params.shards} "
+                "--dump-to {params.dump_to} --workers {threads} --no-progress >> {log} 2>&1 "
+                "&& touch {output.mark}",
+            )
+        )
+
+
+rule await_dump:
+    """A range whose dump job, submitted by an earlier snakemake that was killed, is still queued
+    or running: wait for that job on the login node instead of submitting a second one. Fails
+    (and the next run dumps the range again) when that job ends without writing the mark."""
+    output:
+        # update(): Snakemake must not delete the mark that the awaited job writes
+        mark=update(os.path.join(DUMP_TO, "{hash}", DUMP_MARKS_DIR, "{range}.{slot}")),
+    params:
+        python=sys.executable,
+        job=lambda w: in_flight_job(w.hash, w.range),
+    log:
+        "logs/dump/{hash}/{range}.{slot}.await.log",
+    wildcard_constraints:
+        range=IN_FLIGHT_RANGES,
+    localrule: True
+    conda:
+        "../envs/actcache.yaml"
+    shell:
+        "{params.python} -m actcache.slurmjobs await {params.job} {output.mark} > {log} 2>&1"
 
 
 rule gather:
@@ -49,5 +83,13 @@ rule gather:
     threads: 1
     conda:
         "../envs/actcache.yaml"
+    resources:
+        attempt=attempt,
     shell:
-        "{params.actcache} gather $(dirname {output}) > {log} 2>&1 && {params.actcache} verify $(dirname {output}) >> {log} 2>&1"
+        "".join(
+            (
+                ATTEMPT_LOG,
+                "{params.actcache} gather $(dirname {output}) >> {log} 2>&1 && "
+                "{params.actcache} verify $(dirname {output}) >> {log} 2>&1",
+            )
+        )

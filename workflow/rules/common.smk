@@ -12,6 +12,7 @@ import yaml
 from actcache.errors import ActCacheError
 from actcache.plan import DUMP_MARKS as DUMP_MARKS_DIR
 from actcache.plan import MARK_SLOTS, dump_marks, other_mark, plan, train_jobs
+from actcache.slurmjobs import in_flight_claims, site_warnings
 from actcache.protocol import SHARDS_FILE
 from actcache.rundir import (
     CURVES_PLOT,
@@ -62,6 +63,44 @@ CACHES = {}
 for _p in PLAN:
     CACHES.setdefault(_p.hash, _p)
 
+# Shell prefixes of the job rules. Under Slurm, `scancel` sends SIGTERM only to a job step's task
+# (the job's inner snakemake), never to the processes it starts; so actcache runs as the task of
+# its own step (`srun --overlap` shares the job's CPUs and GPUs) and receives the signal itself:
+# dump stops (a partial shard is never renamed into place), train writes its checkpoint.
+AS_TASK = "${{SLURM_JOB_ID:+srun --overlap --quiet --ntasks=1}}"
+# Every attempt keeps its log: {log} is a hard link to <log without .log>.attempt<N>.<UTC time>.log,
+# which starts with the attempt number and the Slurm job id (whose Slurm log is
+# .snakemake/slurm_logs/rule_<rule>/<wildcards>/<job id>.log). Snakemake deletes {log} before a
+# retry; that unlinks only the name, so the earlier attempt's file stays.
+ATTEMPT_LOG = (
+    'attempt_log={log:q}; attempt_log="${{attempt_log%.log}}.attempt{resources.attempt}.$(date -u +%Y%m%dT%H%M%S).log"; '
+    ': > "$attempt_log" && ln -f "$attempt_log" {log:q} && '
+    'echo "attempt {resources.attempt}, Slurm job ${{SLURM_JOB_ID:-none}}, host $(hostname)" >> {log:q} && '
+)
+
+# The `attempt` resource of each job (1, then 2 on the first retry, ...) names its log.
+def attempt(wildcards, attempt):
+    return attempt
+
+
+# Warnings about the Slurm site settings (account unset or unknown, MinJobAge too short for the
+# squeue status check), once, on the login node: never inside a job.
+_DEFAULT_RESOURCES = workflow.resource_settings.default_resources
+if workflow.is_main_process and _DEFAULT_RESOURCES is not None and "slurm_account" in _DEFAULT_RESOURCES.keys():
+    for _w in site_warnings():
+        print(f"actcache: warning: {_w}", file=sys.stderr)
+
+# A lock left by a snakemake that was killed (lost login session, SIGKILL): Snakemake refuses to
+# run until `--unlock`. Say what is safe to do, since its jobs may still be queued or running.
+_LOCKS = os.path.join(".snakemake", "locks")
+if workflow.is_main_process and os.path.isdir(_LOCKS) and os.listdir(_LOCKS):
+    print(
+        "actcache: this directory holds a Snakemake lock. If no other snakemake runs here (one that was "
+        "killed left it), run the same command with --unlock, then again without it: dump jobs the killed "
+        "run submitted that are still queued or running are awaited (rule await_dump), never submitted twice.",
+        file=sys.stderr,
+    )
+
 # hash -> the mark of each shard range (a range found incomplete on disk gets the other slot, so
 # its dump job runs again; the gather after it verifies the cache again).
 DUMP_MARKS = {_h: dump_marks(_p, os.path.join(DUMP_TO, _h)) for _h, _p in CACHES.items()}
@@ -77,6 +116,26 @@ except ActCacheError as err:
 
 # (hash, sae id) -> the id of the training group that writes it.
 SAE_GROUP = {(h, sae): gid for (h, gid), job in TRAIN_JOBS.items() for sae in job.sae_ids}
+
+
+# Ranges whose dump job from an earlier (killed) snakemake is still queued or running in Slurm:
+# hash -> {range tag: job id}. The await_dump rule waits for that job instead of submitting a
+# second one (cache.smk).
+# Asked only by the snakemake a user started (a job's own snakemake would find itself).
+IN_FLIGHT = in_flight_claims(
+    {
+        _h: [os.path.basename(m).rsplit(".", 1)[0] for m in DUMP_MARKS[_h] if not os.path.exists(m)]
+        for _h in CACHES
+    }
+    if workflow.is_main_process
+    else {},
+    {_h: os.path.join(DUMP_TO, _h, DUMP_MARKS_DIR) for _h in CACHES},
+)
+IN_FLIGHT_RANGES = "|".join(sorted({r for ranges in IN_FLIGHT.values() for r in ranges})) or "(?!)"
+
+
+def in_flight_job(hash, range):
+    return IN_FLIGHT.get(hash, {})[range]
 
 
 def experiment_file(hash):

@@ -30,8 +30,9 @@ rule report:
         "../envs/actcache.yaml"
     resources:
         gpu=1,
+        attempt=attempt,
     shell:
-        "{params.actcache} visuals {params.run_dir} > {log} 2>&1"
+        "".join((ATTEMPT_LOG, AS_TASK, " {params.actcache} visuals {params.run_dir} >> {log} 2>&1"))
 
 
 rule sweep_report:
@@ -62,5 +63,12 @@ rule sweep_report:
     threads: 1
     conda:
         "../envs/actcache.yaml"
+    resources:
+        attempt=attempt,
     shell:
-        "{params.actcache} visuals --plots-only --out {params.out} {params.run_dirs} > {log} 2>&1"
+        "".join(
+            (
+                ATTEMPT_LOG,
+                "{params.actcache} visuals --plots-only --out {params.out} {params.run_dirs} >> {log} 2>&1",
+            )
+        )

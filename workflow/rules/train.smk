@@ -9,7 +9,8 @@ wildcard_constraints:
 
 rule train:
     """Train every not-yet-finished SAE of one group from one pass of the shuffled loader. First it
-    deletes the group's mark in the other slot: a stale claim that the group was complete."""
+    deletes the group's mark in the other slot: a stale claim that the group was complete. A
+    cancelled job checkpoints (SIGTERM reaches `actcache train`) and its retry resumes."""
     input:
         # ancient: a re-gathered cache (a lost shard dumped again, same data) does not retrain
         shards=ancient(os.path.join(DUMP_TO, "{hash}", SHARDS_FILE)),
@@ -30,7 +31,15 @@ rule train:
         "../envs/actcache.yaml"
     resources:
         gpu=1,
+        attempt=attempt,
     shell:
-        "rm -f {params.stale} && for experiment in {params.experiments}; do "
-        "{params.actcache} train --experiment $experiment --group {wildcards.group} "
-        "--dump-to {params.dump_to} --runs-to {params.runs_to} || exit 1; done > {log} 2>&1 && touch {output.mark}"
+        "".join(
+            (
+                ATTEMPT_LOG,
+                "rm -f {params.stale} && for experiment in {params.experiments}; do ",
+                AS_TASK,
+                " {params.actcache} train --experiment $experiment --group {wildcards.group} "
+                "--dump-to {params.dump_to} --runs-to {params.runs_to} || exit 1; "
+                "done >> {log} 2>&1 && touch {output.mark}",
+            )
+        )

@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dump-to", help="override dump_to")
     s.add_argument("--runs-to", help="override runs_to")
     s.add_argument("--json", action="store_true")
+    s.add_argument(
+        "--failures", action="store_true", help="the failed jobs of the last workflow run here, with their logs' tails"
+    )
 
     s = sub.add_parser("dump", help="compute and write shards A..B-1 of an experiment's cache")
     s.add_argument("--experiment", required=True, help="experiment YAML")

@@ -1,4 +1,8 @@
-"""`actcache plan`: per experiment, its cache hash, directory and status, and its SAEs."""
+"""`actcache plan`: per experiment, its cache hash, directory and status, and its SAEs.
+
+`actcache plan --failures`: the failed jobs of the last workflow run in the current directory,
+with the tail of each one's logs. Where Slurm is installed, plan warns (on stderr) as the dry run
+does when the Slurm account is unset or unknown."""
 
 from __future__ import annotations
 
@@ -22,7 +26,22 @@ def _print_row(r: dict) -> None:
             print(f"    {'done   ' if t['done'] else 'pending'}  {t['sae_id']}  group {t['group']}")
 
 
+def _warn_slurm_site() -> None:
+    """The Slurm account and MinJobAge warnings of the dry run, where Slurm is installed."""
+    import shutil
+    import sys
+
+    if shutil.which("sbatch") is None:
+        return
+    from actcache.slurmjobs import site_warnings
+
+    for w in site_warnings():
+        print(f"actcache: warning: {w}", file=sys.stderr)
+
+
 def cmd_plan(args) -> int:
+    if getattr(args, "failures", False):
+        return print_failures(os.getcwd())
     dump_to, runs_to = args.dump_to, args.runs_to
     if args.experiment and not os.path.exists(args.config):
         if not (dump_to and runs_to):
@@ -31,9 +50,91 @@ def cmd_plan(args) -> int:
     else:
         planned = plan_from_config(args.config, dump_to, runs_to, args.experiment or None)
     rows = [plan_summary(p) for p in planned]
+    _warn_slurm_site()
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     for r in rows:
         _print_row(r)
+    return 0
+
+
+# ---- `actcache plan --failures` ------------------------------------------------------------------
+
+FAILURE_TAIL_LINES = 15
+
+
+def failed_jobs(workdir: str) -> tuple[str | None, list[dict]]:
+    """The newest Snakemake log under ``workdir`` that reports failed jobs, and those jobs (the last
+    report of each output, in order): rule, wildcards, message, output, and log files."""
+    import glob
+    import re
+
+    logs = sorted(glob.glob(os.path.join(workdir, ".snakemake", "log", "*.snakemake.log")), key=os.path.getmtime)
+    for path in reversed(logs):
+        with open(path, errors="replace") as fd:
+            text = fd.read()
+        jobs: dict[str, dict] = {}
+        for m in re.finditer(r"^Error in rule (\S+):\n((?:    .*\n)+)", text, re.M):
+            fields = dict(re.findall(r"^    (\w+): (.*)$", m.group(2), re.M))
+            logs_ = re.sub(r"\s*\(check log file\(s\) for error details\)$", "", fields.get("log", ""))
+            job = {
+                "rule": m.group(1),
+                "wildcards": fields.get("wildcards", ""),
+                "message": fields.get("message", ""),
+                "output": fields.get("output", ""),
+                "logs": [f.strip() for f in logs_.split(",") if f.strip()],
+            }
+            jobs.pop(job["output"], None)  # a retry's report replaces the attempt before it
+            jobs[job["output"]] = job
+        if jobs:
+            return path, list(jobs.values())
+    return None, []
+
+
+def attempt_logs(log: str) -> list[str]:
+    """Every attempt's copy of a rule log (see ATTEMPT_LOG in workflow/rules/common.smk), oldest first."""
+    import glob
+
+    base = log[: -len(".log")] if log.endswith(".log") else log
+    return sorted(glob.glob(glob.escape(base) + ".attempt*.log"), key=os.path.getmtime)
+
+
+def _head(path: str) -> str:
+    try:
+        with open(path, errors="replace") as fd:
+            return fd.readline().rstrip("\n")
+    except OSError:
+        return ""
+
+
+def _tail(path: str, n: int) -> list[str]:
+    try:
+        with open(path, errors="replace") as fd:
+            return fd.read().splitlines()[-n:]
+    except OSError as err:
+        return [f"(cannot read: {err.strerror})"]
+
+
+def print_failures(workdir: str, tail: int = FAILURE_TAIL_LINES) -> int:
+    log, jobs = failed_jobs(workdir)
+    if not jobs:
+        print(f"no failed jobs in the Snakemake logs under {os.path.join(workdir, '.snakemake', 'log')}")
+        return 0
+    print(f"{len(jobs)} failed job(s) in {log}")
+    for job in jobs:
+        print(f"\nrule {job['rule']}  {job['wildcards'] or job['output']}".rstrip())
+        if job["message"] not in ("", "None"):
+            print(f"  message  {job['message']}")
+        for f in job["logs"]:
+            path = f if os.path.isabs(f) else os.path.join(workdir, f)
+            older = [a for a in attempt_logs(path) if not os.path.samefile(a, path)] if os.path.exists(path) else []
+            for a in older:
+                print(f"  earlier attempt: {a}")
+            first = _head(path)
+            if first.startswith("attempt "):  # the rule logs' first line (workflow/rules/common.smk)
+                print(f"  {first}")
+            print(f"  --- last {tail} lines of {f}")
+            for line in _tail(path, tail):
+                print(f"  | {line}")
     return 0
