@@ -16,7 +16,7 @@ if ! ls src/actcache/_native*.so >/dev/null 2>&1 && command -v cc >/dev/null; th
 if [ ! -f "$stamp" ] || [ "$rebuild" = 1 ]; then
     .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
     .venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}" 2>&1 | grep -v '^WARNING: Location' || true
-    .venv/bin/python -m pip install -q -e '.[dev]' 2>&1 | grep -v '^WARNING: Location' || true
+    .venv/bin/python -m pip install -q -e '.[dev,saelens]' 2>&1 | grep -v '^WARNING: Location' || true
     .venv/bin/python -c "import actcache, torch, transformers, snakemake" 
     touch "$stamp"
 fi
