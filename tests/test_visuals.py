@@ -443,8 +443,8 @@ def test_staged_feed_gives_the_loaders_batches_in_order_and_stops(tmp_path):
     # copies: the same batches as the loader's own, in order; early close and errors.
     import threading
 
+    from actcache.feed import StagedFeed
     from actcache.loaders import OrderedLoader
-    from actcache.visuals import StagedFeed
 
     md = synthetic_metadata(23, n_patches_per_img=16, d_vit=8, max_patches_per_shard=5 * 17)
     cache = write_cache(str(tmp_path), md, synthetic_fill(md))

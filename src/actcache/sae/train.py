@@ -39,6 +39,7 @@ from collections.abc import Callable
 import torch
 
 from actcache.errors import ConfigError, TrainError, os_error_text
+from actcache.feed import StagedFeed
 from actcache.fsutil import atomic_write_bytes
 from actcache.rundir import DONE_FILE, EVAL_FILE, METRICS_FILE, RUN_FILE, done_path, is_done, run_dir
 from actcache.sae import checkpoint as ckpt
@@ -157,11 +158,11 @@ def restrict_images(cache, n_imgs: int):
     return ActivationCache(cache.path, md, shards)
 
 
-class PinnedFeed:
+class PinnedFeed(StagedFeed):
     """A loader's activations as device tensors, staged through a ring of page-locked buffers.
 
-    A thread copies each batch's ``act`` into the next buffer of the ring, ``depth`` batches
-    ahead of the consumer, after waiting on the event recorded when that buffer's previous
+    The feed's thread copies each batch's ``act`` into the next buffer of the ring, ``depth``
+    batches ahead of the consumer, after waiting on the event recorded when that buffer's previous
     copy to the device was queued; ``next()`` queues the copy with ``non_blocking=True`` and
     records the event. ``wait_s`` adds up the time ``next()`` waited for the loader: its waits
     less the time the thread meanwhile waited on the device (a step ahead of the device waits
@@ -170,74 +171,45 @@ class PinnedFeed:
     """
 
     def __init__(self, loader, device: torch.device, depth: int = 2):
-        import queue
-
         self.device, self.cuda = device, device.type == "cuda"
         self.bufs: list = [None] * (depth + 2)  # in the queue, being filled, being consumed
         self.events: list = [None] * (depth + 2)
-        self.q: queue.Queue = queue.Queue(maxsize=depth)
-        self.stopping = threading.Event()
+        self.n_filled = 0
         self.wait_s = 0.0
         self.device_wait_s = 0.0  # the thread's waits on events
-        self.thread = threading.Thread(
-            target=self._fill, args=(iter(loader),), name="actcache-pinned-feed", daemon=True
-        )
-        self.thread.start()
+        super().__init__(loader, self._stage, depth=depth, name="actcache-pinned-feed")
 
-    def _fill(self, batches) -> None:
-        try:
-            for n, batch in enumerate(batches):
-                i, act = n % len(self.bufs), batch["act"]
-                if self.events[i] is not None:
-                    t0 = time.perf_counter()
-                    self.events[i].synchronize()  # its previous copy to the device is done
-                    self.device_wait_s += time.perf_counter() - t0
-                buf = self.bufs[i]
-                if buf is None or buf.shape != act.shape or buf.dtype != act.dtype:
-                    buf = self.bufs[i] = torch.empty(act.shape, dtype=act.dtype, pin_memory=self.cuda)
-                buf.copy_(act)
-                del batch, act  # the loader may reuse its buffer set now
-                if not self._put(("item", i)):
-                    return
-            self._put(("end", None))
-        except BaseException as err:  # noqa: BLE001 - raised in the consumer
-            self._put(("error", err))
+    @contextlib.contextmanager
+    def _stage(self):
+        yield self._copy_in
 
-    def _put(self, entry) -> bool:
-        import queue
-
-        while not self.stopping.is_set():
-            try:
-                self.q.put(entry, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def __iter__(self):
-        return self
+    def _copy_in(self, batch) -> int:
+        """Copy ``batch["act"]`` into the ring's next buffer; returns its index."""
+        i, act = self.n_filled % len(self.bufs), batch["act"]
+        self.n_filled += 1
+        if self.events[i] is not None:
+            t0 = time.perf_counter()
+            self.events[i].synchronize()  # its previous copy to the device is done
+            self.device_wait_s += time.perf_counter() - t0
+        buf = self.bufs[i]
+        if buf is None or buf.shape != act.shape or buf.dtype != act.dtype:
+            buf = self.bufs[i] = torch.empty(act.shape, dtype=act.dtype, pin_memory=self.cuda)
+        buf.copy_(act)
+        return i
 
     def __next__(self) -> torch.Tensor:
         t0, dev0 = time.perf_counter(), self.device_wait_s
-        kind, item = self.q.get()
-        self.wait_s += max(0.0, time.perf_counter() - t0 - (self.device_wait_s - dev0))
-        if kind != "item":
-            self.q.put((kind, item))  # every later next() ends (or fails) the same way
-            if kind == "end":
-                raise StopIteration
-            raise item
+        try:
+            i = super().__next__()
+        finally:
+            self.wait_s += max(0.0, time.perf_counter() - t0 - (self.device_wait_s - dev0))
         if not self.cuda:
-            return self.bufs[item].clone()
-        x_BD = self.bufs[item].to(self.device, non_blocking=True)
+            return self.bufs[i].clone()
+        x_BD = self.bufs[i].to(self.device, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        self.events[item] = event
+        self.events[i] = event
         return x_BD
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop the thread (it ends at its next batch; the loader's own close() stops a read)."""
-        self.stopping.set()
-        self.thread.join(timeout)
 
 
 def _write_json(path: str, doc: dict) -> None:
