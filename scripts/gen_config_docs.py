@@ -78,7 +78,8 @@ def _typed_schema(types: tuple) -> dict:
     out: dict = {"type": names[0] if len(names) == 1 else names}
     lists = [t for t in types if isinstance(t, ListOf)]
     if lists:
-        out["items"] = {"type": JSON_TYPES[lists[0].item]}
+        item = lists[0].item
+        out["items"] = object_schema(item) if is_section(item) else {"type": JSON_TYPES[item]}
     if numeric:
         out["pattern"] = NUMBER_RE  # applies to strings only
     return out
@@ -100,8 +101,12 @@ def schema_file(cls: type, description: str) -> str:
 def _rows(cls: type, prefix: str = ""):
     for name, decl in declared(cls).items():
         section = _section(decl)
+        items = next((t.item for t in decl.types if isinstance(t, ListOf) and is_section(t.item)), None)
         if section is not None:
             yield from _rows(section, f"{prefix}{name}.")
+        elif items is not None:  # a list of mappings: the list, then each item's keys
+            yield prefix + name, decl
+            yield from _rows(items, f"{prefix}{name}[].")
         else:
             yield prefix + name, decl
 
@@ -128,6 +133,8 @@ def _default_cell(decl: Decl) -> str:
         return "null"
     if dataclasses.is_dataclass(v):
         return "(keys below)"
+    if v == ():
+        return "`[]`"
     return f"`{str(v).lower() if isinstance(v, bool) else v}`"
 
 

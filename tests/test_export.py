@@ -19,11 +19,13 @@ from actcache.sae.modeling import SAE
 from actcache.sae.on_cache import train_on_cache
 from saev_fixture import write_saev_cache
 
-OBJECTIVES = {"relu": "standard", "topk": "topk", "batchtopk": "jumprelu"}
+OBJECTIVES = {"relu": "standard", "topk": "topk", "batchtopk": "jumprelu", "jumprelu": "jumprelu", "matryoshka": "jumprelu"}
 TRAIN = {"layer": 7, "batch_size": 16, "steps": 6, "eval_frac": 0.2, "b_dec_init": "mean", "buffer_bytes": 20000,
          "saes": [{"activation": "relu", "width": 12, "l1_coeff": 1.0e-3},
                   {"activation": "topk", "width": 12, "k": 3},
-                  {"activation": "batchtopk", "width": 12, "k": 3, "scale_norm": True}]}  # fmt: skip
+                  {"activation": "batchtopk", "width": 12, "k": 3, "scale_norm": True},
+                  {"activation": "jumprelu", "width": 12, "l0_coeff": 1.0e-3, "jumprelu_init_threshold": 0.05},
+                  {"activation": "matryoshka", "width": 12, "k": 3, "matryoshka_prefixes": [4, 12]}]}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +76,7 @@ def test_folders_follow_the_saelens_format(runs):
         )
         shapes = {k: tuple(v.shape) for k, v in load_file(os.path.join(out, "sae_weights.safetensors")).items()}
         want = {"W_enc": (8, 12), "W_dec": (12, 8), "b_enc": (12,), "b_dec": (8,)}
-        assert shapes == (want | {"threshold": (12,)} if objective == "batchtopk" else want)
+        assert shapes == (want | {"threshold": (12,)} if OBJECTIVES[objective] == "jumprelu" else want)
         card = open(os.path.join(out, "README.md")).read()
         ev = json.load(open(os.path.join(run_dir, "eval.json")))
         for text in (doc["ckpt"], "block 7", "`image`", objective, os.path.basename(os.path.dirname(run_dir)),

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -103,3 +105,43 @@ def test_train_cache_command(tmp_path, capsys):
     assert os.path.isfile(os.path.join(printed, "done.json"))
     assert actcache_main(argv[:3] + argv[5:]) == 2
     assert "needs --train FILE" in capsys.readouterr().err
+
+
+def test_workflow_caches_entry_is_planned_trained_and_reported_without_dumping(tmp_path):
+    """config.yaml's `caches:` names a saev cache: plan and the dry run list its training job and no
+    dump; the run trains, evaluates and renders its SAEs (no images: saev's dataset is opaque)."""
+    from workflow_helpers import job_counts, snakemake
+
+    cache, _, _ = write_saev_cache(tmp_path / "c", n=20, E=6, layers=(3, 7), P=4, D=8)
+    before = tree_state(tmp_path / "c")
+    train_file = write_yaml(tmp_path / "train.yaml", {"train": {**TRAIN, "saes": TRAIN["saes"][1:]}})
+    cfg = write_yaml(tmp_path / "config.yaml", {"dump_to": str(tmp_path / "dump"), "runs_to": str(tmp_path / "runs"),
+                                                "caches": [{"dir": cache, "train": train_file}]})  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "actcache.cli", "plan", "--config", cfg, "--json"],
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    (row,) = json.loads(proc.stdout)
+    assert row["cache"] == cache and row["hash"] == os.path.basename(cache) and len(row["training"]) == 1
+    dry = snakemake(cfg, "-n")
+    assert dry.returncode == 0, dry.stderr[-2000:]
+    assert job_counts(dry.stdout).get("train") == 1 and "dump" not in job_counts(dry.stdout)
+    assert f"--cache {cache}" in dry.stdout or row["training"][0]["group"] in dry.stdout
+    run = snakemake(cfg, "--cores", "2")
+    assert run.returncode == 0, run.stderr[-3000:]
+    sae_dir = row["training"][0]["dir"]
+    assert json.load(open(os.path.join(sae_dir, "eval.json")))["nmse"] >= 0
+    assert os.path.isfile(os.path.join(sae_dir, "visuals.html"))
+    assert job_counts(snakemake(cfg, "-n").stdout) == {}  # nothing left to do
+    assert tree_state(tmp_path / "c") == before and not os.path.exists(tmp_path / "dump")
+
+
+def test_workflow_caches_entry_errors_name_the_key(tmp_path):
+    cache, _, _ = write_saev_cache(tmp_path / "c", n=20, E=6, layers=(3, 7), P=4, D=8)
+    for entry, key in (({"dir": str(tmp_path / "nope"), "train": cache}, "caches[0].dir"),
+                       ({"dir": cache, "train": str(tmp_path / "nope.yaml")}, "caches[0].train"),
+                       ({"dir": cache}, "caches[0].train"), ({"dir": cache, "trian": "x"}, "caches[0].trian")):  # fmt: skip
+        cfg = write_yaml(tmp_path / "config.yaml", {"dump_to": "d", "runs_to": "r", "caches": [entry]})
+        proc = subprocess.run([sys.executable, "-m", "actcache.cli", "plan", "--config", cfg],
+                              capture_output=True, text=True)  # fmt: skip
+        assert proc.returncode == 2 and key in proc.stderr and "config.yaml" in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr

@@ -131,8 +131,25 @@ class Experiment:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class CacheEntry:
+    """One item of config/config.yaml's ``caches:``: an existing cache and the SAEs to train on it."""
+
+    dir: str = key(
+        help="an existing, gathered cache directory (protocol v1 or saev 2.1), relative to the project root; "
+        "never written to",
+        scope="workflow",
+        required=True,
+    )
+    train: str = key(
+        help="an experiment YAML or a file holding only `train:`, relative to the project root",
+        scope="workflow",
+        required=True,
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class WorkflowConfig:
-    """config/config.yaml: the workflow's roots and experiments."""
+    """config/config.yaml: the workflow's roots, experiments and existing caches."""
 
     dump_to: str = key(
         help="root of the activation caches: each lives in `<dump_to>/<HASH>/` (protocol v1); on a "
@@ -142,16 +159,29 @@ class WorkflowConfig:
     )
     runs_to: str = key(help="root of SAE training runs: `<runs_to>/<HASH>/<sae-id>/`", scope="workflow", required=True)
     experiments: tuple[str, ...] = key(
+        (),
         help="experiment files, relative to the project root; two experiments may not share a `name`",
         scope="workflow",
-        required=True,
-        min_len=1,
         example=("config/experiments/demo.yaml",),
+    )
+    caches: tuple[CacheEntry, ...] = key(
+        (),
+        help="existing caches whose SAEs are trained, evaluated and reported like an experiment's: a list of "
+        "`{dir, train}` (keys below)",
+        scope="workflow",
     )
 
 
 def workflow_config_from_dict(doc: object, source: str) -> WorkflowConfig:
-    return WorkflowConfig(**read_section(doc, WorkflowConfig, source))
+    """The checked config, ``caches`` items as CacheEntry. It needs an experiment or a cache."""
+    fields = read_section(doc, WorkflowConfig, source)
+    fields["caches"] = tuple(
+        CacheEntry(**read_section(item, CacheEntry, source, prefix=f"caches[{i}]."))
+        for i, item in enumerate(fields["caches"])
+    )
+    if not fields["experiments"] and not fields["caches"]:
+        raise ConfigError(f"{source}: nothing to run; list experiment files under 'experiments' or caches under 'caches'.")
+    return WorkflowConfig(**fields)
 
 
 def _norm_ckpt(ckpt: str, base: str) -> str:

@@ -6,10 +6,11 @@
 
 The folder is what ``sae_lens.SAE.load_from_disk(folder)`` reads: tensors W_enc (D, S), W_dec
 (S, D), b_enc (S,), b_dec (D,), plus threshold (S,) for JumpReLU. Objectives map onto SAELens's
-inference architectures: relu -> "standard", topk -> "topk", batchtopk -> "jumprelu" with every
-latent's threshold set to the learned batchtopk threshold (SAELens saves its own BatchTopK SAEs
-the same way). Its JumpReLU keeps relu(pre) where pre > threshold, which equals ours because the
-threshold is positive. An SAE trained with ``scale_norm`` has the scale folded into W_enc, W_dec
+inference architectures: relu -> "standard", topk -> "topk", jumprelu -> "jumprelu" with its
+learned per-latent thresholds, and batchtopk and matryoshka -> "jumprelu" with every latent's
+threshold set to the learned inference threshold (SAELens saves its own BatchTopK and Matryoshka
+SAEs the same way; the prefixes only matter in training). Its JumpReLU keeps relu(pre) where
+pre > threshold, which equals ours because every threshold is positive. An SAE trained with ``scale_norm`` has the scale folded into W_enc, W_dec
 and b_dec, so the folder takes raw activations. The hook name follows SAELens's residual-stream
 convention: ``blocks.<layer>.hook_resid_post`` is the output of block ``layer``.
 """
@@ -27,7 +28,9 @@ from actcache.rundir import DONE_FILE, EVAL_FILE, RUN_FILE
 WEIGHTS_FILE = "sae_weights.safetensors"
 CFG_FILE = "cfg.json"
 CARD_FILE = "README.md"
-ARCHITECTURES = {"relu": "standard", "topk": "topk", "batchtopk": "jumprelu"}
+ARCHITECTURES = {
+    "relu": "standard", "topk": "topk", "jumprelu": "jumprelu", "batchtopk": "jumprelu", "matryoshka": "jumprelu",
+}  # fmt: skip
 
 
 def _read_json(path: str, what: str) -> dict:
@@ -76,10 +79,12 @@ def saelens_tensors(sae, scale: float = 1.0) -> dict:
             "W_dec": sae.W_dec / scale,
             "b_dec": sae.b_dec / scale,
         }
-        if act == "batchtopk":
+        if act == "jumprelu":  # the pre-activations are unchanged by the folded scale, so are thresholds
+            out["threshold"] = sae.jumprelu_threshold().to(sae.b_enc.dtype)
+        elif act in ("batchtopk", "matryoshka"):
             th = float(sae.threshold)
             if not th > 0:
-                raise ConfigError(f"export: the batchtopk threshold is {th}; train the SAE before exporting it")
+                raise ConfigError(f"export: the {act} threshold is {th}; train the SAE before exporting it")
             out["threshold"] = torch.full_like(sae.b_enc, th)
     return {k: v.detach().cpu().contiguous() for k, v in out.items()}
 
@@ -107,6 +112,7 @@ def saelens_cfg(sae, run: dict, md) -> dict:
         "cache_hash": run["cache_hash"],
         "actcache_sae_id": run["sae_id"],
         "actcache_objective": sae.cfg.activation,
+        "matryoshka_prefixes": list(sae.cfg.matryoshka_prefixes or []) or None,
         "scale_norm_folded": bool(cfg.get("scale_norm")),
     }
     return doc

@@ -108,6 +108,15 @@ class Planned:
     def cache_dir(self) -> str:
         return os.path.join(self.dump_to, self.hash)
 
+    @property
+    def source(self) -> str:
+        return self.exp.source
+
+    @property
+    def train_args(self) -> tuple[str, ...]:
+        """How `actcache train` finds this experiment's cache (with the workflow's --dump-to)."""
+        return ("--experiment", self.exp.source)
+
     def shard_complete(self, i: int) -> bool:
         md = self.metadata
         try:
@@ -150,12 +159,13 @@ class TrainJob:
 
     cache_hash: str
     group_id: str
-    experiments: tuple[str, ...]  # experiment files whose SAEs of this group it trains
+    experiments: tuple[str, ...]  # experiment (or train) files whose SAEs of this group it trains
     sae_ids: tuple[str, ...]
     mark: str  # the group mark the workflow asks for (see current_mark)
+    train_args: tuple[tuple[str, ...], ...] = ()  # per file: how `actcache train` names its cache
 
 
-def train_jobs(planned: list[Planned], runs_to: str) -> list[TrainJob]:
+def train_jobs(planned: list, runs_to: str) -> list[TrainJob]:
     """One training job per (cache hash, group id), with its mark under ``runs_to``.
 
     Experiments that share a cache and a group's keys share its id, so they share its job; an
@@ -167,18 +177,77 @@ def train_jobs(planned: list[Planned], runs_to: str) -> list[TrainJob]:
     from actcache.sae.config import groups
 
     by_job: dict[tuple[str, str], dict[str, list[str]]] = {}  # -> experiment file -> new SAE ids
+    args: dict[str, tuple[str, ...]] = {}
     for p in planned:
         for gid, members in sorted(groups(p.train_runs()).items()):
             files = by_job.setdefault((p.hash, gid), {})
             known = {i for ids in files.values() for i in ids}
             new = [r.sae_id for r in members if r.sae_id not in known]
             if new:
-                files.setdefault(p.exp.source, []).extend(new)
+                files.setdefault(p.source, []).extend(new)
+                args[p.source] = p.train_args
     out = []
     for (h, gid), files in by_job.items():
         ids = tuple(i for sae_ids in files.values() for i in sae_ids)
         complete = all(is_done(run_dir(runs_to, h, i)) for i in ids)
-        out.append(TrainJob(h, gid, tuple(files), ids, current_mark(group_mark(runs_to, h, gid), complete)))
+        mark = current_mark(group_mark(runs_to, h, gid), complete)
+        out.append(TrainJob(h, gid, tuple(files), ids, mark, tuple(args[f] for f in files)))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ExternalCache:
+    """An existing cache named in config/config.yaml's ``caches:``: never dumped nor written to,
+    its SAEs trained, evaluated and reported like an experiment's."""
+
+    cache_dir: str
+    source: str  # the train file (an experiment YAML or a file holding only train:)
+    metadata: object  # Metadata (v1) or SaevMetadata (saev 2.1)
+    runs_to: str
+
+    @property
+    def hash(self) -> str:
+        return self.metadata.hash
+
+    @property
+    def train_args(self) -> tuple[str, ...]:
+        return ("--cache", self.cache_dir, "--train", self.source)
+
+    @property
+    def has_images(self) -> bool:
+        """Whether its metadata names an image dataset actcache can open (a saev cache's is opaque)."""
+        from actcache.images import data_config_from_metadata
+
+        try:
+            data_config_from_metadata(self.metadata.data)
+        except (ConfigError, TypeError, AttributeError):
+            return False
+        return True
+
+    def train_runs(self) -> list:
+        from actcache.sae.config import expand_train_section
+        from actcache.sae.on_cache import read_train_section
+
+        train, _ = read_train_section(self.source)
+        return expand_train_section(train, f"{self.source}: train", layers=self.metadata.layers, d_vit=self.metadata.d_vit)
+
+
+def external_caches(entries, runs_to: str, base_dir: str, where: str) -> list[ExternalCache]:
+    """config.yaml's ``caches:`` items (CacheEntry) -> ExternalCache; a cache that is missing or not
+    gathered, or a train file that is missing, is one error naming ``where`` and the key."""
+    from actcache.formats import load_metadata
+
+    out = []
+    for i, e in enumerate(entries):
+        cache_dir, train = (p if os.path.isabs(p) else os.path.join(base_dir, p) for p in (e.dir, e.train))
+        if not os.path.isfile(os.path.join(cache_dir, SHARDS_FILE)):
+            raise ConfigError(
+                f"{where}: key 'caches[{i}].dir' is {e.dir!r}, which holds no {SHARDS_FILE}; give a gathered cache "
+                "directory (actcache verify DIR checks one)."
+            )
+        if not os.path.isfile(train):
+            raise ConfigError(f"{where}: key 'caches[{i}].train' is {e.train!r}, which does not exist; give a YAML file.")
+        out.append(ExternalCache(cache_dir, train, load_metadata(cache_dir), runs_to))
     return out
 
 
@@ -204,7 +273,10 @@ def marks_on_disk(cache_dir: str) -> list[str]:
     return [current_mark(os.path.join(cache_dir, DUMP_MARKS, b), True) for b in sorted(bases)]
 
 
-def load_workflow_config(path: str) -> dict:
+def load_workflow_config(path: str):
+    """config/config.yaml, checked (a WorkflowConfig)."""
+    from actcache.config import workflow_config_from_dict
+
     try:
         with open(path, encoding="utf-8") as fd:
             doc = yaml.safe_load(fd) or {}
@@ -212,19 +284,7 @@ def load_workflow_config(path: str) -> dict:
         raise ConfigError(f"{path}: workflow config not found (default config/config.yaml).") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
-    if not isinstance(doc, dict):
-        raise ConfigError(f"{path}: must be a YAML mapping with dump_to, runs_to and experiments.")
-    allowed = {"dump_to", "runs_to", "experiments"}
-    unknown = sorted(set(doc) - allowed)
-    if unknown:
-        raise ConfigError(f"{path}: unknown key '{unknown[0]}'; allowed: {', '.join(sorted(allowed))}.")
-    for k in ("dump_to", "runs_to"):
-        if k not in doc or not isinstance(doc[k], str):
-            raise ConfigError(f"{path}: key '{k}' must be a directory path (string).")
-    exps = doc.get("experiments")
-    if not isinstance(exps, list) or not exps or not all(isinstance(e, str) for e in exps):
-        raise ConfigError(f"{path}: key 'experiments' must be a non-empty list of experiment YAML paths.")
-    return doc
+    return workflow_config_from_dict(doc, path)
 
 
 def plan(
@@ -258,16 +318,35 @@ def plan(
     return out
 
 
+def config_base_dir(config_path: str) -> str:
+    """The project root of a config file: the parent of its ``config/`` folder, else the cwd."""
+    parent = os.path.dirname(os.path.abspath(config_path))
+    return os.path.dirname(parent) if os.path.basename(parent) == "config" else os.getcwd()
+
+
 def plan_from_config(
     config_path: str, dump_to: str | None = None, runs_to: str | None = None, experiments: list[str] | None = None
 ) -> list[Planned]:
     cfg = load_workflow_config(config_path)
-    base = (
-        os.path.dirname(os.path.dirname(os.path.abspath(config_path)))
-        if os.path.basename(os.path.dirname(os.path.abspath(config_path))) == "config"
-        else os.getcwd()
+    base = config_base_dir(config_path)
+    return plan(
+        experiments or list(cfg.experiments), dump_to or cfg.dump_to, runs_to or cfg.runs_to, base_dir=base
     )
-    return plan(experiments or cfg["experiments"], dump_to or cfg["dump_to"], runs_to or cfg["runs_to"], base_dir=base)
+
+
+def caches_from_config(config_path: str, runs_to: str | None = None) -> list[ExternalCache]:
+    """The existing caches named in config.yaml's ``caches:``."""
+    cfg = load_workflow_config(config_path)
+    return external_caches(cfg.caches, runs_to or cfg.runs_to, config_base_dir(config_path), config_path)
+
+
+def cache_summary(c: ExternalCache) -> dict:
+    """What `actcache plan --json` prints for one of config.yaml's ``caches:``."""
+    runs = []
+    for r in c.train_runs():
+        directory = run_dir(c.runs_to, c.hash, r)
+        runs.append({"sae_id": r.sae_id, "group": r.group_id, "dir": directory, "done": is_done(directory)})
+    return {"cache": c.cache_dir, "file": c.source, "hash": c.hash, "training": runs}
 
 
 def plan_summary(p: Planned) -> dict:

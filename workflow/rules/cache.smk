@@ -2,7 +2,7 @@
 
 
 wildcard_constraints:
-    hash=r"[0-9a-f]{64}",
+    hash=r"[0-9a-f]{64}|[0-9a-f]{8}",  # a v1 cache hash (sha256), or a saev cache id (caches:)
     range=r"\d{6}-\d{6}",
     slot="|".join(MARK_SLOTS),
 

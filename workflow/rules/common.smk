@@ -5,13 +5,15 @@
 # actcache.plan.current_mark, and the job that needs it deletes a stale mark (see cache.smk).
 # Everything below is computed once, when the workflow is parsed.
 import os
+import shlex
 import sys
 
 import yaml
 
 from actcache.errors import ActCacheError
 from actcache.plan import DUMP_MARKS as DUMP_MARKS_DIR
-from actcache.plan import MARK_SLOTS, dump_marks, other_mark, plan, train_jobs
+from actcache.plan import MARK_SLOTS, dump_marks, external_caches, other_mark, plan, train_jobs
+from actcache.config import workflow_config_from_dict
 from actcache.slurmjobs import in_flight_claims, site_warnings
 from actcache.protocol import SHARDS_FILE
 from actcache.rundir import (
@@ -52,10 +54,13 @@ def _validate_experiment_schemas(files):
 
 
 try:
-    PLAN = plan(config["experiments"], DUMP_TO, RUNS_TO, base_dir=workflow.basedir)
+    _CONFIG = workflow_config_from_dict(config, "config/config.yaml")
+    PLAN = plan(list(_CONFIG.experiments), DUMP_TO, RUNS_TO, base_dir=workflow.basedir)
+    # config.yaml's `caches:`: existing caches (v1 or saev 2.1) trained like an experiment's, never dumped
+    EXTERNAL = external_caches(_CONFIG.caches, RUNS_TO, workflow.basedir, "config/config.yaml")
 except ActCacheError as err:
     _fail(str(err))
-_validate_experiment_schemas([os.path.join(workflow.basedir, f) for f in config["experiments"]])
+_validate_experiment_schemas([os.path.join(workflow.basedir, f) for f in _CONFIG.experiments])
 
 # One entry per cache hash: experiments with identical cache settings share one directory and one
 # set of dump jobs.
@@ -67,7 +72,8 @@ for _p in PLAN:
 # (the job's inner snakemake), never to the processes it starts; so actcache runs as the task of
 # its own step (`srun --overlap` shares the job's CPUs and GPUs) and receives the signal itself:
 # dump stops (a partial shard is never renamed into place), train writes its checkpoint.
-AS_TASK = "${{SLURM_JOB_ID:+srun --overlap --quiet --ntasks=1}}"
+AS_TASK_RAW = "${SLURM_JOB_ID:+srun --overlap --quiet --ntasks=1}"
+AS_TASK = AS_TASK_RAW.replace("{", "{{").replace("}", "}}")  # for a rule's shell template
 # Every attempt keeps its log: {log} is a hard link to <log without .log>.attempt<N>.<UTC time>.log,
 # which starts with the attempt number and the Slurm job id (whose Slurm log is
 # .snakemake/slurm_logs/rule_<rule>/<wildcards>/<job id>.log). Snakemake deletes {log} before a
@@ -110,7 +116,7 @@ DUMP_MARKS = {_h: dump_marks(_p, os.path.join(DUMP_TO, _h)) for _h, _p in CACHES
 # file yet (e.g. a changed hyperparameter made a new SAE id) gets a new mark slot: a new training
 # job, and never a dump job.
 try:
-    TRAIN_JOBS = {(_job.cache_hash, _job.group_id): _job for _job in train_jobs(PLAN, RUNS_TO)}
+    TRAIN_JOBS = {(_job.cache_hash, _job.group_id): _job for _job in train_jobs(PLAN + EXTERNAL, RUNS_TO)}
 except ActCacheError as err:
     _fail(str(err))
 
@@ -148,6 +154,30 @@ def range_marks(hash):
 
 def train_job(hash, group):
     return TRAIN_JOBS[(hash, group)]
+
+
+# The finished cache a training job reads: an experiment's under DUMP_TO, or one of `caches:`.
+EXTERNAL_DIRS = {_c.hash: _c.cache_dir for _c in EXTERNAL if _c.hash not in CACHES}
+
+
+def has_images(hash):
+    """Whether the visuals can show a cache's images: an experiment's always; one of `caches:` when
+    its metadata names a dataset actcache opens (a saev cache's is opaque)."""
+    return all(_c.has_images for _c in EXTERNAL if _c.hash == hash and hash not in CACHES)
+
+
+def cache_shards(hash):
+    return os.path.join(EXTERNAL_DIRS.get(hash) or os.path.join(DUMP_TO, hash), SHARDS_FILE)
+
+
+def train_commands(hash, group, runs_to):
+    """The `actcache train` calls of one training job, one per file that has SAEs in it (an
+    experiment reads its cache under DUMP_TO; a `caches:` entry names its directory)."""
+    calls = []
+    for args in train_job(hash, group).train_args:
+        args = (*args, "--dump-to", DUMP_TO) if args[0] == "--experiment" else args
+        calls.append(f"{AS_TASK_RAW} {ACTCACHE} train {shlex.join(args)} --group {group} --runs-to {shlex.quote(runs_to)}")
+    return " && ".join(calls)
 
 
 def all_targets():

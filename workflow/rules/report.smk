@@ -21,6 +21,7 @@ rule report:
     params:
         actcache=ACTCACHE,
         run_dir=lambda w, output: os.path.dirname(output.visuals),
+        images=lambda w: "" if has_images(w.hash) else "--no-images",
     log:
         "logs/report/{hash}/{sae}.log",
     benchmark:
@@ -32,7 +33,7 @@ rule report:
         gpu=1,
         attempt=attempt,
     shell:
-        "".join((ATTEMPT_LOG, AS_TASK, " {params.actcache} visuals {params.run_dir} >> {log} 2>&1"))
+        "".join((ATTEMPT_LOG, AS_TASK, " {params.actcache} visuals {params.images} {params.run_dir} >> {log} 2>&1"))
 
 
 rule sweep_report:

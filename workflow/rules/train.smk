@@ -13,14 +13,13 @@ rule train:
     cancelled job checkpoints (SIGTERM reaches `actcache train`) and its retry resumes."""
     input:
         # ancient: a re-gathered cache (a lost shard dumped again, same data) does not retrain
-        shards=ancient(os.path.join(DUMP_TO, "{hash}", SHARDS_FILE)),
+        shards=lambda w: ancient(cache_shards(w.hash)),
     output:
         mark=os.path.join(RUNS_TO, "{hash}", GROUPS_DIR, "{group}.{slot}"),
     params:
-        actcache=ACTCACHE,
-        experiments=lambda w: " ".join(train_job(w.hash, w.group).experiments),
-        dump_to=lambda w, input: os.path.dirname(os.path.dirname(input.shards)),
-        runs_to=lambda w, output: os.path.dirname(os.path.dirname(os.path.dirname(output.mark))),
+        commands=lambda w, output: train_commands(
+            w.hash, w.group, os.path.dirname(os.path.dirname(os.path.dirname(output.mark)))
+        ),
         stale=lambda w, output: other_mark(output.mark),
     log:
         "logs/train/{hash}/{group}.{slot}.log",
@@ -36,10 +35,6 @@ rule train:
         "".join(
             (
                 ATTEMPT_LOG,
-                "rm -f {params.stale} && for experiment in {params.experiments}; do ",
-                AS_TASK,
-                " {params.actcache} train --experiment $experiment --group {wildcards.group} "
-                "--dump-to {params.dump_to} --runs-to {params.runs_to} || exit 1; "
-                "done >> {log} 2>&1 && touch {output.mark}",
+                "rm -f {params.stale} && ( {params.commands} ) >> {log} 2>&1 && touch {output.mark}",
             )
         )

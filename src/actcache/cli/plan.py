@@ -10,7 +10,7 @@ import json
 import os
 
 from actcache.errors import ConfigError
-from actcache.plan import plan, plan_from_config, plan_summary
+from actcache.plan import cache_summary, caches_from_config, plan, plan_from_config, plan_summary
 
 
 def _print_row(r: dict) -> None:
@@ -19,10 +19,14 @@ def _print_row(r: dict) -> None:
     print(f"  hash      {r['hash']}")
     print(f"  dir       {r['dir']}")
     print(f"  cache     {st['state']} ({st['shards_done']}/{st['n_shards']} shards, {r['dump_jobs']} dump job(s))")
-    if r["training"]:
-        done = sum(t["done"] for t in r["training"])
-        print(f"  training  {done} of {len(r['training'])} SAE(s) done")
-        for t in r["training"]:
+    _print_training(r["training"])
+
+
+def _print_training(training: list[dict]) -> None:
+    if training:
+        done = sum(t["done"] for t in training)
+        print(f"  training  {done} of {len(training)} SAE(s) done")
+        for t in training:
             print(f"    {'done   ' if t['done'] else 'pending'}  {t['sae_id']}  group {t['group']}")
 
 
@@ -43,20 +47,31 @@ def cmd_plan(args) -> int:
     if getattr(args, "failures", False):
         return print_failures(os.getcwd())
     dump_to, runs_to = args.dump_to, args.runs_to
+    caches: list[dict] = []
     if args.experiment and not os.path.exists(args.config):
         if not (dump_to and runs_to):
             raise ConfigError("--experiment without a workflow config needs --dump-to and --runs-to.")
         planned = plan(args.experiment, dump_to, runs_to)
     else:
         planned = plan_from_config(args.config, dump_to, runs_to, args.experiment or None)
+        if not args.experiment:
+            caches = [cache_summary(c) for c in caches_from_config(args.config, runs_to)]
     rows = [plan_summary(p) for p in planned]
     _warn_slurm_site()
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps(rows + caches, indent=2))
         return 0
     for r in rows:
         _print_row(r)
+    for c in caches:
+        _print_cache_row(c)
     return 0
+
+
+def _print_cache_row(c: dict) -> None:
+    print(f"existing cache  {c['cache']}  (train: {c['file']})")
+    print(f"  hash      {c['hash']}")
+    _print_training(c["training"])
 
 
 # ---- `actcache plan --failures` ------------------------------------------------------------------
