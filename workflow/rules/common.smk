@@ -53,11 +53,13 @@ def _validate_experiment_schemas(files):
             _fail(f"{f}: {err}")
 
 
+# The config file errors name (snakemake's last --configfile, else the Snakefile's default).
+CONFIG_FILE = str(workflow.configfiles[-1]) if workflow.configfiles else "config/config.yaml"
 try:
-    _CONFIG = workflow_config_from_dict(config, "config/config.yaml")
+    _CONFIG = workflow_config_from_dict(config, CONFIG_FILE)
     PLAN = plan(list(_CONFIG.experiments), DUMP_TO, RUNS_TO, base_dir=workflow.basedir)
     # config.yaml's `caches:`: existing caches (v1 or saev 2.1) trained like an experiment's, never dumped
-    EXTERNAL = external_caches(_CONFIG.caches, RUNS_TO, workflow.basedir, "config/config.yaml")
+    EXTERNAL = external_caches(_CONFIG.caches, RUNS_TO, workflow.basedir, CONFIG_FILE)
 except ActCacheError as err:
     _fail(str(err))
 _validate_experiment_schemas([os.path.join(workflow.basedir, f) for f in _CONFIG.experiments])
