@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 import re
 
@@ -25,6 +26,12 @@ PAGE_BUDGET = 1_250_000  # bytes of one page; its data: URL (base64) stays under
 THUMB_SIDE = 64  # top images are inlined at most this large
 THUMB_QUALITY = 70
 _ASSET = re.compile(r'(src="|url\()((?:img/)?[A-Za-z0-9_./-]+\.(?:png|jpg))(?="|\))')
+_TOP_IMG = re.compile(r'<img src="(img/[0-9]+\.jpg)"')
+# Sets each top image's src from one table, so an image shown on several cards is inlined once.
+_SET_SRC = (
+    "<script>(function () {var T = %s; Array.prototype.forEach.call(document.querySelectorAll('img[data-img]'), "
+    "function (i) { if (T[i.dataset.img]) { i.src = T[i.dataset.img]; } });})();</script>"
+)
 _MIME = {"png": "image/png", "jpg": "image/jpeg"}
 
 
@@ -57,13 +64,24 @@ class InlineAssets:
 
     def inline(self, page: str) -> str:
         """``page`` with every relative image it names replaced by its data: URI (a missing file
-        keeps its path, so the page reports it as broken)."""
+        keeps its path, so the page reports it as broken); top images from one table, each once."""
+        table: dict[str, str] = {}
+
+        def top(m: re.Match) -> str:
+            got = self.uri(m.group(1))
+            if got is None:
+                return m.group(0)
+            table[m.group(1)] = got
+            return f'<img data-img="{m.group(1)}"'
 
         def sub(m: re.Match) -> str:
             got = self.uri(m.group(2))
             return m.group(0) if got is None else m.group(1) + got
 
-        return _ASSET.sub(sub, page)
+        page = _ASSET.sub(sub, _TOP_IMG.sub(top, page))
+        if table:
+            page = page.replace("</body>", _SET_SRC % json.dumps(table, sort_keys=True) + "\n</body>", 1)
+        return page
 
 
 def _read(path: str) -> bytes:
@@ -82,10 +100,11 @@ def spread(latents: np.ndarray, m: int) -> np.ndarray:
 
 def one_file_page(res: LatentSummary, latents: np.ndarray, info: dict, labels: dict[int, str],
                   patch_of_token: np.ndarray, heat: bool, images: bool, plots: list[str], notes: list[str],
-                  base_dir: str, full_page: str, budget: int = PAGE_BUDGET) -> tuple[str, np.ndarray]:  # fmt: skip
+                  base_dir: str, full_page: str, budget: int | None = None) -> tuple[str, np.ndarray]:  # fmt: skip
     """(page, latents shown): the page of ``base_dir`` (a visuals folder) in one file of at most
-    ``budget`` bytes where that is possible, with as many of ``latents`` as fit (a binary search
-    over the count; the page's size grows with it)."""
+    ``budget`` bytes (default PAGE_BUDGET) where that is possible, with as many of ``latents`` as
+    fit (a binary search over the count; the page's size grows with it)."""
+    budget = PAGE_BUDGET if budget is None else budget
     assets = InlineAssets(base_dir)
 
     def build(m: int) -> tuple[str, np.ndarray]:
