@@ -23,7 +23,7 @@ import numpy as np
 import PIL.Image
 import pytest
 import torch
-from tests.browser import browse
+from tests.browser import DevTools, browse
 
 from actcache import cli
 from actcache.demo import make_image_folder
@@ -206,6 +206,21 @@ def test_standalone_page_is_one_file_that_renders_anywhere(page, chromium, tmp_p
     assert 'src="img/' not in text and "url(img/" not in text and "data:image/jpeg;base64," in text
     dom, console = browse(chromium, str(alone))
     assert console == [] and len(card_ids(dom)) == 12 and 'data-broken-images="0"' in dom
+
+
+def test_captions_show_their_whole_text_under_each_image(page, chromium):
+    """Each caption (score, image number, class) wraps inside its image's column: nothing is cut
+    off or drawn over the next image."""
+    js = """Array.from(document.querySelectorAll('.tops figure')).map(f => {
+      const c = f.querySelector('figcaption'), fb = f.getBoundingClientRect(), cb = c.getBoundingClientRect();
+      return [c.scrollWidth <= c.clientWidth, cb.left >= fb.left - 0.5 && cb.right <= fb.right + 0.5,
+              c.innerText.replace(/\\s+/g, ' ').trim()];
+    })"""
+    with DevTools(chromium) as browser:
+        browser.open(os.path.join(page, "index.html"))
+        caps = browser.eval(js)
+    assert len(caps) >= 12 and all(fits and inside for fits, inside, _ in caps), caps[:4]
+    assert all(re.fullmatch(r"[0-9.e+-]+ #[0-9]+ · (circles|squares|stripes)", text) for *_, text in caps), caps[:4]
 
 
 def test_one_file_page_keeps_to_its_byte_budget_with_a_spread_of_the_cards(page, chromium, tmp_path):
@@ -516,8 +531,10 @@ def test_page_images_from_forked_workers_equal_the_threads(world, page, capsys, 
     rc, out, _ = run_cli(capsys, world["run"], "--reuse", "--latents", "12")
     assert rc == 0 and forks and forks[0] >= 1, forks
     assert images(page) == threads
-    labels = re.findall(r"<figcaption>([^<]*)</figcaption>", read_text(os.path.join(page, "index.html")))
-    assert labels and any(x for x in labels)  # the captions (class names) came back from the workers
+    where = re.findall(
+        r"<figcaption><span>[^<]*</span><span>([^<]*)</span>", read_text(os.path.join(page, "index.html"))
+    )
+    assert where and any(" · " in x for x in where)  # the captions' class names came back from the workers
     import multiprocessing
 
     assert not multiprocessing.active_children()
