@@ -103,7 +103,7 @@ def one_file_page(res: LatentSummary, latents: np.ndarray, info: dict, labels: d
                   base_dir: str, full_page: str, budget: int | None = None) -> tuple[str, np.ndarray]:  # fmt: skip
     """(page, latents shown): the page of ``base_dir`` (a visuals folder) in one file of at most
     ``budget`` bytes (default PAGE_BUDGET) where that is possible, with as many of ``latents`` as
-    fit (a binary search over the count; the page's size grows with it)."""
+    fit (the page's size grows with the count of cards)."""
     budget = PAGE_BUDGET if budget is None else budget
     assets = InlineAssets(base_dir)
 
@@ -118,16 +118,24 @@ def one_file_page(res: LatentSummary, latents: np.ndarray, info: dict, labels: d
         page = render_page(res, shown, info, labels, patch_of_token, heat, images, plots, [*notes, *extra], lazy=False)
         return assets.inline(page), shown
 
-    lo, hi = 0, len(latents)
-    best = build(hi)
-    if len(best[0].encode("utf-8")) <= budget:
-        return best
-    best = build(lo)
-    while lo < hi - 1:  # invariant: lo fits (or is 0), hi does not
+    def fits(got: tuple[str, np.ndarray]) -> bool:
+        return len(got[0].encode("utf-8")) <= budget
+
+    # Doubling from a few cards, then halving: only the images of the pages tried are thumbnailed.
+    n = len(latents)
+    lo, hi, best = 0, n + 1, None  # a page of lo cards fits (best), one of hi cards does not
+    m = min(8, n)
+    while lo < m < hi:
+        got = build(m)
+        if fits(got):
+            lo, best, m = m, got, min(2 * m, n)
+        else:
+            hi = m
+    while lo < hi - 1:
         mid = (lo + hi) // 2
         got = build(mid)
-        if len(got[0].encode("utf-8")) <= budget:
+        if fits(got):
             lo, best = mid, got
         else:
             hi = mid
-    return best
+    return best or build(0)
