@@ -14,8 +14,8 @@ Invariants: a page is written into a temporary sibling folder and renamed, so a 
 sees half a visuals/ folder; a cache whose hash differs from the one in run.json is refused.
 
 Modules: this one (errors, the pass, the pages of runs), actcache.topk (streaming statistics),
-actcache.visuals_html (page, images, heatmaps), actcache.visuals_plots (matplotlib), and
-actcache.rundir (the run files). The CLI (actcache.cli.visuals) parses the options.
+actcache.visuals_html (page, images, heatmaps), actcache.visuals_plots (matplotlib),
+actcache.visuals_report (the one-file page) and actcache.rundir (the run files). The CLI (actcache.cli.visuals) parses the options.
 """
 
 from __future__ import annotations
@@ -290,7 +290,7 @@ def _writing(what: str, kept: str):
 
 def write_visuals(run: Run, cache, res: LatentSummary, src, opts, timings: dict) -> str:
     """Write RUN_DIR/visuals/ (into a temporary sibling, then renamed) and RUN_DIR/visuals.html
-    (the same page, self-contained); returns visuals/index.html."""
+    (the page in one small self-contained file); returns visuals/index.html."""
     from actcache import visuals_html as vh
     from actcache.visuals_plots import plot_curves, plot_freq
     from actcache.visuals_report import one_file_page
