@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -89,3 +90,21 @@ def sigint_raises():
     old = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, old)
+
+
+@pytest.fixture(scope="session")
+def chromium():
+    """Chromium's executable: Debian's package, installed with apt-get when missing (as CI does on
+    a clean machine); a failure to install fails the test rather than skipping it."""
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe is None:
+        cmd = "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium"
+        if os.geteuid() != 0:
+            cmd = "sudo -n sh -c " + repr(cmd)
+        proc = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=1200)
+        exe = shutil.which("chromium")
+        if exe is None:
+            pytest.fail(
+                f"chromium is needed to render the visuals page and could not be installed:\n{proc.stderr[-2000:]}"
+            )
+    return exe

@@ -8,8 +8,7 @@ needs: the crop), a cache whose activations are computed from each patch's colou
 respond to colours, and the heatmaps in the screenshot mean something), and SAEs saved with
 SAE.save plus the run.json that `actcache train` writes (one test trains real ones).
 
-Chromium: Debian's package; the session fixture installs it with apt-get when missing (as CI
-does on a clean machine) and fails, rather than skips, when it cannot.
+Chromium: tests/browser.py (installed when missing; a failure to install fails the test).
 """
 
 from __future__ import annotations
@@ -18,14 +17,13 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
-import tempfile
 
 import numpy as np
 import PIL.Image
 import pytest
 import torch
+from tests.browser import DevTools, browse
 
 from actcache import cli
 from actcache.demo import make_image_folder
@@ -33,49 +31,16 @@ from actcache.images import ImageFolder, metadata_data, open_dataset
 from actcache.models import load_transform
 from actcache.protocol import Metadata
 from actcache.sae.modeling import SAE, SAEConfig
-from actcache.topk import N_BINS
+from actcache.topk import N_BINS, LatentSummary
+from actcache.visuals_report import one_file_page
 from actcache.writer import synthetic_fill, synthetic_metadata, write_cache, write_cache_from_array
 from conftest import in_mount_namespace
 
 D, WIDTH, K_SAE, N_PER_CLASS = 16, 48, 4, 8
 SAE_ID = "abc123def456"
-CHROMIUM_FLAGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync", "--hide-scrollbars",
-    "--enable-logging=stderr", "--v=0",
-]  # fmt: skip
 
 
-# ---- chromium --------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def chromium():
-    exe = shutil.which("chromium") or shutil.which("chromium-browser")
-    if exe is None:
-        cmd = "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium"
-        if os.geteuid() != 0:
-            cmd = "sudo -n sh -c " + repr(cmd)
-        proc = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=1200)
-        exe = shutil.which("chromium")
-        if exe is None:
-            pytest.fail(
-                f"chromium is needed to render the visuals page and could not be installed:\n{proc.stderr[-2000:]}"
-            )
-    return exe
-
-
-def browse(exe: str, page: str, *, hash: str = "", screenshot: str | None = None, size=(1300, 1600)):
-    """Load ``page`` (a file path) headless; returns (DOM or '', console lines)."""
-    with tempfile.TemporaryDirectory() as profile:
-        args = [exe, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--window-size={size[0]},{size[1]}",
-                "--virtual-time-budget=5000"]  # fmt: skip
-        args += [f"--screenshot={screenshot}"] if screenshot else ["--dump-dom"]
-        proc = subprocess.run([*args, "file://" + os.path.abspath(page) + hash], capture_output=True, text=True,
-                              timeout=120, start_new_session=True)  # fmt: skip
-    console = [ln for ln in proc.stderr.splitlines() if ":CONSOLE" in ln or "Uncaught" in ln]
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout, console
+# ---- helpers ---------------------------------------------------------------------------------
 
 
 def jload(path):
@@ -241,6 +206,46 @@ def test_standalone_page_is_one_file_that_renders_anywhere(page, chromium, tmp_p
     assert 'src="img/' not in text and "url(img/" not in text and "data:image/jpeg;base64," in text
     dom, console = browse(chromium, str(alone))
     assert console == [] and len(card_ids(dom)) == 12 and 'data-broken-images="0"' in dom
+
+
+def test_captions_show_their_whole_text_under_each_image(page, chromium):
+    """Each caption (score, image number, class) wraps inside its image's column: nothing is cut
+    off or drawn over the next image."""
+    js = """Array.from(document.querySelectorAll('.tops figure')).map(f => {
+      const c = f.querySelector('figcaption'), fb = f.getBoundingClientRect(), cb = c.getBoundingClientRect();
+      return [c.scrollWidth <= c.clientWidth, cb.left >= fb.left - 0.5 && cb.right <= fb.right + 0.5,
+              c.innerText.replace(/\\s+/g, ' ').trim()];
+    })"""
+    with DevTools(chromium) as browser:
+        browser.open(os.path.join(page, "index.html"))
+        caps = browser.eval(js)
+    assert len(caps) >= 12 and all(fits and inside for fits, inside, _ in caps), caps[:4]
+    assert all(re.fullmatch(r"[0-9.e+-]+ #[0-9]+ · (circles|squares|stripes)", text) for *_, text in caps), caps[:4]
+
+
+def test_one_file_page_keeps_to_its_byte_budget_with_a_spread_of_the_cards(page, chromium, tmp_path):
+    """A page too large for the budget shows fewer cards (the most and least frequent kept), says
+    where the full page is, stays under the budget and still loads every image it shows."""
+    res = LatentSummary.load(os.path.join(page, "latents.npz"))
+    shown = np.asarray(jload(os.path.join(page, "summary.json"))["latents_shown"])
+    args = (res, shown, {"SAE": SAE_ID}, {}, np.arange(16), True, True, ["curves.png", "freq.png"], [], page,
+            "FULL-PAGE-PATH")  # fmt: skip
+    whole, all_cards = one_file_page(*args)
+    assert list(all_cards) == list(shown) and "FULL-PAGE-PATH" not in whole
+    bare, none = one_file_page(*args, budget=1)  # no card fits: the header and plots alone
+    assert len(none) == 0 and "shows 0 of its" in bare
+    budget = (len(whole.encode()) + len(bare.encode())) // 2
+    small, kept = one_file_page(*args, budget=budget)
+    assert len(small.encode()) <= budget and 2 <= len(kept) < len(shown)
+    assert kept[0] == shown[0] and kept[-1] == shown[-1] and set(kept) <= set(shown)
+    assert f"shows {len(kept)} of its {len(shown)} latent cards" in small and "FULL-PAGE-PATH" in small
+    alone = tmp_path / "small.html"
+    alone.write_text(small, encoding="utf-8")
+    dom, console = browse(chromium, str(alone))
+    assert console == [] and card_ids(dom) == list(kept) and 'data-broken-images="0"' in dom
+    n_top = int((res.top_img[kept] >= 0).sum())
+    assert dom.count('src="data:image/jpeg;base64,') == n_top  # each from the one table, inlined once
+    assert small.count("data:image/jpeg;base64,") == len({int(i) for i in res.top_img[kept].ravel() if i >= 0})
 
 
 def test_cards_sort_by_frequency(page, chromium):
@@ -526,8 +531,10 @@ def test_page_images_from_forked_workers_equal_the_threads(world, page, capsys, 
     rc, out, _ = run_cli(capsys, world["run"], "--reuse", "--latents", "12")
     assert rc == 0 and forks and forks[0] >= 1, forks
     assert images(page) == threads
-    labels = re.findall(r"<figcaption>([^<]*)</figcaption>", read_text(os.path.join(page, "index.html")))
-    assert labels and any(x for x in labels)  # the captions (class names) came back from the workers
+    where = re.findall(
+        r"<figcaption><span>[^<]*</span><span>([^<]*)</span>", read_text(os.path.join(page, "index.html"))
+    )
+    assert where and any(" · " in x for x in where)  # the captions' class names came back from the workers
     import multiprocessing
 
     assert not multiprocessing.active_children()

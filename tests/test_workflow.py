@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import glob
 import hashlib
 import json
 import os
@@ -10,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from tests.browser import DevTools
 from tests.fixtures_vit import make_checkpoint
 from tests.workflow_helpers import REPO, dump_ranges, job_counts, snakemake, write_project
 
@@ -58,6 +60,16 @@ def done_project(tmp_path_factory, ckpt):
     proc = snakemake(cfg, "--cores", "2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return root, cfg
+
+
+@pytest.fixture(scope="module")
+def report_html(done_project):
+    """`snakemake --report report.html` of the finished project."""
+    root, cfg = done_project
+    report = os.path.join(root, "report.html")
+    proc = snakemake(cfg, "--report", report)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return report
 
 
 def plan_json(cfg: str) -> list[dict]:
@@ -189,7 +201,7 @@ def test_changed_sae_hyperparameter_gives_only_training_jobs(done_project, tmp_p
     assert job_counts(out) == {"train": 1, "report": 2, "sweep_report": 1, "all": 1}
 
 
-def test_end_to_end_trained_saes_visuals_and_report(done_project):
+def test_end_to_end_trained_saes_visuals_and_report(done_project, report_html):
     """profiles/local: demo-sized experiment -> verified cache -> trained SAEs -> visuals -> report.html."""
     root, cfg = done_project
     (p,) = plan_json(cfg)
@@ -204,13 +216,51 @@ def test_end_to_end_trained_saes_visuals_and_report(done_project):
         with open(os.path.join(run, "visuals.html")) as fd:
             page = fd.read()
         assert page.count('class="latent-card"') > 0 and 'src="img/' not in page  # one self-contained file
-    report = os.path.join(root, "report.html")
-    proc = snakemake(cfg, "--report", report)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    with open(report) as fd:
+    with open(report_html) as fd:
         text = fd.read()
     assert "SAE latents" in text and "SAE sweeps" in text  # the report's categories
     assert all(t["sae_id"] in text for t in p["training"])
+
+
+# In the page of report.html: each HTML result in an iframe on its data: URL, as the report's viewer
+# shows it (named by its result path), and each image result's width once loaded (0: it failed).
+SHOW_RESULTS_JS = """(async () => {
+  const all = Object.entries(results);
+  await Promise.all(all.filter(([, r]) => r.mime_type === 'text/html').map(([path, r]) => new Promise(done => {
+    const f = document.createElement('iframe');
+    f.name = path; f.style.width = '1300px'; f.style.height = '900px'; f.onload = done; f.src = r.data_uri;
+    document.body.appendChild(f);
+  })));
+  const widths = await Promise.all(all.filter(([, r]) => r.mime_type.startsWith('image/')).map(([, r]) =>
+    new Promise(done => { const i = new Image(); i.onload = () => done(i.naturalWidth); i.onerror = () => done(0);
+                          i.src = r.data_uri; })));
+  return {sizes: all.map(([, r]) => r.data_uri.length), labels: all.map(([, r]) => r.labels), widths: widths};
+})()"""
+IMAGES_JS = "[document.images.length, Array.from(document.images).filter(i => i.naturalWidth > 0).length]"
+
+
+def test_report_latent_pages_and_sweep_plots_load_in_chromium(done_project, report_html, chromium):
+    """report.html in headless Chromium: each SAE's latent page (a data: URL, under Chromium's 2 MiB
+    URL limit) shows its cards and every one of its images; the sweep page's plots load."""
+    root, _ = done_project
+    saes = {
+        os.path.basename(os.path.dirname(p)) for p in glob.glob(os.path.join(root, "runs", "*", "*", "visuals.html"))
+    }
+    assert len(saes) == 2
+    with DevTools(chromium) as browser:
+        browser.open(report_html)
+        got = browser.eval(SHOW_RESULTS_JS)
+        pages = [f for f in browser.frames() if f["name"].endswith("visuals.html")]
+        assert {os.path.basename(os.path.dirname(f["name"])) for f in pages} == saes
+        for f in pages:
+            assert f["url"].startswith("data:text/html"), f  # not left blank (about:blank)
+            n_img, n_loaded = browser.eval_in(f["id"], IMAGES_JS)
+            assert n_img > 0 and n_loaded == n_img, (f["name"], n_img, n_loaded)
+            assert browser.eval_in(f["id"], "document.querySelectorAll('.latent-card').length") > 0
+    assert max(got["sizes"]) < 2 * 1024 * 1024
+    plots = {lab.get("plot") for lab in got["labels"]} - {None}
+    assert plots == {"NMSE against L0", "training curves"}
+    assert len(got["widths"]) == 2 and min(got["widths"]) > 0
 
 
 def test_identical_cache_settings_share_one_hash(tmp_path, ckpt):

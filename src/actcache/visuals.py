@@ -4,7 +4,8 @@ For each SAE run directory (actcache.rundir), ONE ordered pass over its cache (t
 and scaling it was trained on, every image; SAEs of the same stream share the pass) gives
 per-latent statistics (actcache.topk). :func:`write_visuals` turns them into the run's visuals/
 folder (latents.npz, summary.json, an HTML page with its images, training curves, frequency
-plot) and the same page as one self-contained file beside it, for `snakemake --report`.
+plot) and the page as one small self-contained file beside it, for `snakemake --report`
+(actcache.visuals_report).
 :func:`make_visuals` does this for a list of runs; with several runs it also writes the sweep
 plots (NMSE against L0, every SAE's curves) into ``opts.out`` (default: their common parent's
 visuals/). ``plots_only`` skips the pass and the per-SAE pages.
@@ -13,8 +14,8 @@ Invariants: a page is written into a temporary sibling folder and renamed, so a 
 sees half a visuals/ folder; a cache whose hash differs from the one in run.json is refused.
 
 Modules: this one (errors, the pass, the pages of runs), actcache.topk (streaming statistics),
-actcache.visuals_html (page, images, heatmaps), actcache.visuals_plots (matplotlib), and
-actcache.rundir (the run files). The CLI (actcache.cli.visuals) parses the options.
+actcache.visuals_html (page, images, heatmaps), actcache.visuals_plots (matplotlib),
+actcache.visuals_report (the one-file page) and actcache.rundir (the run files). The CLI (actcache.cli.visuals) parses the options.
 """
 
 from __future__ import annotations
@@ -289,9 +290,10 @@ def _writing(what: str, kept: str):
 
 def write_visuals(run: Run, cache, res: LatentSummary, src, opts, timings: dict) -> str:
     """Write RUN_DIR/visuals/ (into a temporary sibling, then renamed) and RUN_DIR/visuals.html
-    (the same page, self-contained); returns visuals/index.html."""
+    (the page in one small self-contained file); returns visuals/index.html."""
     from actcache import visuals_html as vh
     from actcache.visuals_plots import plot_curves, plot_freq
+    from actcache.visuals_report import one_file_page
 
     md = cache.metadata
     final = os.path.join(run.dir, VISUALS_DIR)
@@ -349,12 +351,14 @@ def write_visuals(run: Run, cache, res: LatentSummary, src, opts, timings: dict)
             info["held-out eval"] = f"NMSE {ev['nmse']:.4f}, L0 {ev.get('l0', float('nan')):.2f}"
         page = vh.render_page(res, latents, info, labels, pot, heat, src.dataset is not None, plots, notes)
         vh.write_page(os.path.join(tmp, PAGE_FILE), page)
-        standalone = vh.inline_assets(page, tmp)
+        standalone, one_file = one_file_page(res, latents, info, labels, pot, heat, src.dataset is not None, plots,
+                                             notes, tmp, os.path.abspath(os.path.join(final, PAGE_FILE)))  # fmt: skip
         summary = {
             "version": 1, "sae_id": run.name, "run_dir": os.path.abspath(run.dir), "cache": run.cache,
             "cache_hash": md.hash, "layer": run.layer, "patches": run.patches, "scale_norm": run.scale_norm,
             "k": int(res.top_img.shape[1]), "width": res.width, "n_imgs": res.n_imgs, "n_tokens": res.n_tokens,
             "n_dead": int((res.fire_count == 0).sum()), "latents_shown": [int(s) for s in latents],
+            "one_file_latents": [int(s) for s in one_file],
             "sae_weights": _weights_stamp(run.dir), "reused": timings.pop("reused", False), "seconds": timings,
             "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         }  # fmt: skip
@@ -366,7 +370,7 @@ def write_visuals(run: Run, cache, res: LatentSummary, src, opts, timings: dict)
         os.rename(tmp, final)
         if old:
             shutil.rmtree(old, ignore_errors=True)
-        # the same page in one file (images inlined), beside the folder: for `snakemake --report`
+        # the page in one small file (images inlined), beside the folder: for `snakemake --report`
         atomic_write_bytes(os.path.join(run.dir, VISUALS_PAGE), standalone.encode("utf-8"))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

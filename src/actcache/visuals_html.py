@@ -15,13 +15,11 @@ latent's largest one. Histograms are inline SVG.
 
 from __future__ import annotations
 
-import base64
 import concurrent.futures
 import dataclasses
 import html
 import logging
 import os
-import re
 
 import numpy as np
 import PIL.Image
@@ -268,10 +266,12 @@ table.info td:first-child{color:#666}
 .card-head{display:flex;gap:10px;flex-wrap:wrap;align-items:baseline;margin-bottom:6px}
 .card-head b{font-size:15px} .card-head span{color:#555;font-size:12px}
 .tops{display:grid;grid-template-columns:repeat(4,minmax(0,1fr));gap:4px}
-.tops figure{margin:0;min-width:0} .tops figcaption{font-size:10px;color:#555;white-space:nowrap;overflow:hidden;text-overflow:ellipsis}
+.tops figure{margin:0;min-width:0}
+.tops figcaption{font-size:10px;line-height:1.25;color:#555;overflow-wrap:anywhere}
+.tops figcaption span{display:block}
 .thumb{position:relative;width:100%;aspect-ratio:1;background:#888;overflow:hidden}
 .thumb img{position:absolute;inset:0;width:100%;height:100%;object-fit:cover}
-.heat{position:absolute;inset:0;background-repeat:no-repeat;image-rendering:pixelated}
+.heat{position:absolute;inset:0;background-image:var(--heat);background-repeat:no-repeat;image-rendering:pixelated}
 .thumb:hover .heat{opacity:0}
 svg.hist{display:block;margin-top:6px;overflow:visible} svg.hist rect{fill:#4a6fa5} svg.hist text{font-size:9px;fill:#666}
 .note{color:#8a5a00} details{margin:6px 0} .ids{font-family:monospace;font-size:12px;word-break:break-word}
@@ -312,43 +312,47 @@ _JS = """
 
 
 def _card(s: int, res: LatentSummary, labels: dict[int, str], patch_of_token: np.ndarray, heat: bool,
-          images: bool) -> str:  # fmt: skip
+          images: bool, lazy: bool = True) -> str:  # fmt: skip
     freq, mean, mx = float(res.freq[s]), float(res.mean_act[s]), float(res.max_act[s])
     K = res.top_img.shape[1]
     cls_tok = np.flatnonzero(patch_of_token < 0)
+    load = ' loading="lazy"' if lazy else ""
     figs = []
     for r in range(K):
         i = int(res.top_img[s, r])
         if i < 0:
             break
         score = float(res.top_score[s, r])
-        inner = f'<img src="img/{i}.jpg" alt="image {i}" loading="lazy">' if images else ""
-        if heat:
+        inner = f'<img src="img/{i}.jpg" alt="image {i}"{load}>' if images else ""
+        if heat:  # the sprite is named once per card (--heat on .tops), each cell shows its slice
             x = 100.0 * r / (K - 1) if K > 1 else 0.0
-            inner += (f'<div class="heat" style="background-image:url(img/heat/{s}.png);'
-                      f'background-size:{K * 100}% 100%;background-position:{x:.4f}% 0"></div>')  # fmt: skip
+            inner += f'<div class="heat" style="background-size:{K * 100}% 100%;background-position:{x:.4f}% 0"></div>'
         extra = f" CLS {_num(res.top_acts[s, r, cls_tok[0]])}" if len(cls_tok) else ""
         label = html.escape(labels.get(i, ""))
+        where = f"#{i}{(' · ' + label) if label else ''}"
         figs.append(
-            f'<figure><div class="thumb" title="image {i}{(" — " + label) if label else ""}">{inner}</div>'
-            f"<figcaption>{_num(score)}{extra} · #{i}{(' · ' + label) if label else ''}</figcaption></figure>"
+            f'<figure title="{_num(score)}{extra} · {where}"><div class="thumb">{inner}</div>'
+            f"<figcaption><span>{_num(score)}{extra}</span><span>{where}</span></figcaption></figure>"
         )
+    tops_style = f' style="--heat:url(img/heat/{s}.png)"' if heat else ""
     return (
         f'<div class="latent-card" id="latent-{s}" data-id="{s}" data-freq="{freq:.6e}" data-mean="{mean:.6e}" '
         f'data-max="{mx:.6e}"><div class="card-head"><b>latent {s}</b><span>freq {freq:.2e}</span>'
         f"<span>mean {_num(mean)}</span><span>max {_num(mx)}</span></div>"
-        f'<div class="tops">{"".join(figs)}</div>{svg_histogram(res.hist[s], res.hist_edges)}</div>'
+        f'<div class="tops"{tops_style}>{"".join(figs)}</div>{svg_histogram(res.hist[s], res.hist_edges)}</div>'
     )
 
 
 def render_page(res: LatentSummary, latents: np.ndarray, info: dict, labels: dict[int, str],
-                patch_of_token: np.ndarray, heat: bool, images: bool, plots: list[str], notes: list[str]) -> str:  # fmt: skip
-    """The whole index.html as a string (``info``: rows of the header table)."""
+                patch_of_token: np.ndarray, heat: bool, images: bool, plots: list[str], notes: list[str],
+                lazy: bool = True) -> str:  # fmt: skip
+    """The whole index.html as a string (``info``: rows of the header table; ``lazy``: images load
+    as they scroll into view)."""
     esc = html.escape
     rows = "".join(f"<tr><td>{esc(str(k))}</td><td>{esc(str(v))}</td></tr>" for k, v in info.items())
     dead = np.flatnonzero(res.fire_count == 0)
     dense = np.flatnonzero(res.freq > 0.1)
-    cards = "\n".join(_card(int(s), res, labels, patch_of_token, heat, images) for s in latents)
+    cards = "\n".join(_card(int(s), res, labels, patch_of_token, heat, images, lazy) for s in latents)
     options = "".join(f'<option value="{v}">{esc(t)}</option>' for v, t in SORTS)
     plot_html = "".join(f'<img src="{esc(p)}" alt="{esc(p)}">' for p in plots)
     note_html = "".join(f'<p class="note">{esc(n)}</p>' for n in notes)
@@ -382,29 +386,6 @@ def render_page(res: LatentSummary, latents: np.ndarray, info: dict, labels: dic
 <script>{_JS}</script>
 </body></html>
 """
-
-
-_ASSET = re.compile(r'(src="|url\()((?:img/)?[A-Za-z0-9_./-]+\.(?:png|jpg))(?="|\))')
-_MIME = {"png": "image/png", "jpg": "image/jpeg"}
-
-
-def inline_assets(page: str, base_dir: str) -> str:
-    """The page with every relative image it uses embedded as a data: URI (one self-contained
-    file, e.g. for ``snakemake --report report.html``, which cannot hold folders)."""
-    cache: dict[str, str] = {}
-
-    def sub(m: re.Match) -> str:
-        rel = m.group(2)
-        if rel not in cache:
-            path = os.path.join(base_dir, rel)
-            if not os.path.isfile(path):
-                return m.group(0)
-            with open(path, "rb") as fh:
-                data = base64.b64encode(fh.read()).decode("ascii")
-            cache[rel] = f"data:{_MIME[rel.rsplit('.', 1)[1]]};base64,{data}"
-        return m.group(1) + cache[rel]
-
-    return _ASSET.sub(sub, page)
 
 
 def write_page(path: str, page: str) -> None:

@@ -1,7 +1,8 @@
 # Plots and HTML pages of trained SAEs (`actcache visuals`), marked for `snakemake --report`:
-# per SAE its visuals folder and the same page in one file (images inlined), per cache the sweep
-# plots over every SAE (file names: actcache.rundir). `snakemake --report report.html` (or
-# report.zip) collects the one-file pages and the plots.
+# per SAE its visuals folder and its page in one small file (thumbnails inlined, under the 2 MiB a
+# browser allows an embedded page: actcache.visuals_report), per cache the sweep plots over every
+# SAE (file names: actcache.rundir). `snakemake --report report.html` (or report.zip) collects the
+# one-file pages and the plots.
 
 
 rule report:
