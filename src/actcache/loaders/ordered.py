@@ -302,7 +302,8 @@ class OrderedLoader(BaseLoader):
             a0 = job.cuts[0]
             a, b = job.cuts[part], job.cuts[part + 1]
             it.rt.status(name, f"copying batch {k} (part {part + 1} of {len(job.cuts) - 1})")
-            self._hook("gather", batch=k)
+            if self.debug_hook is not None:
+                self._hook("gather", batch=k, shards=[s for s, _, _ in self._spans(a, b)], part=part)
             t = time.thread_time()
             if job.mapped:
                 self._fill(it, a, b, buf, a - a0)
@@ -437,12 +438,12 @@ class OrderedLoader(BaseLoader):
 
     def _fill(self, it: Iteration, a: int, b: int, buf, off: int = 0) -> None:
         """Examples [a, b) out of the mappings into the batch buffer from row ``off`` on. A shard
-        damaged meanwhile is a LoaderError naming it: the C kernel's copies stop at a SIGBUS;
-        without the C kernel, each shard is checked before its copy (see ShuffledLoader._copy)."""
+        damaged meanwhile is a LoaderError naming it: each shard is checked first, and the C
+        kernel's copies stop at a SIGBUS (without the C kernel only the check remains: see
+        ShuffledLoader._copy)."""
         shards = [shard for shard, _, _ in self._spans(a, b)]
-        if not kernels.native_info()["native"]:
-            for shard in shards:
-                it.maps.check_intact(shard)
+        for shard in shards:
+            it.maps.check_intact(shard)
         try:
             self._fill_mapped(it, a, b, buf, off)
         except OSError as err:  # a BusError (SIGBUS in a copy): which shard, what happened to it

@@ -583,6 +583,8 @@ class ShuffledLoader(BaseLoader):
         if job is None:
             it.rt.status(name, f"indexing batch {self._describe_key(task.key)}")
             job = self._index(it, task.spec, task.key)
+        for shard in job.shards:  # removed, replaced or cut since the loader was made (integrity.py)
+            it.maps.check_intact(shard)
         job.attach(task.buf)
         if job.n_parts > 1:
             with it.cond:
@@ -595,7 +597,8 @@ class ShuffledLoader(BaseLoader):
         releases the runs that batches up to the new frontier used up."""
         key = job.key
         it.rt.status(name, f"copying batch {self._describe_key(key)} (part {part + 1} of {job.n_parts})")
-        self._hook("gather", batch=key)
+        if self.debug_hook is not None:
+            self._hook("gather", batch=key, shards=job.shards, part=part)
         self._copy(it, job, part)
         with it.cond:
             job.left -= 1
@@ -683,9 +686,9 @@ class ShuffledLoader(BaseLoader):
 
     def _copy(self, it: Iteration, job: _Job, part: int) -> None:
         """Copy part ``part`` of the batch's rows (an equal share of them) into its buffer. A
-        shard damaged meanwhile is a LoaderError naming it (maps.ShardMaps.read_error): the C
-        kernel stops at a SIGBUS; without it, each shard is checked before the copy (a truncate
-        during the copy itself then still kills the process: the C kernel is the safe path)."""
+        shard truncated during the copy is a LoaderError naming it (maps.ShardMaps.read_error):
+        the C kernel stops at the SIGBUS. (Without the C kernel only the check in _start_batch
+        remains: a truncate during the copy itself then still kills the process.)"""
         a, b = part * job.n // job.n_parts, (part + 1) * job.n // job.n_parts
         if b <= a:
             return
@@ -701,9 +704,6 @@ class ShuffledLoader(BaseLoader):
                 kw["scales"] = np.asarray(self.scale, np.float32)[o["lpos"][a:b]]
         chooser = self._prefetch
         scheme = chooser.pick()
-        if not kernels.native_info()["native"]:
-            for shard in job.shards:
-                it.maps.check_intact(shard)
         c0 = time.thread_time()
         try:
             kernels.take_multi(job.sources, o["src"][a:b], o["rows"][a:b], act[a:b], prefetch=scheme, **kw)
