@@ -1,0 +1,110 @@
+"""Checkpoints fall back: each is verified against its manifest on resume; a damaged newest one is
+skipped with a warning naming it and the run resumes, bit-identically, from the one before; with
+none valid, one clear error names them (actcache.sae.checkpoint, sae/checkpoint_faults.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+
+from actcache.errors import TrainError
+from actcache.rundir import MANIFEST_FILE, POSITION_FILE, run_dir
+from actcache.sae import checkpoint as ckpt
+from actcache.sae.checkpoint_faults import CORRUPTIONS, corrupt
+from actcache.sae.config import expand_train_section
+from actcache.sae.modeling import SAE
+from actcache.sae.train import Preempted, train_group
+from test_sae_train import dictionary_cache
+
+TRAIN = {"batch_size": 64, "steps": 20, "width": 64, "k": 4, "log_every": 5, "ckpt_every": 5, "eval_frac": 0.1,
+         "eval_tokens": 256, "deterministic": True, "lr": 3e-3}  # fmt: skip
+
+
+def stop_after(n: int):
+    calls = {"n": 0}
+
+    def stop() -> bool:
+        calls["n"] += 1
+        return calls["n"] >= n
+
+    return stop
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(cache, runs, final weights of an uninterrupted run, a run stopped at step 15: [10, 15])."""
+    root = tmp_path_factory.mktemp("fallback")
+    cache, _ = dictionary_cache(root / "cache", n_imgs=120, imgs_per_shard=40)
+    runs = expand_train_section(TRAIN, "t.yaml")
+    train_group(cache, runs, root / "ref", device="cpu")
+    want = SAE.load(run_dir(root / "ref", os.path.basename(cache), runs[0])).state_dict()
+    with pytest.raises(Preempted):
+        train_group(cache, runs, root / "stopped", device="cpu", stop=stop_after(15))
+    stopped = run_dir(root / "stopped", os.path.basename(cache), runs[0])
+    assert ckpt.steps(stopped) == [10, 15]  # keep_checkpoints: 2 by default
+    return cache, runs, want, stopped
+
+
+def test_every_corruption_of_the_newest_checkpoint_falls_back_to_the_one_before(setup, tmp_path, caplog):
+    _, _, _, stopped = setup
+    for kind in CORRUPTIONS:
+        d = str(tmp_path / kind)
+        shutil.copytree(stopped, d)
+        corrupt(ckpt.step_dir(d, 15), kind)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="actcache.sae.checkpoint"):
+            assert ckpt.valid_steps(d, set_aside=True) == [10], kind
+        (warning,) = caplog.records
+        assert "step-00000015" in warning.getMessage() and "damaged" in warning.getMessage(), kind
+        assert ckpt.steps(d) == [10] and os.path.isdir(ckpt.step_dir(d, 15) + ".invalid"), kind
+
+
+def test_a_damaged_newest_checkpoint_resumes_from_the_previous_to_identical_weights(setup, tmp_path, caplog):
+    cache, runs, want, stopped = setup
+    out = tmp_path / "runs"
+    d = run_dir(out, os.path.basename(cache), runs[0])
+    shutil.copytree(stopped, d)
+    corrupt(ckpt.step_dir(d, 15), "state-truncated")  # torch.load would raise EOFError / UnpicklingError
+    with caplog.at_level(logging.INFO):
+        train_group(cache, runs, out, device="cpu")
+    assert "resuming 1 SAE(s) at step 10" in caplog.text and "step-00000015 is damaged" in caplog.text
+    got = SAE.load(d).state_dict()
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, rtol=0, atol=0, equal_nan=True)
+    assert ckpt.steps(d) == [15, 20]  # step 15 written again, the damaged one set aside
+
+
+def test_no_valid_checkpoint_is_one_clear_error_naming_them(setup, tmp_path):
+    cache, runs, _, stopped = setup
+    out = tmp_path / "runs"
+    d = run_dir(out, os.path.basename(cache), runs[0])
+    shutil.copytree(stopped, d)
+    corrupt(ckpt.step_dir(d, 15), "weights-header")
+    corrupt(ckpt.step_dir(d, 10), "position-garbled")
+    with pytest.raises(TrainError) as err:
+        train_group(cache, runs, out, device="cpu")
+    msg = str(err.value)
+    assert "\n" not in msg and "step-00000010" in msg and "step-00000015" in msg and "not valid JSON" in msg
+    assert "sae.safetensors: its checksum differs" in msg and "delete" in msg
+
+
+def test_a_checkpoint_from_before_manifests_is_verified_by_loading_it(setup, tmp_path):
+    _, _, _, stopped = setup
+    d = str(tmp_path / "old")
+    shutil.copytree(stopped, d)
+    for step in (10, 15):  # as an older version wrote them: no manifest, and the position says none
+        c = ckpt.step_dir(d, step)
+        os.unlink(os.path.join(c, MANIFEST_FILE))
+        with open(os.path.join(c, POSITION_FILE)) as fh:
+            pos = json.load(fh)
+        pos.pop("manifest")
+        with open(os.path.join(c, POSITION_FILE), "w") as fh:
+            json.dump(pos, fh)
+    corrupt(ckpt.step_dir(d, 15), "state-truncated")
+    assert ckpt.valid_steps(d) == [10]
+    assert "cannot be loaded" in ckpt.problem(d, 15)
