@@ -26,6 +26,7 @@
 #include <Python.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <setjmp.h>
 #include <signal.h>
 #include <stdint.h>
@@ -324,7 +325,13 @@ static void guard_install(void) {
 static void run_job(job_t *j, int stream);
 static int run_job_guarded(job_t *j, int stream, uintptr_t *fault) {
     sigjmp_buf jb;
-    if (sigsetjmp(jb, 1)) {
+    /* The signal mask is not saved (a system call per copy): the jump leaves the handler with
+     * SIGBUS blocked (its only change to the mask), so that is undone here, on the error path. */
+    if (sigsetjmp(jb, 0)) {
+        sigset_t bus;
+        sigemptyset(&bus);
+        sigaddset(&bus, SIGBUS);
+        pthread_sigmask(SIG_UNBLOCK, &bus, NULL);
         *fault = guard_fault;
         return 1;
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -93,3 +94,34 @@ def test_indexed_dataset_reports_a_truncated_or_replaced_shard(big_shards, tmp_p
         ds[per * 12]
     np.testing.assert_array_equal(ds[0]["act"].numpy(), acts[0, 0, 1])  # the others read on
     ds.close()
+
+
+def test_a_shard_cut_between_the_check_and_the_copy_is_a_loader_error_from_the_copy(big_shards, tmp_path):
+    """The whole cache fits the shuffle buffer: once every run is read, no reader looks at the
+    files again, and the shard cut just before a batch's copy (after its check) is found by the
+    copy itself (one gather thread: no other checks it first; the "copy" hook runs after the
+    batch's check), as a SIGBUS the C kernel turns into a LoaderError."""
+    import shutil
+
+    from actcache.loaders import ShuffledLoader
+
+    src, _, _ = big_shards
+    path = str(tmp_path / os.path.basename(src))
+    shutil.copytree(src, path)
+    ld = ShuffledLoader(path, batch_size=64, layer=3, buffer_bytes=2**22, run_bytes=2**14, n_threads=1)
+    cut = []
+
+    def hook(stage, info):
+        if stage == "copy" and info["batch"] == 1 and not cut:
+            it, deadline = ld._it, time.monotonic() + 20
+            while (it.loads or it.unloaded) and time.monotonic() < deadline:  # every run read
+                time.sleep(0.01)
+            cut.append(ld.cache.shards[info["shards"][0]].name)
+            damage_shard(os.path.join(path, cut[0]), "truncate")
+
+    ld.debug_hook = hook
+    with pytest.raises(LoaderError) as err:
+        for _ in ld:
+            pass
+    msg = str(err.value)
+    assert cut and cut[0] in msg and "truncated" in msg and "BusError" in msg and "gather" in msg, msg

@@ -5,10 +5,11 @@ it, in a child process, and what came of it. Used by the test suite and by scrip
     # -> [{"loader": "shuffled", "damage": "truncate", "outcome": "LoaderError", "message": ..., "rc": 0}, ...]
 
 Each trial reads a fresh copy of the cache (under ``workdir``) once undamaged (the reference),
-then again, damaging one shard from inside the loader, just before a copy thread copies its
-second batch (the ``gather`` debug hook): "truncate" cuts the shard being copied to a third
-(its pages vanish from the mapping: the copy faults), "replace" renames a zero-filled file of
-the same size over it; "unreadable" removes every permission from a shard not opened yet, at
+then again (one reader thread, so that no other opens a shard meanwhile), damaging one shard
+from inside the loader, just before a copy thread copies its second batch (the ``gather`` debug
+hook): "truncate" cuts the shard being copied to a third (the
+check before the copy finds it; a cut after that check makes the copy fault, which the C kernel
+turns into an error too), "replace" renames a zero-filled file of the same size over it; "unreadable" removes every permission from a shard not opened yet, at
 the loader's first read (the child first drops the capabilities that let root read it anyway). Outcomes: "LoaderError" (one
 line, naming the shard), "finished" (every batch equal to the reference: the loader read only
 bytes it had opened before the damage), "wrong" (a batch differs: silently wrong data),
@@ -89,8 +90,8 @@ def _loader(kind: str, path: str):
 
     if kind == "shuffled":  # a small shuffle buffer: shards are read again and again
         return ShuffledLoader(path, batch_size=64, layer="all", buffer_bytes=64 * 2**10, run_bytes=8 * 2**10,
-                              n_readers=2, batch_timeout_s=30, seed=3)  # fmt: skip
-    return OrderedLoader(path, batch_size=64, layer="all", io="mmap", batch_timeout_s=30)
+                              n_readers=1, batch_timeout_s=30, seed=3)  # fmt: skip
+    return OrderedLoader(path, batch_size=64, layer="all", io="mmap", batch_timeout_s=30, n_readers=1)
 
 
 def _collect(loader) -> list[np.ndarray]:

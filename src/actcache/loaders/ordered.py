@@ -154,6 +154,9 @@ class OrderedLoader(BaseLoader):
         self.n_readers = n_readers or 4  # several batches' reads in flight: faster cold than 2
         # io="auto": a cached batch may be mapped (see EXPLORE_EVERY); the costs outlive a pass
         self.may_map = self.map_mode == "huge" or self.geom.n_tokens * self.geom.vec_bytes >= MAP_MIN_RANGE
+        # without the C kernel a copy out of a mapping cut meanwhile would kill the process
+        # (SIGBUS in numpy): io="auto" then always reads
+        self.may_map = self.may_map and kernels.native_info()["native"]
         self.path_cost = _PathCost()
         per = self.geom.per_img
         self.partition = Partition((end_img - start_img) * per, self.world, batch_size, drop_last)

@@ -583,8 +583,6 @@ class ShuffledLoader(BaseLoader):
         if job is None:
             it.rt.status(name, f"indexing batch {self._describe_key(task.key)}")
             job = self._index(it, task.spec, task.key)
-        for shard in job.shards:  # removed, replaced or cut since the loader was made (integrity.py)
-            it.maps.check_intact(shard)
         job.attach(task.buf)
         if job.n_parts > 1:
             with it.cond:
@@ -599,6 +597,9 @@ class ShuffledLoader(BaseLoader):
         it.rt.status(name, f"copying batch {self._describe_key(key)} (part {part + 1} of {job.n_parts})")
         if self.debug_hook is not None:
             self._hook("gather", batch=key, shards=job.shards, part=part)
+        if part == 0:  # once a batch: removed, replaced or cut since the loader was made (integrity.py)
+            for shard in job.shards:
+                it.maps.check_intact(shard)
         self._copy(it, job, part)
         with it.cond:
             job.left -= 1
@@ -687,7 +688,7 @@ class ShuffledLoader(BaseLoader):
     def _copy(self, it: Iteration, job: _Job, part: int) -> None:
         """Copy part ``part`` of the batch's rows (an equal share of them) into its buffer. A
         shard truncated during the copy is a LoaderError naming it (maps.ShardMaps.read_error):
-        the C kernel stops at the SIGBUS. (Without the C kernel only the check in _start_batch
+        the C kernel stops at the SIGBUS. (Without the C kernel only the check in _copy_part
         remains: a truncate during the copy itself then still kills the process.)"""
         a, b = part * job.n // job.n_parts, (part + 1) * job.n // job.n_parts
         if b <= a:
@@ -704,6 +705,8 @@ class ShuffledLoader(BaseLoader):
                 kw["scales"] = np.asarray(self.scale, np.float32)[o["lpos"][a:b]]
         chooser = self._prefetch
         scheme = chooser.pick()
+        if self.debug_hook is not None:
+            self._hook("copy", batch=job.key, shards=job.shards, part=part)
         c0 = time.thread_time()
         try:
             kernels.take_multi(job.sources, o["src"][a:b], o["rows"][a:b], act[a:b], prefetch=scheme, **kw)
