@@ -10,12 +10,11 @@ import os
 import shutil
 
 import pytest
-import torch
 
 from actcache.errors import TrainError
 from actcache.rundir import MANIFEST_FILE, POSITION_FILE, run_dir
 from actcache.sae import checkpoint as ckpt
-from actcache.sae.checkpoint_faults import CORRUPTIONS, corrupt
+from actcache.sae.checkpoint_faults import CORRUPTIONS, corrupt, resume_trial
 from actcache.sae.config import expand_train_section
 from actcache.sae.modeling import SAE
 from actcache.sae.train import Preempted, train_group
@@ -64,19 +63,17 @@ def test_every_corruption_of_the_newest_checkpoint_falls_back_to_the_one_before(
         assert ckpt.steps(d) == [10] and os.path.isdir(ckpt.step_dir(d, 15) + ".invalid"), kind
 
 
-def test_a_damaged_newest_checkpoint_resumes_from_the_previous_to_identical_weights(setup, tmp_path, caplog):
-    cache, runs, want, stopped = setup
-    out = tmp_path / "runs"
-    d = run_dir(out, os.path.basename(cache), runs[0])
-    shutil.copytree(stopped, d)
-    corrupt(ckpt.step_dir(d, 15), "state-truncated")  # torch.load would raise EOFError / UnpicklingError
-    with caplog.at_level(logging.INFO):
-        train_group(cache, runs, out, device="cpu")
-    assert "resuming 1 SAE(s) at step 10" in caplog.text and "step-00000015 is damaged" in caplog.text
-    got = SAE.load(d).state_dict()
-    for name, w in want.items():
-        torch.testing.assert_close(got[name], w, rtol=0, atol=0, equal_nan=True)
-    assert ckpt.steps(d) == [15, 20]  # step 15 written again, the damaged one set aside
+def test_a_damaged_newest_checkpoint_resumes_from_the_previous_to_identical_weights(setup, tmp_path):
+    """checkpoint_faults.resume_trial: stopped at 15 ([10, 15] kept), state.pt of step 15 cut (torch.load
+    would raise EOFError / UnpicklingError): the run warns, resumes at 10 and ends as an
+    uninterrupted one; step 15 is written again."""
+    cache, runs, want, _ = setup
+    res = resume_trial(cache, runs, str(tmp_path), "state-truncated", stop_at=15, reference={runs[0].sae_id: want})
+    assert (res["outcome"], res["damaged"], res["start"], res["identical"]) == ("resumed", 15, 10, True), res
+    (warning,) = res["warnings"]
+    assert "step-00000015 is damaged: state.pt" in warning
+    d = run_dir(tmp_path / "state-truncated", os.path.basename(cache), runs[0])
+    assert ckpt.steps(d) == [15, 20]
 
 
 def test_no_valid_checkpoint_is_one_clear_error_naming_them(setup, tmp_path):

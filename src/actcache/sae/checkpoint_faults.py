@@ -2,6 +2,7 @@
 directory, for the test suite and scripts/chaos.py.
 
     corrupt(checkpoint_dir, "weights-flipped")
+    resume_trial(cache_dir, runs, workdir, "state-truncated", stop_at=15)   # the whole round trip
 
 After any of :data:`CORRUPTIONS`, :func:`actcache.sae.checkpoint.valid_steps` must find the
 checkpoint damaged (training then resumes from the one before, or, with none left, stops with
@@ -65,3 +66,66 @@ def corrupt(checkpoint_dir: str, kind: str) -> None:
     elif how == "garbled":
         with open(path, "r+b") as fh:
             fh.write(b"{\x00 not json")
+
+
+def resume_trial(
+    cache_dir: str, runs: list, workdir: str, kind: str, stop_at: int, reference: dict | None = None
+) -> dict:
+    """One checkpoint trial: train ``runs`` (one group, on the CPU) until ``stop_at`` steps,
+    corrupt the newest checkpoint of the first SAE with ``kind``, train again. -> {"kind",
+    "damaged" (its step), "outcome": "resumed" (from an older step, ``start``), "same-step"
+    (resumed from the damaged one: a failure), "error" (one clear TrainError: ``message``) or
+    "raw:<type>" (any other exception: a failure), "identical" (the final weights equal
+    ``reference``, {sae_id: state_dict}, when given), "warnings" (those naming a damaged one)}."""
+    import logging
+
+    import torch
+
+    from actcache.errors import TrainError
+    from actcache.rundir import checkpoint_dir, run_dir
+    from actcache.sae.checkpoint import steps
+    from actcache.sae.modeling import SAE
+    from actcache.sae.train import Preempted, train_group
+
+    out = os.path.join(workdir, kind)
+    calls = [0]
+
+    def stop() -> bool:
+        calls[0] += 1
+        return calls[0] >= stop_at
+
+    try:
+        train_group(cache_dir, runs, out, device="cpu", stop=stop)
+    except Preempted:
+        pass
+    dirs = [run_dir(out, os.path.basename(os.path.normpath(cache_dir)), r) for r in runs]
+    damaged = steps(dirs[0])[-1]
+    corrupt(checkpoint_dir(dirs[0], damaged), kind)
+    seen: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger = logging.getLogger("actcache.sae")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    res = {"kind": kind, "damaged": damaged, "start": None, "message": "", "identical": None}
+    try:
+        train_group(cache_dir, runs, out, device="cpu")
+        starts = [int(m.rsplit("at step ", 1)[1].split()[0]) for m in seen if "resuming" in m and "at step " in m]
+        res["start"] = min(starts) if starts else 0
+        res["outcome"] = "resumed" if res["start"] < damaged else "same-step"
+        if reference is not None:
+            res["identical"] = all(
+                torch.equal(torch.nan_to_num(SAE.load(d).state_dict()[k]), torch.nan_to_num(v))
+                for r, d in zip(runs, dirs, strict=True)
+                for k, v in reference[r.sae_id].items()
+            )
+    except TrainError as err:
+        res["outcome"], res["message"] = "error", str(err)
+    except Exception as err:  # noqa: BLE001 - the trial's result: a raw exception is a failure
+        res["outcome"], res["message"] = f"raw:{type(err).__name__}", str(err)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    res["warnings"] = [m for m in seen if " is damaged: " in m]
+    return res
