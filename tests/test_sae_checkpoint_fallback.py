@@ -11,7 +11,8 @@ import shutil
 
 import pytest
 
-from actcache.errors import TrainError
+from actcache.errors import LoaderError, TrainError
+from actcache.loaders.faults import damage_shard
 from actcache.rundir import MANIFEST_FILE, POSITION_FILE, run_dir
 from actcache.sae import checkpoint as ckpt
 from actcache.sae.checkpoint_faults import CORRUPTIONS, corrupt, resume_trial
@@ -105,3 +106,25 @@ def test_a_checkpoint_from_before_manifests_is_verified_by_loading_it(setup, tmp
     corrupt(ckpt.step_dir(d, 15), "state-truncated")
     assert ckpt.valid_steps(d) == [10]
     assert "cannot be loaded" in ckpt.problem(d, 15)
+
+
+def test_a_shard_damaged_during_training_stops_it_with_a_loader_error_and_a_checkpoint(setup, tmp_path):
+    """A shard replaced under a running trainer: one line naming it, and the steps done so far
+    kept in a checkpoint (not a multiple of ckpt_every) to resume from once the cache is fixed."""
+    cache, runs, _, _ = setup
+    src = str(tmp_path / os.path.basename(cache))
+    shutil.copytree(cache, src)
+    calls = [0]
+
+    def damage_at_step_7() -> bool:
+        calls[0] += 1
+        if calls[0] == 7:
+            damage_shard(os.path.join(src, "acts000001.bin"), "replace")
+        return False
+
+    with pytest.raises(LoaderError) as err:
+        train_group(src, runs, tmp_path / "runs", device="cpu", stop=damage_at_step_7)
+    assert "acts000001.bin" in str(err.value) and "replaced" in str(err.value) and "\n" not in str(err.value)
+    d = run_dir(tmp_path / "runs", os.path.basename(cache), runs[0])
+    last = ckpt.steps(d)[-1]
+    assert 7 <= last < TRAIN["steps"] and last % TRAIN["ckpt_every"] and ckpt.problem(d, last) is None

@@ -38,7 +38,7 @@ from collections.abc import Callable
 
 import torch
 
-from actcache.errors import ConfigError, TrainError, os_error_text
+from actcache.errors import ConfigError, LoaderError, TrainError, os_error_text
 from actcache.feed import StagedFeed
 from actcache.fsutil import atomic_write_bytes
 from actcache.rundir import DONE_FILE, EVAL_FILE, METRICS_FILE, RUN_FILE, done_path, is_done, run_dir
@@ -380,6 +380,13 @@ class GroupTrainer:
                         self._check_deferred()
                         self._save(members, step)
                     raise Preempted(step)
+        except LoaderError:
+            # a damaged shard: keep the steps done (one process only: with DDP the other ranks
+            # would wait in the checkpoint's collectives for this one); a re-run resumes there
+            if self.ctx.world_size == 1 and step > start and step % run.ckpt_every:
+                self._check_deferred()
+                self._save(members, step)
+            raise
         finally:
             if feed is not None:
                 feed.close()
