@@ -69,10 +69,7 @@ def test_bad_train_value_is_one_line_naming_file_key_value_and_fix(train, want):
             {"vit__ckpt": 3},
             "x.yaml: key 'vit.ckpt' must be str, got 3 (int); e.g. `ckpt: openai/clip-vit-base-patch16`",
         ),
-        (
-            {"vit__family": "vitx"},
-            "x.yaml: key 'vit.family' must be one of clip, siglip, dinov2, dinov3, siglip2, got 'vitx'",
-        ),
+        ({"vit__family": "vitx"}, "x.yaml: key 'vit.family' must be one of clip, siglip, dinov2, dinov3, siglip2, got 'vitx'"),
         ({"vit__layers": [-2, -2]}, "x.yaml: key 'vit.layers' repeats an item, got (-2, -2); e.g. `layers: [-2]`"),
         ({"cache": {"n_workers": -1}}, "x.yaml: key 'cache.n_workers' must be >= 0, got -1; e.g. `n_workers: 4`"),
         ({"cache": {"batch_sz": 8}}, "x.yaml: unknown key 'cache.batch_sz'. Allowed: batch_size, device"),
@@ -93,15 +90,8 @@ def test_sections_are_checked_when_built_directly():
 
 def test_scopes_and_flags_give_the_identity_tables():
     assert set(LOGISTICS) == {n for n, d in RUN_KEYS.items() if d.key.scope in ("logging", "loader")} | {"decode"}
-    assert set(LATE_GROUP_KEYS) == {
-        "n_readers",
-        "cold_read",
-        "batch_timeout_s",
-        "prefetch",
-        "precision",
-        "decode",
-        "keep_checkpoints",
-    }
+    assert set(LATE_GROUP_KEYS) == {"n_readers", "cold_read", "batch_timeout_s", "prefetch", "precision", "decode",
+                                    "keep_checkpoints"}  # fmt: skip
     assert set(GROUP_KEYS) >= {"layer", "patches", "batch_size", "steps", *LOGISTICS}
     assert not set(GROUP_KEYS) & {"lr", "k", "activation", "width"}
 
