@@ -76,7 +76,8 @@ def resume_trial(
     "damaged" (its step), "outcome": "resumed" (from an older step, ``start``), "same-step"
     (resumed from the damaged one: a failure), "error" (one clear TrainError: ``message``) or
     "raw:<type>" (any other exception: a failure), "identical" (the final weights equal
-    ``reference``, {sae_id: state_dict}, when given), "warnings" (those naming a damaged one)}."""
+    ``reference``, {sae_id: state_dict}, when given), "warnings" (those naming a damaged one)}.
+    The start step and warnings come from the trainer's log records: keep logging enabled."""
     import logging
 
     import torch
