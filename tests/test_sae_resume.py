@@ -85,7 +85,7 @@ def test_preempted_group_resumes_to_identical_weights(cache, reference, tmp_path
     assert err.value.step == 25
     for r in runs:
         d = run_dir(tmp_path, os.path.basename(cache), r)
-        assert ckpt.steps(d) == [25]  # the stop checkpoint; older ones pruned
+        assert ckpt.steps(d) == [20, 25]  # the stop checkpoint and the one before (keep_checkpoints: 2)
         pos = ckpt.read_position(d, 25)
         assert pos["batches_per_epoch"] == 180 * 16 // 128  # 22: the stop came in the second epoch
         assert pos["loader"] == {"epoch": 1, "batch": 3}
@@ -110,7 +110,7 @@ def test_crash_between_two_saes_checkpoints_resumes_from_the_common_step(cache, 
         train_group(cache, runs, tmp_path, device="cpu")
     monkeypatch.setattr(ckpt, "save", real_save)
     dirs = [run_dir(tmp_path, os.path.basename(cache), r) for r in runs]
-    assert [ckpt.steps(d) for d in dirs] == [[20, 30], [20], [20]]
+    assert [ckpt.steps(d) for d in dirs] == [[10, 20, 30], [10, 20], [10, 20]]
     assert ckpt.common_step(dirs) == 20
     train_group(cache, runs, tmp_path, device="cpu")
     assert_same(collect(cache, runs, tmp_path), want)

@@ -100,7 +100,7 @@ def check_resumed(cache, runs_to, job, log_text: str) -> None:
     ref = train_group(cache, [run], runs_to / "ref", device="cpu")[0]
     for name, t in SAE.load(ref).state_dict().items():
         torch.testing.assert_close(SAE.load(d).state_dict()[name], t, rtol=0, atol=0, equal_nan=True)
-    assert ckpt.steps(d) == [TRAIN["steps"]]
+    assert ckpt.steps(d)[-1] == TRAIN["steps"] and len(ckpt.steps(d)) == 2  # keep_checkpoints: 2
 
 
 def task_pids(controller_pid: int) -> list[int]:

@@ -199,7 +199,8 @@ def test_one_pass_trains_a_sweep_and_writes_every_output(small_cache, tmp_path):
         for key in ("mse", "nmse", "l0", "l1", "n_dead", "n_dense", "wait_s", "wait_frac", "lr", "steps_per_s"):
             assert key in lines[-1], key
         assert lines[-1]["l0"] == r.k
-        assert os.listdir(os.path.join(d, "checkpoints")) == ["step-00000030"]  # older ones pruned
+        ckpts = sorted(os.listdir(os.path.join(d, "checkpoints")))
+        assert ckpts == ["step-00000020", "step-00000030"]  # the newest keep_checkpoints (2)
         pos = json.load(open(os.path.join(d, "checkpoints", "step-00000030", "position.json")))
         assert pos["step"] == 30 and set(pos["loader"]) == {"epoch", "batch"}
         ev = json.load(open(os.path.join(d, "eval.json")))

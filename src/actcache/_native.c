@@ -26,6 +26,9 @@
 #include <Python.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/uio.h>
@@ -262,6 +265,101 @@ static const char *isa_name(void) {
 static const char *isa_name(void) { return "generic"; }
 #endif
 
+/* ---- SIGBUS guard: a mapped file that shrinks under a copy is an error, not a crash ---------
+ * Reading a page of a file mapping past the file's end raises SIGBUS, which kills the process.
+ * A copy out of the shards' mappings runs "guarded": this thread's jump buffer is set, and the
+ * SIGBUS handler, seeing it set, jumps back out of the copy (siglongjmp), which then raises
+ * BusError (an OSError carrying the faulting address) instead of returning. Chosen over checking
+ * the file's size before each copy because that leaves a race (a truncate between the check and
+ * the read). The jump buffer is thread-local (initial-exec TLS: safe to read in a handler), so
+ * threads copying in parallel each return to their own copy, and a SIGBUS in a thread that is
+ * not copying goes to the handler that was installed before ours (faulthandler, or the default:
+ * the process dies as it would have). Each guarded call checks that our handler is still the
+ * one installed and puts it back in front if another (faulthandler.enable()) replaced it. */
+#if defined(__GNUC__) || defined(__clang__)
+#define GUARD_TLS __thread __attribute__((tls_model("initial-exec")))
+#else
+#define GUARD_TLS _Thread_local
+#endif
+static GUARD_TLS sigjmp_buf *guard_jmp;     /* set while this thread copies out of mappings */
+static GUARD_TLS uintptr_t guard_fault;     /* the address whose read faulted */
+static struct sigaction guard_prev;         /* the handler installed before ours */
+static volatile sig_atomic_t guard_passed_on; /* a SIGBUS not ours was handed on: we step aside */
+static PyObject *BusError;                  /* actcache._native.BusError (an OSError) */
+
+static void guard_handler(int sig, siginfo_t *si, void *uc) {
+    (void)uc;
+    sigjmp_buf *jb = guard_jmp;
+    if (jb != NULL) { /* this thread is in a guarded copy (a fault, or a handler before us re-raising it) */
+        guard_jmp = NULL;
+        guard_fault = si ? (uintptr_t)si->si_addr : 0;
+        siglongjmp(*jb, 1);
+    }
+    /* Not ours: hand it to the handler before ours, once; then step aside for good. */
+    if (guard_passed_on) {
+        signal(sig, SIG_DFL);
+        raise(sig);
+        return;
+    }
+    guard_passed_on = 1;
+    sigaction(sig, &guard_prev, NULL);
+    if (!si || si->si_code <= 0) raise(sig); /* a sent signal: send it again, to that handler */
+    /* a fault: returning runs the faulting instruction again, and its fault reaches that handler */
+}
+
+/* Our handler in front (called with the GIL held, so installs do not race). */
+static void guard_install(void) {
+    struct sigaction cur;
+    if (guard_passed_on || sigaction(SIGBUS, NULL, &cur) != 0) return;
+    if ((cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == guard_handler) return;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = guard_handler;
+    sa.sa_flags = SA_SIGINFO;
+    sigemptyset(&sa.sa_mask);
+    guard_prev = cur;
+    sigaction(SIGBUS, &sa, NULL);
+}
+
+/* run_job with the guard: 0, or 1 with *fault set when a read faulted (the copy stopped there). */
+static void run_job(job_t *j, int stream);
+static int run_job_guarded(job_t *j, int stream, uintptr_t *fault) {
+    sigjmp_buf jb;
+    /* The signal mask is not saved (a system call per copy): the jump leaves the handler with
+     * SIGBUS blocked (its only change to the mask), so that is undone here, on the error path. */
+    if (sigsetjmp(jb, 0)) {
+        sigset_t bus;
+        sigemptyset(&bus);
+        sigaddset(&bus, SIGBUS);
+        pthread_sigmask(SIG_UNBLOCK, &bus, NULL);
+        *fault = guard_fault;
+        return 1;
+    }
+    guard_jmp = &jb;
+    run_job(j, stream);
+    guard_jmp = NULL;
+    return 0;
+}
+
+/* Raise BusError for a faulted copy; its ``address`` attribute is the faulting address. */
+static void raise_bus_error(const char *who, uintptr_t fault) {
+    PyObject *exc = PyObject_CallFunction(BusError, "iN", EIO,
+                                          PyUnicode_FromFormat("%s: SIGBUS reading a memory-mapped file (it was "
+                                                               "truncated, or the device behind it failed, while "
+                                                               "it was read)", who));
+    if (exc == NULL) return;
+    PyObject *addr = PyLong_FromUnsignedLongLong((unsigned long long)fault);
+    if (addr == NULL || PyObject_SetAttrString(exc, "address", addr) < 0) {
+        Py_XDECREF(addr);
+        Py_DECREF(exc);
+        return;
+    }
+    Py_DECREF(addr);
+    PyErr_SetObject(BusError, exc);
+    Py_DECREF(exc);
+}
+/* ---- end of the SIGBUS guard -------------------------------------------------------------- */
+
 static void run_job(job_t *j, int stream) {
     set_prefetch(j);
 #ifdef ACT_X86
@@ -357,9 +455,16 @@ static PyObject *gather_multi(PyObject *self, PyObject *args, PyObject *kw) {
     j.bases = (const char *const *)bases.buf;
     j.srcs = S;
     j.dst = (char *)(uintptr_t)dst_addr;
+    uintptr_t fault = 0;
+    int faulted;
+    guard_install();
     Py_BEGIN_ALLOW_THREADS;
-    run_job(&j, stream);
+    faulted = run_job_guarded(&j, stream, &fault);
     Py_END_ALLOW_THREADS;
+    if (faulted) {
+        raise_bus_error("gather_multi", fault);
+        goto done;
+    }
     result = Py_None;
     Py_INCREF(result);
 done:
@@ -670,6 +775,11 @@ PyMODINIT_FUNC PyInit__native(void) {
 #endif
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
+    BusError = PyErr_NewException("actcache._native.BusError", PyExc_OSError, NULL);
+    if (BusError == NULL || PyModule_AddObjectRef(m, "BusError", BusError) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     if (PyModule_AddStringConstant(m, "isa", isa_name()) < 0) {
         Py_DECREF(m);
         return NULL;

@@ -3,7 +3,8 @@
     <runs_to>/<HASH>/<sae-id>/          one SAE trained on the cache <HASH> (run_dir)
         run.json                        the RunConfig, cache path and hash, group id (written first)
         metrics.jsonl                   one line of training metrics every log_every steps
-        checkpoints/step-NNNNNNNN/      weights, optimizer state, position.json (actcache.sae.checkpoint)
+        checkpoints/step-NNNNNNNN/      weights, optimizer state, position.json, manifest.json (the last
+                                        keep_checkpoints of them; actcache.sae.checkpoint)
         sae.safetensors, config.json    the final weights (SAE.save / SAE.load)
         eval.json                       held-out metrics (actcache.sae.evaluate)
         done.json                       written last: the SAE is finished
@@ -33,6 +34,9 @@ CONFIG_FILE = "config.json"
 SAE_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 CHECKPOINTS_DIR = "checkpoints"
 POSITION_FILE = "position.json"
+CHECKPOINT_STATE_FILE = "state.pt"  # a checkpoint's optimizer, objective and trainer state
+MANIFEST_FILE = "manifest.json"  # a checkpoint's files with their sizes and checksums, written last
+SET_ASIDE_MARK = ".invalid"  # a checkpoint found damaged is renamed step-NNNNNNNN.invalid[-k]
 VISUALS_DIR = "visuals"
 VISUALS_PAGE = "visuals.html"  # the visuals/ page in one small file, beside the folder (for snakemake --report)
 PAGE_FILE = "index.html"

@@ -108,7 +108,7 @@ def test_read_mode_reads_few_large_pieces_and_reports_truncation(tmp_path, monke
         time.sleep(0.005)
     with open(os.path.join(path, "acts000001.bin"), "r+b") as f:
         f.truncate(100)
-    with pytest.raises(LoaderError, match=r"(?s)short read of acts000001.bin.*truncated"):
+    with pytest.raises(LoaderError, match=r"acts000001.bin .*truncated"):
         list(it)
 
 
@@ -238,7 +238,7 @@ def test_crash_timeout_and_ctrl_c(cache, tmp_path, sigint_raises):
     path, _, _ = make_cache(tmp_path, n_imgs=12, layers=(3,), n_patches=4, d=8, imgs_per_shard=4)
     ld = OrderedLoader(path, batch_size=5, layer=3)
     os.unlink(os.path.join(path, "acts000001.bin"))
-    with pytest.raises(LoaderError, match=r"(?s)reader-\d.*Traceback.*acts000001.bin"):
+    with pytest.raises(LoaderError, match=r"reader-\d.*acts000001.bin.*No such file"):
         list(ld)
     assert not loader_threads()
 

@@ -25,4 +25,4 @@ def test_spawn_all_holds_every_thread_until_the_last_has_started():
         t.join(10)
     assert sorted(i for i, _ in seen) == list(range(5))
     assert all(n == 5 for _, n in seen), seen  # each began once all five existed
-    assert rt.error is not None and rt.error[0] == "r3" and "role 3 failed" in rt.error[1]
+    assert rt.error is not None and rt.error[0] == "r3" and "role 3 failed" in str(rt.error[2])

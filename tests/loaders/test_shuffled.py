@@ -6,6 +6,7 @@ from __future__ import annotations
 import _thread
 import contextlib
 import itertools
+import logging
 import math
 import multiprocessing
 import os
@@ -506,23 +507,29 @@ def test_io_read_a_second_pass_reuses_the_arena_slots_and_close_frees_them(cache
     assert ld.stats.arena_slots > made  # after close(), a pass faults its arena in again
 
 
-def test_reader_crash_reaches_the_consumer_with_traceback(cache, tmp_path):
+def test_reader_crash_reaches_the_consumer_as_one_line_with_the_traceback_in_the_debug_log(cache, tmp_path, caplog):
     path, md, _ = make_cache(tmp_path, n_imgs=12, layers=(3,), n_patches=4, d=8, imgs_per_shard=4)
     ld = ShuffledLoader(path, batch_size=5, layer=3, buffer_bytes=1000, run_bytes=200)
     os.unlink(os.path.join(path, "acts000002.bin"))
     with pytest.raises(LoaderError) as err:
         collect(ld)
-    assert "reader" in str(err.value) and "Traceback" in str(err.value) and "acts000002.bin" in str(err.value)
+    msg = str(err.value)
+    assert "reader" in msg and "acts000002.bin" in msg and "No such file" in msg and "\n" not in msg
+    assert "Traceback" not in msg
     assert not loader_threads()
 
     def boom(stage, info):
         if stage == "read" and info["shard"] == 1:
-            raise RuntimeError("disk on fire")
+            raise RuntimeError("disk on\nfire")
 
     ld = ShuffledLoader(cache[0], batch_size=5, layer=3, **SMALL)
     ld.debug_hook = boom
-    with pytest.raises(LoaderError, match="(?s)Traceback.*RuntimeError: disk on fire"):
-        collect(ld)
+    with caplog.at_level(logging.DEBUG, logger="actcache.loaders.runtime"):
+        with pytest.raises(LoaderError, match=r"reading acts000001.bin .*: RuntimeError: disk on fire$") as err:
+            collect(ld)
+    assert "\n" not in str(err.value) and isinstance(err.value.__cause__, RuntimeError)
+    assert any(r.exc_info and "Traceback" not in r.getMessage() for r in caplog.records)
+    assert "disk on\nfire" in caplog.text and "Traceback" in caplog.text
 
 
 def test_truncated_shard_is_an_error_not_a_crash(tmp_path):

@@ -12,6 +12,7 @@ import numpy as np
 
 from actcache.cache import ActivationCache
 from actcache.errors import ConfigError
+from actcache.loaders import integrity
 from actcache.loaders.buffers import BatchBuffers, BatchPool
 from actcache.loaders.common import Selection
 from actcache.loaders.maps import ShardMaps
@@ -44,6 +45,7 @@ class Iteration:
             evict=loader.evict,
             mode=loader.map_mode,
             cold_read=loader.cold_read,
+            identities=loader.shard_ids,
         )
         self.closed = False
         self.on_close: list = []  # loader-specific state to drop before unmapping (may hold views)
@@ -145,6 +147,8 @@ class BaseLoader(abc.ABC):
         self.shard_imgs = [s.n_imgs for s in self.cache.shards]
         self.shard_sizes = [n * md.bytes_per_img for n in self.shard_imgs]
         self.shard_start = np.r_[0, np.cumsum(self.shard_imgs)].astype(np.int64)
+        # each shard's (device, inode) now: a shard replaced later is an error, never read (integrity.py)
+        self.shard_ids = integrity.identities(self.cache.path, [s.name for s in self.cache.shards])
         # Reading a small part of each image (one layer of several, or CLS only): no read-around.
         self.random_access = self.geom.img_bytes * 2 < md.bytes_per_img
         self.map_mode = "random" if self.random_access else "huge"  # see ShardMaps

@@ -1,4 +1,9 @@
-"""IndexedDataset: a torch map-style Dataset over a cache (random access, one vector per item)."""
+"""IndexedDataset: a torch map-style Dataset over a cache (random access, one vector per item).
+
+Each item is read with one pread from the shard file, not out of a memory mapping: a shard
+truncated meanwhile then gives a short read (a LoaderError naming it), never SIGBUS, and a shard
+replaced since the dataset was made is refused when it is opened (loaders/integrity.py).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,8 @@ import numpy as np
 import torch
 
 from actcache.cache import ActivationCache
+from actcache.errors import LoaderError
+from actcache.loaders import integrity
 from actcache.loaders.common import Selection
 
 
@@ -23,6 +30,46 @@ class IndexedDataset(torch.utils.data.Dataset):
         self.cache = path if isinstance(path, ActivationCache) else ActivationCache.open(path)
         self.metadata = self.cache.metadata
         self.sel = Selection(self.metadata, patches, layer)
+        self._names = [s.name for s in self.cache.shards]
+        md = self.metadata
+        self._sizes = [s.n_imgs * md.bytes_per_img for s in self.cache.shards]
+        self._ids = integrity.identities(self.cache.path, self._names)
+        self._fds: dict[int, int] = {}
+
+    def __getstate__(self) -> dict:  # DataLoader workers (spawn) open their own descriptors
+        return {**self.__dict__, "_fds": {}}
+
+    def __del__(self):
+        self.close()
+
+    def close(self) -> None:
+        """Close the shard files (they are opened again on the next read)."""
+        fds, self._fds = getattr(self, "_fds", {}), {}
+        for fd in fds.values():
+            os.close(fd)
+
+    def _read(self, img: int, layer_i: int, token: int) -> np.ndarray:
+        """Vector (image, layer position, token) with one pread from its shard file."""
+        md = self.metadata
+        shard, local = divmod(img, md.n_imgs_per_shard)
+        fd = self._fds.get(shard)
+        if fd is None:
+            fd = integrity.open_shard(self.cache.path, self._names[shard], self._ids[shard], self._sizes[shard])
+            got = self._fds.setdefault(shard, fd)
+            if got != fd:  # another thread opened it first
+                os.close(fd)
+                fd = got
+        vb = md.d_vit * 4
+        offset = ((local * len(md.layers) + layer_i) * md.n_tokens_per_img + token) * vb
+        try:
+            data = os.pread(fd, vb, offset)
+            if len(data) != vb:
+                raise LoaderError(f"short read at byte {offset:,}: {len(data)} of {vb} bytes")
+        except (OSError, LoaderError) as err:
+            raise integrity.read_error(
+                self.cache.path, self._names[shard], fd, self._ids[shard], self._sizes[shard], err
+            ) from err
+        return np.frombuffer(data, np.float32).copy()
 
     @property
     def d_vit(self) -> int:
@@ -43,9 +90,9 @@ class IndexedDataset(torch.utils.data.Dataset):
             raise IndexError(f"index {i} out of range for a dataset of {n} examples")
         img, layer, token, patch = self.sel.decode(i)
         layer = int(layer)
-        vec = self.cache[img, layer, int(token)]
+        vec = self._read(int(img), self.metadata.layer_index(layer), int(token))
         return {
-            "act": torch.from_numpy(np.array(vec, dtype=np.float32)),
+            "act": torch.from_numpy(vec),
             "image_i": int(img),
             "patch_i": int(patch),
             "layer": layer,

@@ -14,9 +14,10 @@ optionally POSIX_FADV_DONTNEED as well, which also drops them from the page cach
 read); for a sequential reader ``release_before``. madvise is called through ctypes and fadvise
 through ``os``, so the GIL is released while the kernel works (``mmap.madvise`` holds it).
 
-Before touching a range, its file is stat'ed: a shard truncated after the cache was opened is
-reported as an error instead of killing the process with SIGBUS. (A file truncated while a
-batch is being copied out of it can still raise SIGBUS: do not rewrite a cache while it is read.)
+Before touching a range, its file is stat'ed (integrity.py): a shard truncated, replaced or
+removed after the loader was created is a LoaderError naming it. A shard truncated while a batch
+is copied out of its mapping raises SIGBUS in the copy, which the C kernel turns into an error
+(``read_error`` names the shard); without the C kernel only the checks before each copy remain.
 
 The batch buffers the copies write into are in ``buffers.py``.
 """
@@ -32,7 +33,7 @@ import threading
 import numpy as np
 
 from actcache.errors import LoaderError
-from actcache.loaders import kernels
+from actcache.loaders import integrity, kernels
 from actcache.loaders.options import COLD_READS
 
 PAGE = mmap.PAGESIZE
@@ -111,6 +112,7 @@ class ShardMaps:
         evict: bool = False,
         mode: str = "huge",
         cold_read: str = "fault",
+        identities: list | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} not in {MODES}")
@@ -120,6 +122,8 @@ class ShardMaps:
         self._scratch = threading.local()  # read_uncached: each thread's READ_CHUNK buffer
         self.path, self.names, self.sizes = path, list(names), list(sizes)
         self.evict, self.mode = evict, mode
+        # (device, inode) of each shard when the loader was created: a shard opened later must match
+        self.identities = identities if identities is not None else integrity.identities(path, self.names)
         self._fds: dict[int, int] = {}
         self._maps: dict[tuple[int, str], mmap.mmap] = {}
         self._arrays: dict[tuple[int, str], np.ndarray] = {}
@@ -138,14 +142,44 @@ class ShardMaps:
                 raise LoaderError("the loader was closed")
             fd = self._fds.get(shard)
             if fd is None:
-                fd = os.open(os.path.join(self.path, self.names[shard]), os.O_RDONLY)
-                try:
-                    self._check_size(shard, fd, self.sizes[shard])
-                except BaseException:
-                    os.close(fd)
-                    raise
+                fd = integrity.open_shard(self.path, self.names[shard], self.identities[shard], self.sizes[shard])
                 self._fds[shard] = fd
             return fd
+
+    def check_intact(self, shard: int, need: int | None = None) -> None:
+        """LoaderError naming the shard if it was removed, replaced or truncated (below ``need``
+        bytes; default its size) since the loader was created (integrity.py)."""
+        fd = self.fd(shard)
+        need = self.sizes[shard] if need is None else need
+        integrity.check(self.path, self.names[shard], fd, self.identities[shard], need)
+
+    def shard_at(self, address: int) -> int | None:
+        """The shard whose mapping holds ``address`` (a BusError's), or None."""
+        for (shard, _), arr in list(self._arrays.items()):
+            a = arr.ctypes.data
+            if a <= address < a + arr.nbytes:
+                return shard
+        return None
+
+    def read_error(self, err: BaseException, shards=None) -> LoaderError:
+        """The LoaderError for a copy or read that failed with ``err``: it names the shard the
+        faulting address lies in (a BusError's ``address``), else the first of ``shards`` found
+        damaged, else the first of them."""
+        shard = self.shard_at(getattr(err, "address", -1))
+        if shard is None:
+            cands = list(shards or [])
+            damaged = [s for s in cands if self._problem(s)]
+            shard = (damaged or cands or [None])[0]
+        if shard is None:
+            return LoaderError(f"could not read a shard of {self.path} ({type(err).__name__}: {err}); {integrity.FIX}")
+        return integrity.read_error(
+            self.path, self.names[shard], self._fds.get(shard), self.identities[shard], self.sizes[shard], err
+        )
+
+    def _problem(self, shard: int) -> str | None:
+        return integrity.problem(
+            self.path, self.names[shard], self._fds.get(shard), self.identities[shard], self.sizes[shard]
+        )
 
     def _open(self, shard: int, which: str) -> np.ndarray:
         fd = self.fd(shard)
@@ -169,14 +203,6 @@ class ShardMaps:
     @property
     def _main(self) -> str:
         return {"huge": "huge", "pte": "nohuge", "random": "random"}[self.mode]
-
-    def _check_size(self, shard: int, fd: int, need: int) -> None:
-        size = os.fstat(fd).st_size
-        if size < need:
-            raise LoaderError(
-                f"shard {self.names[shard]} in {self.path} is {size:,} bytes but {need:,} are needed: "
-                "the file was truncated or replaced after the cache was opened."
-            )
 
     def array(self, shard: int) -> np.ndarray:
         """The whole shard as a uint8 array (a view of the mapping copies are made from)."""
@@ -259,7 +285,7 @@ class ShardMaps:
     def make_resident(self, shard: int, starts: np.ndarray, ends: np.ndarray) -> int:
         """Byte ranges in the page cache and mapped for copying before returning (see the modes).
         -> bytes read with preadv because they were not cached (``cold_read="read"``), else 0."""
-        self._check_size(shard, self.fd(shard), int(ends.max()) if len(ends) else 0)
+        self.check_intact(shard, int(ends.max()) if len(ends) else 0)
         cold = 0
         if self.mode == "huge" and self.cold_read == "read":
             cold = self.read_uncached(shard, starts, ends, gap=HUGE)
@@ -317,10 +343,9 @@ class ShardMaps:
                 err = ctypes.get_errno()
                 if err in (errno.EINVAL, errno.ENOSYS):  # kernel < 5.14: touch the pages instead
                     self._populate_ok = False
-                else:
-                    raise LoaderError(
-                        f"could not read bytes {int(s):,}-{int(e):,} of {self.names[shard]} in {self.path}: "
-                        f"{os.strerror(err)} (errno {err})"
+                else:  # EFAULT: the file ends before the range (truncated meanwhile); EIO: the disk
+                    raise self.read_error(
+                        OSError(err, f"reading bytes {int(s):,}-{int(e):,}: {os.strerror(err)}"), [shard]
                     )
             int(arr[int(s) : int(e) : PAGE].sum())  # touch one byte per page
 

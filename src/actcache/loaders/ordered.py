@@ -154,6 +154,9 @@ class OrderedLoader(BaseLoader):
         self.n_readers = n_readers or 4  # several batches' reads in flight: faster cold than 2
         # io="auto": a cached batch may be mapped (see EXPLORE_EVERY); the costs outlive a pass
         self.may_map = self.map_mode == "huge" or self.geom.n_tokens * self.geom.vec_bytes >= MAP_MIN_RANGE
+        # without the C kernel a copy out of a mapping cut meanwhile would kill the process
+        # (SIGBUS in numpy): io="auto" then always reads
+        self.may_map = self.may_map and kernels.native_info()["native"]
         self.path_cost = _PathCost()
         per = self.geom.per_img
         self.partition = Partition((end_img - start_img) * per, self.world, batch_size, drop_last)
@@ -229,6 +232,7 @@ class OrderedLoader(BaseLoader):
                 for shard, simg, n, ext in spans:
                     it.rt.status(name, f"reading {self.cache.shards[shard].name} images {simg}-{simg + n} (batch {k})")
                     self._hook("read", shard=shard, images=(simg, simg + n), batch=k)
+                    it.maps.check_intact(shard)  # removed, replaced or cut since the loader was made
                     if ask:
                         cached = it.maps.prefetch(shard, *ext, gap=MERGE_GAP) and cached
             finally:
@@ -301,7 +305,8 @@ class OrderedLoader(BaseLoader):
             a0 = job.cuts[0]
             a, b = job.cuts[part], job.cuts[part + 1]
             it.rt.status(name, f"copying batch {k} (part {part + 1} of {len(job.cuts) - 1})")
-            self._hook("gather", batch=k)
+            if self.debug_hook is not None:
+                self._hook("gather", batch=k, shards=[s for s, _, _ in self._spans(a, b)], part=part)
             t = time.thread_time()
             if job.mapped:
                 self._fill(it, a, b, buf, a - a0)
@@ -405,11 +410,16 @@ class OrderedLoader(BaseLoader):
                     want += E[j] - S[j]
                     p += E[j] - S[j]
                     j += 1
-                got = os.preadv(fd, iov, S[i])
+                try:
+                    got = os.preadv(fd, iov, S[i])
+                except OSError as err:
+                    raise it.maps.read_error(err, [shard]) from err
                 if got != want:
-                    raise LoaderError(
-                        f"short read of {self.cache.shards[shard].name} in {self.cache.path} at byte {S[i]:,}: "
-                        f"{got:,} of {want:,} bytes. The file was truncated after the cache was opened."
+                    raise it.maps.read_error(
+                        LoaderError(
+                            f"short read of {self.cache.shards[shard].name} at byte {S[i]:,}: {got:,} of {want:,} bytes"
+                        ),
+                        [shard],
                     )
                 it.rt.progressed()  # a slow filesystem is not a stalled one (runtime module doc)
                 if self.scale is not None:  # the rows just read, while still in the CPU cache
@@ -430,6 +440,27 @@ class OrderedLoader(BaseLoader):
         buf.image_i[z], buf.patch_i[z], buf.layer[z] = img, patch, layer
 
     def _fill(self, it: Iteration, a: int, b: int, buf, off: int = 0) -> None:
+        """Examples [a, b) out of the mappings into the batch buffer from row ``off`` on. A shard
+        damaged meanwhile is a LoaderError naming it: each shard is checked first, and the C
+        kernel's copies stop at a SIGBUS (without the C kernel only the check remains: see
+        ShuffledLoader._copy)."""
+        shards = [shard for shard, _, _ in self._spans(a, b)]
+        for shard in shards:
+            it.maps.check_intact(shard)
+        try:
+            self._fill_mapped(it, a, b, buf, off)
+        except OSError as err:  # a BusError (SIGBUS in a copy): which shard, what happened to it
+            raise it.maps.read_error(err, shards) from err
+
+    def _copy_range(self, it: Iteration, shard: int, src: np.ndarray, dst: np.ndarray) -> None:
+        """dst = src (a contiguous piece of the shard's mapping), by the C kernel where built (a
+        SIGBUS then raises BusError instead of killing the process)."""
+        offset = src.__array_interface__["data"][0] - kernels.address(it.maps.array(shard))
+        one = np.zeros(1, np.int64)
+        if not kernels.copy_blocks(it.maps.array(shard), one, dst, stride=max(1, dst.nbytes), offset=offset):
+            np.copyto(dst, src)
+
+    def _fill_mapped(self, it: Iteration, a: int, b: int, buf, off: int = 0) -> None:
         g, per, nT = self.geom, self.geom.per_img, self.geom.n_tokens
         ts, one = g.token_start, len(g.layer_idx) == 1
         li0 = g.layer_idx[0]
@@ -461,7 +492,7 @@ class OrderedLoader(BaseLoader):
                 for lp in range(e0 // nT, (e1 - 1) // nT + 1):
                     t0, t1 = max(e0, lp * nT) - lp * nT, min(e1, (lp + 1) * nT) - lp * nT
                     dst = buf.act[pos : pos + t1 - t0]
-                    np.copyto(dst, src[simg, g.layer_idx[lp], ts + t0 : ts + t1])
+                    self._copy_range(it, shard, src[simg, g.layer_idx[lp], ts + t0 : ts + t1], dst)
                     self._scale_rows(dst, np.full(t1 - t0, lp))
                     pos += t1 - t0
                 x += e1 - e0

@@ -1,8 +1,8 @@
 """The threads of one loader iteration: start, status, errors, timeouts, shutdown; and metrics.
 
-Every thread runs through :meth:`Runtime.spawn`: an exception in it is recorded with its
-traceback text, everything stops, and the consumer's next wait raises :class:`LoaderError`
-carrying that text. Threads report what they are doing (:meth:`Runtime.status`), so a
+Every thread runs through :meth:`Runtime.spawn`: an exception in it is recorded (its traceback
+goes to the debug log), everything stops, and the consumer's next wait raises :class:`LoaderError`
+with one line: the thread, what it was doing, and the exception's type and text. Threads report what they are doing (:meth:`Runtime.status`), so a
 :class:`BatchTimeoutError` names what stalled (which reader, which shard and images). A timeout
 measures a stall, not a slow start: the consumer gives up only when it has waited
 ``batch_timeout_s`` and no reader has finished a read (:meth:`Runtime.progressed`) within that
@@ -22,14 +22,15 @@ taken) takes CPU from the copies. Errors and shutdown wake every condition.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
-import traceback
 from collections.abc import Callable
 
-from actcache.errors import BatchTimeoutError, LoaderError
+from actcache.errors import ActCacheError, BatchTimeoutError, LoaderError
 
 SLICE_S = 0.05
+log = logging.getLogger(__name__)
 
 try:
     import ctypes
@@ -111,7 +112,7 @@ class Runtime:
         self.on_consumer_wait: list[threading.Condition] = [self.cond]
         self.on_consumed: list[threading.Condition] = [self.cond]
         self.stopping = False
-        self.error: tuple[str, str] | None = None  # (thread name, traceback text)
+        self.error: tuple[str, str, BaseException] | None = None  # (thread name, what it was doing, exception)
         self.threads: list[threading.Thread] = []
         self._status: dict[str, tuple[str, float]] = {}
         self.consumer_waiting = False  # the consumer is inside consumer_wait()
@@ -149,7 +150,7 @@ class Runtime:
 
     def spawn(self, name: str, fn: Callable[[], None], go: threading.Event | None = None) -> None:
         """Start a thread running ``fn`` (after ``go`` is set, if given); its exception, other
-        than Stopped, stops the runtime and reaches the consumer with its traceback."""
+        than Stopped, stops the runtime and reaches the consumer (its traceback: the debug log)."""
 
         def run():
             _name_thread(name)
@@ -160,10 +161,11 @@ class Runtime:
             except Stopped:
                 pass
             except BaseException as err:  # noqa: BLE001 - everything reaches the consumer
-                text = "".join(traceback.format_exception(err))
+                doing = self._status.get(name, ("?", 0.0))[0]
+                log.debug("%s: thread %r failed while %s", self.name, name, doing, exc_info=err)
                 with self.cond:
                     if self.error is None and not self.stopping:
-                        self.error = (name, text)
+                        self.error = (name, doing, err)
                     self.stopping = True
                     self.wake_all()
             finally:
@@ -216,8 +218,8 @@ class Runtime:
     # ---- waiting (consumer) -------------------------------------------------------------------
     def raise_error(self) -> None:
         if self.error is not None:
-            who, text = self.error
-            raise LoaderError(f"{self.name}: thread '{who}' failed:\n{text}")
+            who, doing, err = self.error
+            raise LoaderError(f"{self.name}: thread '{who}' failed while {doing}: {one_line(err)}") from err
 
     def consumer_wait(
         self,
@@ -275,3 +277,9 @@ class Runtime:
             if t is not me:
                 t.join(max(0.0, deadline - time.monotonic()))
         return [t.name for t in self.threads if t.is_alive()]
+
+
+def one_line(err: BaseException) -> str:
+    """An exception as one line: its text (our own errors say what to do), or its type and text."""
+    text = " ".join(str(err).split()) or "(no message)"
+    return text if isinstance(err, ActCacheError) else f"{type(err).__name__}: {text}"

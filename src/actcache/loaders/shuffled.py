@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import time
 
 import numpy as np
@@ -425,6 +426,8 @@ class ShuffledLoader(BaseLoader):
                 nbytes = (r.hi - r.lo) * self.geom.vec_bytes
                 if len(starts):
                     cold = it.maps.make_resident(r.shard, starts, ends)
+                else:  # all mapped already: still look whether the file was replaced or cut meanwhile
+                    it.maps.check_intact(r.shard)
             else:
                 starts, ends = r.extents(self.geom, range(r.first_strip, r.n_strips))
                 nbytes = int((ends - starts).sum())
@@ -455,16 +458,18 @@ class ShuffledLoader(BaseLoader):
 
         slot = self._arena_slot(it, int((ends - starts).sum()))
         order = np.argsort(starts, kind="stable")
+        it.maps.check_intact(r.shard)
         fd = it.maps.fd(r.shard)
         view = slot.arr.view(np.uint8)
         pos = 0
         for i in order.tolist():
             n = int(ends[i] - starts[i])
-            got = os.preadv(fd, [view[pos : pos + n]], int(starts[i]))
-            if got != n:
-                raise OSError(
-                    f"short read of {self.cache.shards[r.shard].name} at {int(starts[i])}: {got} of {n} bytes"
-                )
+            try:
+                got = os.preadv(fd, [view[pos : pos + n]], int(starts[i]))
+                if got != n:
+                    raise OSError(errno.EIO, f"short read at byte {int(starts[i]):,}: {got:,} of {n:,} bytes")
+            except OSError as err:
+                raise it.maps.read_error(err, [r.shard]) from err
             pos += n
         if self.evict:
             os.posix_fadvise(fd, int(starts.min()), int(ends.max() - starts.min()), os.POSIX_FADV_DONTNEED)
@@ -590,8 +595,12 @@ class ShuffledLoader(BaseLoader):
         releases the runs that batches up to the new frontier used up."""
         key = job.key
         it.rt.status(name, f"copying batch {self._describe_key(key)} (part {part + 1} of {job.n_parts})")
-        self._hook("gather", batch=key)
-        self._copy(job, part)
+        if self.debug_hook is not None:
+            self._hook("gather", batch=key, shards=job.shards, part=part)
+        if part == 0:  # once a batch: removed, replaced or cut since the loader was made (integrity.py)
+            for shard in job.shards:
+                it.maps.check_intact(shard)
+        self._copy(it, job, part)
         with it.cond:
             job.left -= 1
             if job.left:
@@ -647,9 +656,11 @@ class ShuffledLoader(BaseLoader):
         x, run_start, img0 = spec.x, spec.run_start, spec.run_img0
         cimg0 = img0 + self.shard_start[spec.run_shard]
         runs = spec.runs
+        mapped: list[int] = []
         if self.io == "mmap":  # a source per shard of the batch
             shards, run_src = np.unique(spec.run_shard, return_inverse=True)
-            sources = [self._shard_source(it, s) for s in shards.tolist()]
+            mapped = shards.tolist()
+            sources = [self._shard_source(it, s) for s in mapped]
             run_sub = None
         else:  # a source per run: its arena slot, the run's examples in order
             sources = [r.slot.arr[: (r.hi - r.lo) * g.D].reshape(-1, g.D) for r in runs]
@@ -664,7 +675,7 @@ class ShuffledLoader(BaseLoader):
         out = kernels.index_rows(x, run_start, img0, cimg0, run_src, run_sub, perm, g, want_lpos)
         n = len(x)
         n_parts = max(1, min(PARTS_PER_THREAD * self.n_threads, n // MIN_PART_ROWS))
-        return _Job(key, (spec.epoch, spec.index), n, sources, out, n_parts)
+        return _Job(key, (spec.epoch, spec.index), n, sources, out, n_parts, mapped)
 
     def _shard_source(self, it: Iteration, shard: int) -> np.ndarray:
         """The shard's (n_imgs * L * T, D) float32 view (made once per iteration)."""
@@ -674,8 +685,11 @@ class ShuffledLoader(BaseLoader):
             src = it.sources[shard] = it.maps.view(shard, (self.shard_imgs[shard] * g.L * g.T, g.D))
         return src
 
-    def _copy(self, job: _Job, part: int) -> None:
-        """Copy part ``part`` of the batch's rows (an equal share of them) into its buffer."""
+    def _copy(self, it: Iteration, job: _Job, part: int) -> None:
+        """Copy part ``part`` of the batch's rows (an equal share of them) into its buffer. A
+        shard truncated during the copy is a LoaderError naming it (maps.ShardMaps.read_error):
+        the C kernel stops at the SIGBUS. (Without the C kernel only the check in _copy_part
+        remains: a truncate during the copy itself then still kills the process.)"""
         a, b = part * job.n // job.n_parts, (part + 1) * job.n // job.n_parts
         if b <= a:
             return
@@ -691,8 +705,13 @@ class ShuffledLoader(BaseLoader):
                 kw["scales"] = np.asarray(self.scale, np.float32)[o["lpos"][a:b]]
         chooser = self._prefetch
         scheme = chooser.pick()
+        if self.debug_hook is not None:
+            self._hook("copy", batch=job.key, shards=job.shards, part=part)
         c0 = time.thread_time()
-        kernels.take_multi(job.sources, o["src"][a:b], o["rows"][a:b], act[a:b], prefetch=scheme, **kw)
+        try:
+            kernels.take_multi(job.sources, o["src"][a:b], o["rows"][a:b], act[a:b], prefetch=scheme, **kw)
+        except OSError as err:  # a BusError (SIGBUS in the copy): which shard, and what happened to it
+            raise it.maps.read_error(err, job.shards) from err
         chooser.record(scheme, act[a:b].nbytes, time.thread_time() - c0)
 
 
@@ -746,10 +765,13 @@ class _Job:
     (``out``: kernels.index_rows), and how many of its ``n_parts`` are still being copied.
     Worked out before a buffer is free (``_index``), then attached to one."""
 
-    __slots__ = ("key", "bkey", "n", "sources", "addresses", "counts", "out", "n_parts", "left", "buf")
+    __slots__ = ("key", "bkey", "n", "sources", "shards", "addresses", "counts", "out", "n_parts", "left", "buf")
 
-    def __init__(self, key: int, bkey: tuple[int, int], n: int, sources: list, out: dict, n_parts: int):
+    def __init__(
+        self, key: int, bkey: tuple[int, int], n: int, sources: list, out: dict, n_parts: int, shards: list[int]
+    ):
         self.key, self.bkey, self.n, self.sources, self.out = key, bkey, n, sources, out
+        self.shards = shards  # the shards mapped sources come from (none for arena slots)
         self.addresses = np.array([kernels.address(s) for s in sources], np.int64)
         self.counts = np.array([s.shape[0] for s in sources], np.int64)
         self.n_parts = self.left = n_parts

@@ -137,6 +137,9 @@ class RunConfig:
                            choices=DECODES, hashed=False)  # fmt: skip
     log_every: int = _logging(100, "metrics every N steps", ge=1)
     ckpt_every: int = _logging(1000, "checkpoint every N steps (and at the end)", ge=1)
+    keep_checkpoints: int = _logging(
+        2, "keep the newest N checkpoints (a damaged newest one falls back to the one before)", ge=1, late=True
+    )
     wandb_project: str | None = _logging(None, "also log to this Weights & Biases project (when installed)")
     wandb_entity: str | None = _logging(None, "Weights & Biases entity")
     n_readers: int | None = _loader(None, "loader reader threads (null: the loader's default, 4)", ge=1, example=4)

@@ -38,7 +38,7 @@ from collections.abc import Callable
 
 import torch
 
-from actcache.errors import ConfigError, TrainError, os_error_text
+from actcache.errors import ConfigError, LoaderError, TrainError, os_error_text
 from actcache.feed import StagedFeed
 from actcache.fsutil import atomic_write_bytes
 from actcache.rundir import DONE_FILE, EVAL_FILE, METRICS_FILE, RUN_FILE, done_path, is_done, run_dir
@@ -274,12 +274,16 @@ class GroupTrainer:
         })  # fmt: skip
 
     def _passes(self, pending: list[tuple[RunConfig, str]]) -> list[tuple[int, list[tuple[RunConfig, str]]]]:
-        with_ckpt = [p for p in pending if ckpt.steps(p[1])]
-        fresh = [p for p in pending if not ckpt.steps(p[1])]
+        """(start step, members) of each data pass: SAEs with valid checkpoints resume from the
+        newest step all of them have (damaged checkpoints skipped: checkpoint.valid_steps)."""
+        valid = {d: ckpt.valid_steps(d, set_aside=self.ctx.is_main) for _, d in pending}
+        with_ckpt = [p for p in pending if valid[p[1]]]
+        fresh = [p for p in pending if not valid[p[1]]]
         out: dict[int, list] = {}
-        common = ckpt.common_step([d for _, d in with_ckpt])
+        both = set.intersection(*(set(valid[d]) for _, d in with_ckpt)) if with_ckpt else set()
+        common = max(both) if both else None
         for p in with_ckpt:
-            start = common if common is not None else ckpt.steps(p[1])[-1]
+            start = common if common is not None else valid[p[1]][-1]
             out.setdefault(start, []).append(p)
         if fresh:
             out.setdefault(0, []).extend(fresh)
@@ -376,6 +380,13 @@ class GroupTrainer:
                         self._check_deferred()
                         self._save(members, step)
                     raise Preempted(step)
+        except LoaderError:
+            # a damaged shard: keep the steps done (one process only: with DDP the other ranks
+            # would wait in the checkpoint's collectives for this one); a re-run resumes there
+            if self.ctx.world_size == 1 and step > start and step % run.ckpt_every:
+                self._check_deferred()
+                self._save(members, step)
+            raise
         finally:
             if feed is not None:
                 feed.close()
@@ -426,7 +437,7 @@ class GroupTrainer:
                         extra = {"metric_sum": m.acc_sum, "metric_n": m.acc_n}
                         ckpt.save(m.dir, step, m.sae, m.opt, m.obj, pos, extra)
             for m in members:  # only now, when every member has `step`
-                ckpt.prune(m.dir, keep=step)
+                ckpt.prune(m.dir, keep_newest=m.run.keep_checkpoints)
 
         ddp.on_main(self.ctx, self.device, f"the checkpoint of step {step}", write)
 
