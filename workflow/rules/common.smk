@@ -32,12 +32,6 @@ DUMP_TO = config["dump_to"]
 RUNS_TO = config["runs_to"]
 
 
-def _fail(msg):
-    # A config error is the user's to fix: one message naming the file and the key, no traceback.
-    print(f"actcache: config error: {msg}", file=sys.stderr)
-    sys.exit(1)
-
-
 def _validate_experiment_schemas(files):
     for f in files:
         try:
@@ -52,7 +46,13 @@ def _validate_experiment_schemas(files):
 
 
 try:
-    PLAN = plan(config["experiments"], DUMP_TO, RUNS_TO, base_dir=workflow.basedir)
+    PLAN = plan(
+        config["experiments"],
+        config_setting("dump_to"),
+        config_setting("runs_to"),
+        base_dir=workflow.basedir,
+        listed_in=Setting("", config_source("experiments"), "experiments"),
+    )
 except ActCacheError as err:
     _fail(str(err))
 _validate_experiment_schemas([os.path.join(workflow.basedir, f) for f in config["experiments"]])

@@ -1,0 +1,31 @@
+# config/config.yaml checked by actcache first: a mistake (a mistyped key, an experiment listed
+# twice, a wrong type) stops the parse with one line naming the file and the key, exit status 2,
+# before Snakefile's schema check (which then only backs it up) would print its schema dump.
+import sys
+
+from actcache.errors import ActCacheError
+from actcache.plan import checked_workflow_config
+from actcache.preflight import Setting
+
+
+def _fail(msg):
+    # A config error is the user's to fix: one message naming the file and the key, no traceback.
+    print(f"actcache: config error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def config_source(key=None):
+    """Where config[key] was written: `snakemake --config`, or the (last) config file."""
+    if key is not None and key in (workflow.config_settings.overwrite_config or {}):
+        return "snakemake --config"
+    return workflow.configfiles[-1] if workflow.configfiles else "config/config.yaml"
+
+
+def config_setting(key):
+    return Setting(config[key], config_source(key), key)
+
+
+try:
+    checked_workflow_config(config, config_source())
+except ActCacheError as err:
+    _fail(str(err))
