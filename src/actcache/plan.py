@@ -61,10 +61,10 @@ def experiment_metadata(exp: Experiment, listing_cache: str | None = None) -> Me
 
 def _as_written(msg: str) -> str:
     """actcache.models names the checkpoint keys as metadata.json does; an experiment file spells them
-    ``vit.ckpt`` and ``vit.family``."""
+    ``vit.ckpt`` and ``vit.family``. A hub error quoted in the message may span lines: joined."""
     import re
 
-    return re.sub(r"\bvit_(ckpt|family)\b", r"vit.\1", msg)
+    return " ".join(re.sub(r"\bvit_(ckpt|family)\b", r"vit.\1", msg).split())  # one line, as every error
 
 
 def shard_ranges(md: Metadata, shards_per_job: int) -> list[tuple[int, int]]:

@@ -15,10 +15,11 @@ def _fail(msg):
 
 
 def config_source(key=None):
-    """Where config[key] was written: `snakemake --config`, or the (last) config file."""
-    if key is not None and key in (workflow.config_settings.overwrite_config or {}):
+    """Where config[key] was written: `snakemake --config`, a `--configfile`, or config/config.yaml."""
+    settings = workflow.config_settings
+    if key is not None and key in (settings.config or {}):
         return "snakemake --config"
-    return workflow.configfiles[-1] if workflow.configfiles else "config/config.yaml"
+    return str(list(settings.configfiles)[-1]) if settings.configfiles else "config/config.yaml"
 
 
 def config_setting(key):
