@@ -39,23 +39,25 @@ if [ "$status" != 0 ]; then
 fi
 
 echo "demo: verifying every byte of the cache (actcache verify --deep)"
-dir=$($act plan --json | .venv/bin/python -c 'import json,sys; print(json.load(sys.stdin)[0]["dir"])')
+dir=$($act plan --json 2>/dev/null | .venv/bin/python -c 'import json,sys; print(json.load(sys.stdin)[0]["dir"])')
 $act verify --deep "$dir" >/dev/null || { $act verify --deep "$dir"; exit 1; }
 echo "demo: building the Snakemake report (report.zip)"
 .venv/bin/snakemake --profile profiles/local --report report.zip >>"$log" 2>&1 ||
     { echo "demo: the report failed; see $log" >&2; exit 1; }
 
-$act plan --json | .venv/bin/python -c '
+$act plan --json 2>/dev/null | .venv/bin/python -c "$(cat <<'PY'
 import json, os, sys
+
 (p,) = json.load(sys.stdin)
 runs = [t["dir"] for t in p["training"]]
-sweep = os.path.join(os.path.dirname(runs[0]), "visuals") if runs else "-"
+parent = os.path.dirname(runs[0]) if runs else "-"
 print("demo: done. Where everything is:")
-print(f"  cache    {p[\"dir\"]}/  ({p[\"cache\"][\"n_shards\"]} shards, verified; `actcache inspect DIR`)")
-print(f"  runs     {len(runs)} SAEs under {os.path.dirname(runs[0]) if runs else \"-\"}/<sae-id>/")
+print(f"  cache    {p['dir']}/  ({p['cache']['n_shards']} shards, verified; actcache inspect DIR)")
+print(f"  runs     {len(runs)} SAEs: {parent}/<sae-id>/  (sae.safetensors, eval.json, metrics.jsonl)")
 for d in runs:
     print(f"  page     {d}/visuals.html")
-print(f"  sweep    {sweep}/ (curves.png, nmse_l0.png)")
-print("  report   report.zip (unzip it, then open report/report.html in a browser)")
-print("  log      logs/demo/snakemake.log; rule logs under logs/")
-'
+print(f"  sweep    {parent}/visuals/  (curves.png, nmse_l0.png)")
+print("  report   report.zip  (unzip it, then open report/report.html in a browser)")
+print("  logs     logs/demo/snakemake.log (the workflow), logs/<rule>/ (each job)")
+PY
+)"

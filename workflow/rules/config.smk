@@ -27,6 +27,6 @@ def config_setting(key):
 
 
 try:
-    checked_workflow_config(config, config_source())
+    config.update(checked_workflow_config(config, config_source()))  # as read: a single file becomes a list
 except ActCacheError as err:
     _fail(str(err))
