@@ -27,6 +27,8 @@ class Setting:
     key: str  # "dump_to" in a file, "--dump-to" on the command line
 
     def fail(self, problem: str, fix: str) -> ConfigError:
+        if self.source == COMMAND_LINE:
+            return ConfigError(f"{self.key} {self.value!r}: {problem}; give {self.key} a directory you can write.")
         return ConfigError(f"{self.source}: key '{self.key}' is {self.value!r}: {problem}; {fix}.")
 
 
@@ -46,7 +48,7 @@ _FIX = {
 
 def check_writable_dir(s: Setting) -> None:
     """``s.value`` is a writable directory, or can be made one by creating the missing part."""
-    fix = _FIX.get(s.key.lstrip("-").replace("-", "_"), f"give {s.key} a directory you can write")
+    fix = _FIX.get(s.key, f"set {s.key} to a directory you can write")
     path = os.path.abspath(os.path.expanduser(s.value))
     existing = path
     while not os.path.lexists(existing):  # the nearest existing ancestor is where mkdir writes
@@ -108,7 +110,6 @@ def check_listed_once(files: list[str], base_dir: str, listed_in: Setting) -> No
             twice = (
                 f"{f!r} is listed twice" if seen[real] == f else f"{seen[real]!r} and {f!r} (one file) are both listed"
             )
-            raise ConfigError(
-                f"{listed_in.source}: key '{listed_in.key}': {twice}; list each experiment once (delete the repeat)."
-            )
+            where = listed_in.key if listed_in.source == COMMAND_LINE else f"{listed_in.source}: key '{listed_in.key}'"
+            raise ConfigError(f"{where}: {twice}; list each experiment once (delete the repeat).")
         seen[real] = f
