@@ -18,6 +18,7 @@ from tests.workflow_helpers import REPO, SNAKEMAKE
 
 from actcache.errors import ConfigError
 from actcache.plan import plan_from_config
+from actcache.preflight import COMMAND_LINE, Setting, check_writable_dir
 
 EXPERIMENT = "config/experiments/first.yaml"
 CONFIG = "config/config.yaml"
@@ -158,3 +159,12 @@ def test_dry_run_says_a_config_key_typo_in_one_line_not_a_schema_dump(tmp_path, 
     assert len(mine) == 1 and CONFIG in mine[0] and "'dumpto'" in mine[0], out
     assert "Failed validating" not in out and "Traceback" not in out
     assert tree(root) == before
+
+
+def test_a_root_under_a_file_names_the_flag_it_came_from(tmp_path):
+    (tmp_path / "notes.txt").write_text("a file, not a folder")
+    with pytest.raises(ConfigError) as info:
+        check_writable_dir(Setting(str(tmp_path / "notes.txt" / "cache"), COMMAND_LINE, "--dump-to"))
+    msg = str(info.value)
+    assert msg.startswith("--dump-to ") and "notes.txt is not a directory" in msg and "a directory you can write" in msg
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt"]
