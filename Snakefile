@@ -9,6 +9,10 @@ from snakemake.utils import validate
 configfile: "config/config.yaml"
 
 
+# actcache's own one-line messages for config.yaml's mistakes come first; the schema backs them up.
+include: "workflow/rules/config.smk"
+
+
 validate(config, "workflow/schemas/config.schema.yaml")
 
 

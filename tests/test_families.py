@@ -139,3 +139,28 @@ def test_dump_gather_train_and_visuals(tmp_path, demo, family):
     with open(os.path.join(run_dir, "visuals", "index.html"), encoding="utf-8") as fh:
         page = fh.read()
     assert family in page and ".jpg" in page
+
+
+@pytest.fixture(scope="module")
+def demo_root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("demo-assets"))  # its images are written once, by the first call
+
+
+@pytest.mark.parametrize("family", sorted(set(DEMO_FAMILIES) - {"dinov3", "siglip2"}))  # those two: above
+def test_demo_checkpoint_of_every_family_dumps_a_verified_shard(tmp_path, demo_root, family):
+    out = make_demo_assets(demo_root, family)
+    images = tmp_path / "few"
+    os.makedirs(images / "a")
+    for name in sorted(os.listdir(os.path.join(out["images"], "circles")))[:4]:
+        os.link(os.path.join(out["images"], "circles", name), images / "a" / name)
+    T = N_PATCHES + int(family != "siglip")
+    doc = {"vit": {"family": family, "ckpt": out["model"], "layers": [-1]},
+           "data": {"kind": "image_folder", "root": str(images)},
+           "cache": {"max_patches_per_shard": 4 * T, "batch_size": 4, "n_workers": 0}}  # fmt: skip
+    (tmp_path / "exp.yaml").write_text(yaml.safe_dump(doc))
+    path = dump_shards(load_experiment(str(tmp_path / "exp.yaml")), (0, 1), str(tmp_path / "d"), progress=False)
+    gather(path)
+    validate_dir(path, deep=True)
+    with ActivationCache.open(path) as cache:
+        assert cache.metadata.vit_family == family and cache.shape == (4, 1, T, D)
+        assert np.isfinite(cache[0:4]).all() and cache[0:4].std() > 0

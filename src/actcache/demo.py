@@ -74,7 +74,15 @@ def make_tiny_vit(directory: str, family: str = "clip", n_layers: int = 4, d: in
     parent = os.path.dirname(os.path.abspath(directory))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=parent, prefix=f".tiny-{family}-")
-    model.save_pretrained(tmp)
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar for a file of a few MB
+    try:
+        model.save_pretrained(tmp)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     if isinstance(proc, dict):
         with open(os.path.join(tmp, "preprocessor_config.json"), "w", encoding="utf-8") as fh:
             fh.write(json.dumps(proc, indent=2) + "\n")

@@ -346,13 +346,16 @@ def dump_shards(
     from actcache.images import open_dataset
     from actcache.models import load_transform, load_vit
     from actcache.plan import experiment_metadata
+    from actcache.preflight import check_writable_dir, root_setting
 
-    dump_to = dump_to or exp.dump_to
+    root = root_setting(exp, "dump_to", dump_to)
+    dump_to = root.value
     if not dump_to:
         raise ConfigError(
             f"{exp.source}: no dump_to: pass --dump-to DIR, or set 'dump_to: DIR' in the experiment file "
             "(the workflow sets it from config/config.yaml)."
         )
+    check_writable_dir(root)  # before the listing cache below writes under it
     batch_size = exp.cache.batch_size if batch_size is None else batch_size
     n_workers = exp.cache.n_workers if n_workers is None else n_workers
     if batch_size < 1:

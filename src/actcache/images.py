@@ -257,7 +257,9 @@ def list_image_folder(root: str, listing_cache: str | None = None) -> FolderList
     if files is None:
         t0 = time.perf_counter()
         files = _walk_images(root)
-        logger.info("listed %d images under %s in %.1f s", len(files), root, time.perf_counter() - t0)
+        took = time.perf_counter() - t0
+        level = logging.INFO if took > 1 else logging.DEBUG  # said only when it kept someone waiting
+        logger.log(level, "listed %d images under %s in %.1f s", len(files), root, took)
         if not files:
             raise ConfigError(
                 f"image folder {root!r} holds no image files (looked for {', '.join(IMAGE_EXTENSIONS)}, "

@@ -144,7 +144,8 @@ def resolve_layers(layers, n_layers: int) -> tuple[int, ...]:
 # Reading checkpoints (configs only)
 
 
-def _is_local(ckpt: str) -> bool:
+def is_local_checkpoint(ckpt: str) -> bool:
+    """Whether ``ckpt`` names a local directory (absolute, ./ or ~, more than one slash) rather than a hub id."""
     return os.path.exists(ckpt) or os.path.isabs(ckpt) or ckpt.startswith((".", "~")) or ckpt.count("/") > 1
 
 
@@ -180,7 +181,7 @@ def _read_vision_config(family: str, ckpt: str):
     """(vision config, model_type of the checkpoint) from its config.json."""
     if not isinstance(ckpt, str) or not ckpt:
         raise ConfigError(f"vit_ckpt must be a Hugging Face model id or a local directory, got {ckpt!r}")
-    if _is_local(ckpt):
+    if is_local_checkpoint(ckpt):
         path = os.path.expanduser(ckpt)
         if not os.path.isdir(path):
             hint = ""

@@ -20,6 +20,7 @@ import yaml
 
 from actcache.config import Experiment, load_experiment
 from actcache.errors import ConfigError
+from actcache.preflight import COMMAND_LINE, Setting, check_inputs, check_listed_once, check_writable_dir
 from actcache.protocol import METADATA_FILE, SHARDS_FILE, Metadata, shard_name
 from actcache.rundir import group_mark, is_done, run_dir
 
@@ -28,14 +29,23 @@ MARK_SLOTS = ("done", "redo")
 
 
 def experiment_metadata(exp: Experiment, listing_cache: str | None = None) -> Metadata:
+    """The cache metadata of ``exp``; every ConfigError names the experiment file and its keys as written."""
     from actcache.images import count_images, metadata_data
     from actcache.models import describe_checkpoint, resolve_layers
 
-    dims = describe_checkpoint(exp.vit.family, exp.vit.ckpt)
+    check_inputs(exp)
+    try:
+        dims = describe_checkpoint(exp.vit.family, exp.vit.ckpt)
+    except ConfigError as err:
+        raise ConfigError(f"{exp.source}: {_as_written(str(err))}") from None
     try:
         resolve_layers(exp.vit.layers, dims.n_layers)  # a layer beyond the model's depth fails here
     except ConfigError as err:
         raise ConfigError(f"{exp.source}: key 'vit.layers': {err}") from None
+    try:
+        n_imgs = count_images(exp.data, listing_cache=listing_cache)
+    except ConfigError as err:
+        raise ConfigError(f"{exp.source}: {err}") from None
     return Metadata(
         vit_family=exp.vit.family,
         vit_ckpt=exp.vit.ckpt,
@@ -43,10 +53,18 @@ def experiment_metadata(exp: Experiment, listing_cache: str | None = None) -> Me
         n_patches_per_img=dims.n_patches_per_img,
         cls_token=dims.cls_token,
         d_vit=dims.d_vit,
-        n_imgs=count_images(exp.data, listing_cache=listing_cache),
+        n_imgs=n_imgs,
         max_patches_per_shard=exp.cache.max_patches_per_shard,
         data=metadata_data(exp.data),
     )
+
+
+def _as_written(msg: str) -> str:
+    """actcache.models names the checkpoint keys as metadata.json does; an experiment file spells them
+    ``vit.ckpt`` and ``vit.family``. A hub error quoted in the message may span lines: joined."""
+    import re
+
+    return " ".join(re.sub(r"\bvit_(ckpt|family)\b", r"vit.\1", msg).split())  # one line, as every error
 
 
 def shard_ranges(md: Metadata, shards_per_job: int) -> list[tuple[int, int]]:
@@ -284,24 +302,46 @@ def load_workflow_config(path: str):
         raise ConfigError(f"{path}: workflow config not found (default config/config.yaml).") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
-    return workflow_config_from_dict(doc, path)
+    return checked_workflow_config(doc, path)
+
+
+def checked_workflow_config(doc: object, source: str):
+    """config.yaml's mapping, checked (a WorkflowConfig): unknown keys, types, an experiment listed
+    twice; each a one-line ConfigError naming ``source`` (the workflow's parse calls this before
+    its schema check)."""
+    from actcache.config import workflow_config_from_dict
+
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{source}: must be a YAML mapping with dump_to, runs_to and experiments.")
+    cfg = workflow_config_from_dict(doc, source)
+    check_listed_once(list(cfg.experiments), config_base_dir(source), Setting("", source, "experiments"))
+    return cfg
+
+
+def _setting(s: str | Setting, key: str) -> Setting:
+    return s if isinstance(s, Setting) else Setting(s, COMMAND_LINE, "--" + key.replace("_", "-"))
 
 
 def plan(
     experiment_files: list[str],
-    dump_to: str,
-    runs_to: str,
+    dump_to: str | Setting,
+    runs_to: str | Setting,
     base_dir: str | None = None,
+    listed_in: Setting | None = None,
 ) -> list[Planned]:
-    """Load, validate and plan every experiment. Errors name the file and key.
+    """Load, validate and plan every experiment. Errors name the file and key as written.
 
+    ``dump_to``/``runs_to`` say where they were written (a plain string: the command line), and
+    ``listed_in`` where the experiment list was. Every precondition (inputs exist, roots writable) is
+    checked before anything is written (the image listing cache under ``<dump_to>/.listings``).
     Two experiments with one name are an error; two with identical cache settings share one hash
     (and so one directory and one set of dump jobs).
     """
     base_dir = base_dir or os.getcwd()
-    out: list[Planned] = []
+    dump_to, runs_to = _setting(dump_to, "dump_to"), _setting(runs_to, "runs_to")
+    check_listed_once(experiment_files, base_dir, listed_in or Setting("", COMMAND_LINE, "--experiment"))
+    exps: list[tuple[Experiment, Setting, Setting]] = []
     names: dict[str, str] = {}
-    listing_cache = os.path.join(dump_to, ".listings")
     for f in experiment_files:
         path = f if os.path.isabs(f) else os.path.join(base_dir, f)
         exp = load_experiment(path, base_dir=base_dir)
@@ -311,10 +351,18 @@ def plan(
                 "give each experiment a unique name."
             )
         names[exp.name] = f
-        d_to = exp.dump_to or dump_to
-        r_to = exp.runs_to or runs_to
+        d_to = Setting(exp.dump_to, exp.source, "dump_to") if exp.dump_to else dump_to
+        r_to = Setting(exp.runs_to, exp.source, "runs_to") if exp.runs_to else runs_to
+        exps.append((exp, d_to, r_to))
+    for exp, _, _ in exps:
+        check_inputs(exp)
+    for root in dict.fromkeys(s for _, d_to, r_to in exps for s in (d_to, r_to)):
+        check_writable_dir(root)
+    out: list[Planned] = []
+    listing_cache = os.path.join(dump_to.value, ".listings")
+    for exp, d_to, r_to in exps:
         md = experiment_metadata(exp, listing_cache=listing_cache)
-        out.append(Planned(exp, md, d_to, r_to, tuple(shard_ranges(md, exp.cache.shards_per_job))))
+        out.append(Planned(exp, md, d_to.value, r_to.value, tuple(shard_ranges(md, exp.cache.shards_per_job))))
     return out
 
 
@@ -327,11 +375,13 @@ def config_base_dir(config_path: str) -> str:
 def plan_from_config(
     config_path: str, dump_to: str | None = None, runs_to: str | None = None, experiments: list[str] | None = None
 ) -> list[Planned]:
+    """Plan config.yaml's experiments (or ``experiments``); ``dump_to``/``runs_to`` override its roots."""
     cfg = load_workflow_config(config_path)
-    base = config_base_dir(config_path)
-    return plan(
-        experiments or list(cfg.experiments), dump_to or cfg.dump_to, runs_to or cfg.runs_to, base_dir=base
-    )
+    d_to = _setting(dump_to, "dump_to") if dump_to else Setting(cfg.dump_to, config_path, "dump_to")
+    r_to = _setting(runs_to, "runs_to") if runs_to else Setting(cfg.runs_to, config_path, "runs_to")
+    listed_in = Setting("", COMMAND_LINE, "--experiment") if experiments else Setting("", config_path, "experiments")
+    files = experiments or list(cfg.experiments)
+    return plan(files, d_to, r_to, base_dir=config_base_dir(config_path), listed_in=listed_in)
 
 
 def caches_from_config(config_path: str, runs_to: str | None = None) -> list[ExternalCache]:

@@ -13,7 +13,6 @@ import yaml
 from actcache.errors import ActCacheError
 from actcache.plan import DUMP_MARKS as DUMP_MARKS_DIR
 from actcache.plan import MARK_SLOTS, dump_marks, external_caches, other_mark, plan, train_jobs
-from actcache.config import workflow_config_from_dict
 from actcache.slurmjobs import in_flight_claims, site_warnings
 from actcache.protocol import SHARDS_FILE
 from actcache.rundir import (
@@ -34,12 +33,6 @@ DUMP_TO = config["dump_to"]
 RUNS_TO = config["runs_to"]
 
 
-def _fail(msg):
-    # A config error is the user's to fix: one message naming the file and the key, no traceback.
-    print(f"actcache: config error: {msg}", file=sys.stderr)
-    sys.exit(1)
-
-
 def _validate_experiment_schemas(files):
     for f in files:
         try:
@@ -53,16 +46,19 @@ def _validate_experiment_schemas(files):
             _fail(f"{f}: {err}")
 
 
-# The config file errors name (snakemake's last --configfile, else the Snakefile's default).
-CONFIG_FILE = str(workflow.configfiles[-1]) if workflow.configfiles else "config/config.yaml"
 try:
-    _CONFIG = workflow_config_from_dict(config, CONFIG_FILE)
-    PLAN = plan(list(_CONFIG.experiments), DUMP_TO, RUNS_TO, base_dir=workflow.basedir)
+    PLAN = plan(
+        list(WORKFLOW_CONFIG.experiments),
+        config_setting("dump_to"),
+        config_setting("runs_to"),
+        base_dir=workflow.basedir,
+        listed_in=Setting("", config_source("experiments"), "experiments"),
+    )
     # config.yaml's `caches:`: existing caches (v1 or saev 2.1) trained like an experiment's, never dumped
-    EXTERNAL = external_caches(_CONFIG.caches, RUNS_TO, workflow.basedir, CONFIG_FILE)
+    EXTERNAL = external_caches(WORKFLOW_CONFIG.caches, RUNS_TO, workflow.basedir, config_source("caches"))
 except ActCacheError as err:
     _fail(str(err))
-_validate_experiment_schemas([os.path.join(workflow.basedir, f) for f in _CONFIG.experiments])
+_validate_experiment_schemas([os.path.join(workflow.basedir, f) for f in WORKFLOW_CONFIG.experiments])
 
 # One entry per cache hash: experiments with identical cache settings share one directory and one
 # set of dump jobs.

@@ -16,6 +16,7 @@ def cmd_train(args) -> int:
         raise ConfigError("train: give --experiment FILE, or --cache DIR with --train FILE")
     from actcache.config import load_experiment
     from actcache.plan import experiment_metadata
+    from actcache.preflight import check_writable_dir, root_setting
     from actcache.sae.config import expand_train_section, groups
     from actcache.sae.train import train_groups
 
@@ -24,6 +25,7 @@ def cmd_train(args) -> int:
     runs_to = args.runs_to or exp.runs_to
     if not dump_to or not runs_to:
         raise ConfigError(f"{args.experiment}: give --dump-to and --runs-to (or dump_to/runs_to in the file).")
+    check_writable_dir(root_setting(exp, "runs_to", args.runs_to))
     runs = expand_train_section(exp.train, exp.source, layers=exp.vit.layers)
     if not runs:
         raise ConfigError(f"{exp.source}: no 'train' section, nothing to train.")
@@ -46,6 +48,10 @@ def _train_cache(args) -> int:
         raise ConfigError("train --cache: needs --train FILE (an experiment YAML or a file holding only train:)")
     if not os.path.isdir(args.cache):
         raise ConfigError(f"train --cache {args.cache}: not a directory; give a cache directory")
+    if args.runs_to:
+        from actcache.preflight import COMMAND_LINE, Setting, check_writable_dir
+
+        check_writable_dir(Setting(args.runs_to, COMMAND_LINE, "--runs-to"))
     for d in train_on_cache(args.cache, args.train, runs_to=args.runs_to, group=args.group, device=args.device):
         print(d)
     return 0
