@@ -46,6 +46,7 @@ def experiment_metadata(exp: Experiment, listing_cache: str | None = None) -> Me
         n_imgs=count_images(exp.data, listing_cache=listing_cache),
         max_patches_per_shard=exp.cache.max_patches_per_shard,
         data=metadata_data(exp.data),
+        dtype=exp.cache.dtype,
     )
 
 

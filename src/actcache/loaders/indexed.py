@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from actcache.cache import ActivationCache
+from actcache.loaders.buffers import as_tensor
 from actcache.loaders.common import Selection
 
 
@@ -15,12 +16,15 @@ class IndexedDataset(torch.utils.data.Dataset):
     """Every selected vector of the cache as one item.
 
     patches in {"cls", "image", "all"}; layer a recorded layer value or "all". Item i is a dict:
-    act (D,) float32 tensor, image_i, patch_i (-1 for CLS), layer (the layer value), token
+    act (D,) float32 tensor (out_dtype="stored": a 16-bit cache's own values), image_i, patch_i (-1 for CLS), layer (the layer value), token
     (position on the stored token axis). Items are ordered image-major, then layer, then token.
     """
 
-    def __init__(self, path: str | os.PathLike | ActivationCache, patches: str = "image", layer: int | str = -2):
-        self.cache = path if isinstance(path, ActivationCache) else ActivationCache.open(path)
+    def __init__(
+        self, path: str | os.PathLike | ActivationCache, patches: str = "image", layer: int | str = -2,
+        out_dtype: str = "float32",
+    ):  # fmt: skip
+        self.cache = path if isinstance(path, ActivationCache) else ActivationCache.open(path, out_dtype=out_dtype)
         self.metadata = self.cache.metadata
         self.sel = Selection(self.metadata, patches, layer)
 
@@ -45,7 +49,7 @@ class IndexedDataset(torch.utils.data.Dataset):
         layer = int(layer)
         vec = self.cache[img, layer, int(token)]
         return {
-            "act": torch.from_numpy(np.array(vec, dtype=np.float32)),
+            "act": as_tensor(np.array(vec)),
             "image_i": int(img),
             "patch_i": int(patch),
             "layer": layer,
