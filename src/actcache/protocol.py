@@ -227,9 +227,7 @@ class Metadata:
         return out
 
     @classmethod
-    def from_dict(
-        cls, doc: object, where: str = METADATA_FILE, readable: tuple[str, ...] = READ_VERSIONS
-    ) -> Metadata:
+    def from_dict(cls, doc: object, where: str = METADATA_FILE, readable: tuple[str, ...] = READ_VERSIONS) -> Metadata:
         if not isinstance(doc, dict):
             raise ProtocolError(f"{where}: expected a JSON object, got {type(doc).__name__}.")
         _refuse_other_format(doc, where)

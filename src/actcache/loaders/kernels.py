@@ -150,7 +150,17 @@ def copy_blocks(
 
 
 def _gather(
-    addresses, counts, srcs, rows, stride: int, piece: int, out, stream: bool, scale, scales, prefetch: int = 0,
+    addresses,
+    counts,
+    srcs,
+    rows,
+    stride: int,
+    piece: int,
+    out,
+    stream: bool,
+    scale,
+    scales,
+    prefetch: int = 0,
     widen: str | None = None,
 ) -> None:
     """The C kernel's gather_multi (gather_widen with ``widen``), arguments as it wants them."""
