@@ -252,3 +252,18 @@ def test_kill_during_a_16_bit_dump_then_rerun_is_byte_identical(tmp_path, dumped
     assert shard_files(dest) == ref_files and not temp_files(dest)
     gather(dest)
     assert check_dir(dest, deep=True).ok
+
+
+def test_train_evaluate_and_visuals_on_a_bfloat16_cache(tmp_path):
+    from actcache.sae.on_cache import train_on_cache
+
+    md = synthetic_metadata(20, layers=(3, 7), n_patches_per_img=4, d_vit=8, max_patches_per_shard=5 * 6 * 2)
+    path = write_cache(tmp_path / "c", dataclasses.replace(md, dtype="bfloat16", protocol=None), synthetic_fill(md))
+    train = {"layer": 7, "batch_size": 16, "steps": 6, "log_every": 2, "eval_frac": 0.2, "scale_norm": True,
+             "buffer_bytes": 20000, "saes": [{"activation": "topk", "width": 12, "k": 3}]}  # fmt: skip
+    (tmp_path / "t.json").write_text(json.dumps({"train": train}))
+    (run_dir,) = train_on_cache(path, str(tmp_path / "t.json"), runs_to=str(tmp_path / "r"))
+    ev = read_json(os.path.join(run_dir, "eval.json"))
+    assert ev["images"] == [16, 20] and 0 <= ev["nmse"] < 10
+    assert main(["visuals", run_dir, "--latents", "3", "--no-images"]) == 0
+    assert os.path.isfile(os.path.join(run_dir, "visuals", "index.html"))

@@ -97,8 +97,9 @@ _warned_major: set[str] = set()
 
 def warn_breaking(md: Metadata, where: str) -> None:
     """The breaking warning spec §5 asks of loader code, once per cache and process, for a cache
-    whose major version is not 1 (a 16-bit cache: v1 readers cannot open it)."""
-    if parse_version(md.protocol)[0] == 1 or where in _warned_major:
+    whose major version is not 1 (a 16-bit cache: v1 readers cannot open it). A saev cache (its
+    own versions, the v1 layout) gets none."""
+    if md.foreign or parse_version(md.protocol)[0] == 1 or where in _warned_major:
         return
     _warned_major.add(where)
     warnings.warn(
