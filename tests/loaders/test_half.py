@@ -41,11 +41,14 @@ def test_widening_kernel_equals_numpy_for_all_65536_bit_patterns(dtype):
     bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
     src = bits.view("<f2" if dtype == "float16" else "<u2")
     want = to_float32(src, dtype)
-    for width in (64, 13):  # vector steps only; vector steps and a scalar tail
+    # vector steps only (streaming stores too: 64-byte aligned output rows); a scalar tail
+    for width, stream in ((64, False), (64, True), (13, False)):
         n = len(src) // width
         rows = src[: n * width].reshape(n, width)
-        out = np.empty((n, width), np.float32)
-        kernels.take_multi([rows], np.zeros(n, np.int64), np.arange(n, dtype=np.int64), out)
+        raw = np.empty(n * width + 16, np.float32)
+        skip = (-raw.ctypes.data % 64) // 4
+        out = raw[skip : skip + n * width].reshape(n, width)  # 64-byte aligned: streaming stores apply
+        kernels.take_multi([rows], np.zeros(n, np.int64), np.arange(n, dtype=np.int64), out, stream=stream)
         assert out.view(np.uint32).tobytes() == want[: n * width].view(np.uint32).tobytes()
     finite = np.isfinite(want)
     ref = torch.from_numpy(bits.view(np.int16)).view(getattr(torch, dtype)).float().numpy()
