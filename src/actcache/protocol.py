@@ -142,7 +142,7 @@ _FIELDS: dict[str, tuple] = {
 
 @dataclasses.dataclass(frozen=True, eq=True)
 class Metadata:
-    """metadata.json of protocol v1. Validated on construction.
+    """metadata.json of protocol v1 (or 2.0: the same fields, a 16-bit dtype). Validated on construction.
 
     ``extra`` holds keys that this version does not know (from a newer minor version); they are
     written back and hashed unchanged, so the content hash of such a cache stays the same.
@@ -367,8 +367,8 @@ def _refuse_other_format(doc: dict, where: str) -> None:
         keys = ", ".join(list(doc)[:12]) + (" ..." if len(doc) > 12 else "")
         raise ProtocolError(
             f"{where}: not protocol-v1 metadata (found keys: {keys or 'none'}; protocol "
-            f"{doc.get('protocol', 'missing')!r}). actcache writes only v1 caches; a saev cache (protocol 2.x) "
-            "is read-only: ActivationCache.open, the loaders, inspect, verify and train --cache read it."
+            f"{doc.get('protocol', 'missing')!r}). actcache writes v1 caches (16-bit ones: 2.0, same fields); a saev "
+            "cache (its own protocol 2.x) is read-only: ActivationCache.open, the loaders, inspect, verify and train --cache read it."
         )
 
 

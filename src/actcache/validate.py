@@ -1,4 +1,4 @@
-"""Validation of a cache directory against protocol v1.
+"""Validation of a cache directory against protocol v1 (and 2.0, its 16-bit variant).
 
 :func:`check_dir` collects every problem (it never raises for a bad cache) so that
 ``actcache inspect`` can show them all; :func:`validate_dir` raises one error listing them.
