@@ -99,6 +99,13 @@ def test_scale_norm_on_a_16_bit_cache_equals_scaling_the_widened_values(half, ke
     assert np.array_equal(got, want[:, 1, 1:].reshape(-1, md.d_vit) * np.float32(fp.scale[0]))
     mm = OrderedLoader(path, batch_size=50, patches="image", layer=7, io="mmap", scale_norm=True)
     assert np.array_equal(np.concatenate([b["act"].numpy() for b in mm]), got)
+    both = {}  # every layer: a factor per row's layer
+    for io in ("read", "mmap"):
+        ld = OrderedLoader(path, batch_size=23, patches="all", layer="all", io=io, scale_norm=True)
+        both[io] = np.concatenate([b["act"].numpy() for b in ld])
+    scales = np.asarray(ld.scale, np.float32)[None, :, None, None]
+    assert np.array_equal(both["read"], both["mmap"])
+    assert np.array_equal(both["read"].reshape(want.shape), want * scales)
 
 
 def test_out_dtype_stored_hands_over_the_16_bit_values(half):
