@@ -135,7 +135,7 @@ def main() -> None:
         name += "-cache-dtypes" if "," in args.cache_dtypes else ""  # its own section, beside the float32 one
         title = f"SAE dictionary recovery at {args.n_true} directions in d={args.d}" + (
             "" if args.device == "cpu" else " (CUDA)"
-        )
+        ) + (", float32 and 16-bit caches" if "," in args.cache_dtypes else "")
         benchlib.record(name, title, body, checks=checks)
 
 
