@@ -10,7 +10,9 @@ a file are in the page cache. Each uses the C kernel
 ``actcache._native`` when it was built (the normal install compiles it; see setup.py) and numpy
 otherwise, with the same results; the C copies prefetch the next random rows and, for batches
 larger than the CPU cache, write with non-temporal stores (a cached store first reads the line it
-overwrites). Figures: BENCHMARKS.md (loaders).
+overwrites). Rows of a 16-bit cache (protocol 2.0) are widened to float32 during the copy
+(the C kernel's gather_widen; numpy: dtypes.to_float32, the same bytes). Figures: BENCHMARKS.md
+(loaders, half).
 
 ``ACTCACHE_NATIVE=0`` in the environment forces the numpy path (tests compare the two).
 """
@@ -23,8 +25,9 @@ import threading
 
 import numpy as np
 
-# gather_multi's ``prefetch`` is an index into PREFETCH_SCHEMES (defined with the other option values)
 from actcache.dtypes import to_float32
+
+# gather_multi's ``prefetch`` is an index into PREFETCH_SCHEMES (defined with the other option values)
 from actcache.loaders.options import PREFETCH_SCHEMES
 
 try:
