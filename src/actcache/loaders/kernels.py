@@ -204,15 +204,18 @@ def widen_kind(src_dtype, out_dtype) -> str | None:
     return kind
 
 
-def widen_rows(src: np.ndarray, out: np.ndarray, scale: float | None = None, scales: np.ndarray | None = None) -> None:
+def widen_rows(
+    src: np.ndarray, out: np.ndarray, scale: float | None = None, scales: np.ndarray | None = None, stream: bool = False
+) -> None:
     """``out[:] = src`` as float32 (src: rows of a 16-bit stored type, out: C-contiguous float32 of
     the same shape), times ``scale`` or ``scales[i]`` per row; the C kernel when built, else numpy,
-    with the same bytes."""
+    with the same bytes. ``stream``: non-temporal stores (see STREAM_MIN_BYTES)."""
     src2 = np.ascontiguousarray(src).reshape(len(out), -1)
     if widen_kind(src2.dtype, out.dtype) is None:
         raise TypeError(f"widen_rows: {src2.dtype} rows are not a 16-bit stored type")
     rows = np.arange(len(src2), dtype=np.int64)
-    take_multi([src2], np.zeros(len(rows), np.int64), rows, out.reshape(len(out), -1), scale=scale, scales=scales)
+    out2 = out.reshape(len(out), -1)
+    take_multi([src2], np.zeros(len(rows), np.int64), rows, out2, scale=scale, scales=scales, stream=stream)
 
 
 def balanced_order(n: int, per: int, j0: int, lo: int, hi: int, rng: np.random.Generator) -> np.ndarray:

@@ -445,7 +445,7 @@ class OrderedLoader(BaseLoader):
         elif self.scale is not None:
             img, e = np.divmod(np.arange(a, b, dtype=np.int64), self.geom.per_img)
             kw["scales"] = np.asarray(self.scale, np.float32)[self.geom.decode(img, e)[3]]
-        kernels.widen_rows(stage, dst, **kw)
+        kernels.widen_rows(stage, dst, stream=dst.nbytes >= kernels.STREAM_MIN_BYTES, **kw)
 
     def _put(self, dst: np.ndarray, src: np.ndarray) -> None:
         """numpy copy of stored values into the batch (widened to float32 for a 16-bit cache)."""
