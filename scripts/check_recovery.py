@@ -11,7 +11,10 @@ activation, the recovery score (mean over true directions of the best cosine sim
 decoder row), held-out NMSE, L0 and dead latents, and the wall time; records section "recovery"
 of BENCHMARKS.md. The threshold asked for is 0.9. Matryoshka uses the prefixes [w/4, w/2, w] of
 the width w. ``--precisions fp32,bf16`` trains each activation once per precision (the train key
-``precision``) on the same cache, for the accuracy cost of bf16.
+``precision``) on the same cache, for the accuracy cost of bf16. ``--cache-dtypes float32,bfloat16``
+trains each on a cache of each stored dtype (the experiment key ``cache.dtype``: the same values
+written as float32, protocol 1, and rounded to 16 bits, protocol 2.0) and checks that the 16-bit
+cache's held-out NMSE (the FVU) is within 2% (relative) of the float32 cache's.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import os
 import sys
 import tempfile
 import time
+
+import yaml
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -58,6 +63,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=1024)
     ap.add_argument("--precisions", default="fp32", help="e.g. fp32,bf16 (the train key 'precision')")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda: where the SAEs train")
+    ap.add_argument("--cache-dtypes", default="float32", help="e.g. float32,bfloat16 (the key cache.dtype)")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
     import torch
@@ -65,8 +71,10 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="recovery-") as tmp:
         dirs = true_dictionary(0, n_true=args.n_true, d=args.d)
-        cache = None
-        for act, precision in [(a, p) for a in args.activations.split(",") for p in args.precisions.split(",")]:
+        caches: dict[str, str] = {}
+        combos = [(a, p, c) for a in args.activations.split(",") for p in args.precisions.split(",")
+                  for c in args.cache_dtypes.split(",")]  # fmt: skip
+        for act, precision, cache_dtype in combos:
             steps = args.steps * (2 if act in LONG else 1)
             width = 2 * args.n_true
             extra = {"matryoshka_prefixes": [width // 4, width // 2, width]} if act == "matryoshka" else {}
@@ -75,10 +83,17 @@ def main() -> None:
                      "eval_frac": 0.05, "dead_tokens": 200_000, "steps": steps, "precision": precision,
                      **SECTIONS[act], **extra}  # fmt: skip
             exp = write_experiment(__import__("pathlib").Path(tmp), train, n_imgs=args.n_imgs, d=args.d,
-                                   name=f"rec-{act}-{precision}")  # fmt: skip
+                                   name=f"rec-{act}-{precision}-{cache_dtype}")  # fmt: skip
+            with open(exp) as fh:
+                doc = yaml.safe_load(fh)
+            doc["cache"] = {"dtype": cache_dtype}
+            with open(exp, "w") as fh:
+                yaml.safe_dump(doc, fh, sort_keys=False)
             md = experiment_metadata(load_experiment(exp))
-            if cache is None:
-                cache = write_cache(os.path.join(tmp, "cache"), md, dictionary_fill(dirs, md.n_tokens_per_img))
+            if cache_dtype not in caches:  # the same float32 values, stored as cache_dtype
+                fill = dictionary_fill(dirs, md.n_tokens_per_img)
+                caches[cache_dtype] = write_cache(os.path.join(tmp, "cache"), md, fill)
+            cache = caches[cache_dtype]
             t0 = time.perf_counter()
             rc = cli.main(["train", "--experiment", exp, "--dump-to", os.path.join(tmp, "cache"),
                            "--runs-to", os.path.join(tmp, "runs"), "--device", args.device])  # fmt: skip
@@ -91,7 +106,7 @@ def main() -> None:
             with open(os.path.join(d, "eval.json")) as fh:
                 ev = json.load(fh)
             last = [m for m in read_metrics(d) if "n_dead" in m][-1]  # the trainer's own window: dead_tokens
-            rows.append({"activation": act, "precision": precision, "true dirs": args.n_true, "d": args.d, "width": 2 * args.n_true,
+            rows.append({"activation": act, "precision": precision, "cache": cache_dtype, "true dirs": args.n_true, "d": args.d, "width": 2 * args.n_true,
                          "steps": steps, "batch": args.batch_size, "recovery": score, "threshold": 0.9,
                          "held-out NMSE": ev["nmse"], "held-out L0": ev["l0"], "dead (held-out)": ev["n_dead"],
                          "dead (training)": last["n_dead"], "train s": dt,
@@ -107,16 +122,34 @@ def main() -> None:
     ]
     cols = ["activation", "precision", "steps", "recovery", "held-out NMSE", "held-out L0", "dead (held-out)",
             "dead (training)", "train s", "result"]
-    checks = [benchlib.check(f"SAE dictionary recovery >= 0.9 ({r['activation']}, {r['precision']}; "
-                             f"{args.n_true} directions in d={args.d})", r["recovery"], 0.9) for r in rows]  # fmt: skip
+    if "," in args.cache_dtypes:  # the stored dtype, in place of the training-window dead count
+        cols = [c for c in cols if c != "dead (training)"]
+        cols.insert(2, "cache")
+    checks = [benchlib.check(f"SAE dictionary recovery >= 0.9 ({r['activation']}, {r['precision']}, {r['cache']} "
+                             f"cache; {args.n_true} directions in d={args.d})", r["recovery"], 0.9) for r in rows]  # fmt: skip
+    checks += fvu_checks(rows)
     body = benchlib.section_body(setup, [benchlib.table(rows, cols)], [])
     print(body)
     if not args.no_record:
         name = "recovery" if args.device == "cpu" else "recovery-cuda"
+        name += "-cache-dtypes" if "," in args.cache_dtypes else ""  # its own section, beside the float32 one
         title = f"SAE dictionary recovery at {args.n_true} directions in d={args.d}" + (
             "" if args.device == "cpu" else " (CUDA)"
-        )
+        ) + (", float32 and 16-bit caches" if "," in args.cache_dtypes else "")
         benchlib.record(name, title, body, checks=checks)
+
+
+def fvu_checks(rows: list[dict]) -> list:
+    """Per activation and precision: a 16-bit cache's held-out NMSE within 2% of the float32 cache's."""
+    ref = {(r["activation"], r["precision"]): r["held-out NMSE"] for r in rows if r["cache"] == "float32"}
+    out = []
+    for r in rows:
+        base = ref.get((r["activation"], r["precision"]))
+        if r["cache"] != "float32" and base:
+            rel = abs(r["held-out NMSE"] - base) / base
+            target = f"FVU from a {r['cache']} cache within 2% of float32's ({r['activation']}, {r['precision']})"
+            out.append(benchlib.check(target, rel * 100, 2.0, "% apart", at_least=False))
+    return out
 
 
 if __name__ == "__main__":

@@ -747,6 +747,147 @@ done:
     return result;
 }
 
+/* ---- widening copies: 16-bit stored values (protocol 2.0) -> float32 ------------------------
+ * gather_widen(bases, n_src, srcs, rows, stride, piece, dst, kind, stream=False, scales=None,
+ *              scale=1.0, prefetch=0)
+ * as gather_multi, but the piece bytes of each source row hold piece / 2 16-bit values (kind 0:
+ * float16, 1: bfloat16) and land in dst as float32 values (2 * piece bytes per row), times the
+ * scale as in gather_multi. Exact; a NaN keeps its sign and payload and comes out quiet (bit 22
+ * set, as x86's F16C conversion does): actcache/dtypes.py's numpy fallback follows the same
+ * rule, so both give the same bytes. Kept apart from gather_multi so each can change alone. */
+
+static inline uint32_t widen_f16_bits(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    if (exp == 0x1f) return sign | 0x7f800000u | (man << 13) | (man ? 0x00400000u : 0);
+    if (exp != 0) return sign | ((exp + 112) << 23) | (man << 13);
+    if (man == 0) return sign;
+    int e = -1; /* subnormal: shift the mantissa up until its leading bit is the implicit one */
+    do {
+        e++;
+        man <<= 1;
+    } while (!(man & 0x400u));
+    return sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ffu) << 13);
+}
+
+static inline uint32_t widen_bf16_bits(uint16_t h) {
+    uint32_t f = (uint32_t)h << 16;
+    return (f & 0x7fffffffu) > 0x7f800000u ? f | 0x00400000u : f;
+}
+
+static void widen_row_scalar(const uint16_t *s, float *d, Py_ssize_t m, int kind, int scaled, float f) {
+    for (Py_ssize_t k = 0; k < m; k++) {
+        uint32_t u = kind ? widen_bf16_bits(s[k]) : widen_f16_bits(s[k]);
+        float v;
+        memcpy(&v, &u, 4);
+        d[k] = scaled ? v * f : v;
+    }
+}
+
+static void widen_plain(const job_t *j, int kind) {
+    const Py_ssize_t m = j->piece / 2;
+    for (Py_ssize_t i = 0; i < j->n; i++) {
+        prefetch_ahead(j, i);
+        float f = j->scales ? j->scales[i] : j->scale;
+        widen_row_scalar((const uint16_t *)row_src(j, i), (float *)(j->dst + i * 2 * j->piece), m, kind, j->scaled, f);
+    }
+}
+
+#ifdef ACT_X86
+/* 8 values per step: F16C's vcvtph2ps for float16, a 16-bit shift for bfloat16. */
+__attribute__((target("avx2,f16c"))) static void widen_avx2(const job_t *j, int kind, int stream) {
+    const Py_ssize_t m = j->piece / 2;
+    const __m256i absmask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+    const __m256i quiet = _mm256_set1_epi32(0x00400000);
+    for (Py_ssize_t i = 0; i < j->n; i++) {
+        prefetch_ahead(j, i);
+        const uint16_t *s = (const uint16_t *)row_src(j, i);
+        float *d = (float *)(j->dst + i * 2 * j->piece);
+        const float fs = j->scales ? j->scales[i] : j->scale;
+        const __m256 f = _mm256_set1_ps(fs);
+        Py_ssize_t k = 0;
+        for (; k + 8 <= m; k += 8) {
+            __m128i h = _mm_loadu_si128((const __m128i *)(s + k));
+            __m256 v;
+            if (kind) {
+                __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
+                __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, absmask), inf);
+                v = _mm256_castsi256_ps(_mm256_or_si256(u, _mm256_and_si256(nan, quiet)));
+            } else {
+                v = _mm256_cvtph_ps(h);
+            }
+            if (j->scaled) v = _mm256_mul_ps(v, f);
+            if (stream)
+                _mm256_stream_ps(d + k, v);
+            else
+                _mm256_storeu_ps(d + k, v);
+        }
+        widen_row_scalar(s + k, d + k, m - k, kind, j->scaled, fs);
+    }
+    if (stream) _mm_sfence();
+}
+
+static int widen_isa = -1; /* 1: avx2 and f16c */
+#endif
+
+static PyObject *gather_widen(PyObject *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"bases", "n_src",  "srcs",   "rows",  "stride",   "piece", "dst",
+                            "kind",  "stream", "scales", "scale", "prefetch", NULL};
+    unsigned long long dst_addr;
+    Py_buffer bases = {0}, nsrc = {0}, srcs = {0}, rows = {0}, scales = {0};
+    int stream = 0, kind = 0;
+    PyObject *scales_obj = Py_None;
+    double scale = 1.0;
+    job_t j;
+    (void)self;
+    j.scheme = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*y*y*y*nnKi|pOdi", names, &bases, &nsrc, &srcs, &rows, &j.stride,
+                                     &j.piece, &dst_addr, &kind, &stream, &scales_obj, &scale, &j.scheme))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t piece = j.piece;
+    if ((kind != 0 && kind != 1) || (j.scheme != 0 && j.scheme != 1) || piece % 2 != 0) {
+        PyErr_SetString(PyExc_ValueError, "gather_widen: kind 0 (float16) or 1 (bfloat16), prefetch 0 or 1, even piece");
+        goto done;
+    }
+    j.piece = 2 * piece; /* check_job checks the float32 side */
+    if (!check_job(&j, "gather_widen", &rows, scales_obj, &scales, scale)) goto done;
+    j.piece = piece;
+    Py_ssize_t k = bases.len / 8;
+    if (bases.len % 8 != 0 || nsrc.len != bases.len || srcs.len != rows.len) {
+        PyErr_SetString(PyExc_ValueError, "gather_widen: bases and n_src need one int64 per source, srcs one per row");
+        goto done;
+    }
+    const int64_t *S = srcs.buf, *N = nsrc.buf;
+    for (Py_ssize_t i = 0; i < j.n; i++) {
+        if (S[i] < 0 || S[i] >= k || j.rows[i] < 0 || j.rows[i] >= N[S[i]]) {
+            PyErr_Format(PyExc_IndexError, "gather_widen: row %lld of source %lld at position %zd is out of range",
+                         (long long)j.rows[i], (long long)S[i], i);
+            goto done;
+        }
+    }
+    j.bases = (const char *const *)bases.buf;
+    j.srcs = S;
+    j.dst = (char *)(uintptr_t)dst_addr;
+    set_prefetch(&j);
+    Py_BEGIN_ALLOW_THREADS;
+#ifdef ACT_X86
+    if (widen_isa < 0) widen_isa = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    if (widen_isa == 1)
+        widen_avx2(&j, kind, stream && ((uintptr_t)j.dst % 32) == 0 && (2 * piece) % 32 == 0);
+    else
+        widen_plain(&j, kind);
+#else
+    (void)stream;
+    widen_plain(&j, kind);
+#endif
+    Py_END_ALLOW_THREADS;
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    RELEASE(&bases, &nsrc, &srcs, &rows, &scales);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"permutation", permutation, METH_VARARGS, "permutation(n, key, out): a random order of range(n) from key."},
     {"gather_multi", (PyCFunction)(void (*)(void))gather_multi, METH_VARARGS | METH_KEYWORDS,
@@ -762,6 +903,9 @@ static PyMethodDef methods[] = {
     {"balanced_order", balanced_order, METH_VARARGS,
      "balanced_order(n, per, j0, lo, hi, pi, rot, tau, shift, out) -> count: a run's balanced example order "
      "(see actcache/loaders/kernels.py)."},
+    {"gather_widen", (PyCFunction)(void (*)(void))gather_widen, METH_VARARGS | METH_KEYWORDS,
+     "gather_widen(bases, n_src, srcs, rows, stride, piece, dst, kind, ...): gather_multi from 16-bit rows "
+     "(kind 0 float16, 1 bfloat16) into float32."},
     {NULL, NULL, 0, NULL},
 };
 

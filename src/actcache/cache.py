@@ -10,7 +10,9 @@
     cache.query(sel, form="supervised") -> {"act": ..., "label": ...}
 
 Arrays come back as numpy float32; single-image reads are read-only views of the mapping,
-multi-image reads are copies.
+multi-image reads are copies. A 16-bit cache (protocol 2.0) gives float32 copies, converted
+exactly, or with ``out_dtype="stored"`` its stored values (float16, or bfloat16's raw bits as
+uint16: :mod:`actcache.dtypes`), views where a float32 cache gives views.
 """
 
 from __future__ import annotations
@@ -20,19 +22,40 @@ import threading
 
 import numpy as np
 
+from actcache.dtypes import to_float32
 from actcache.errors import ConfigError
 from actcache.index import ALL, ActIndex
 from actcache.labels import read_labels
-from actcache.protocol import Metadata, ShardInfo
+from actcache.protocol import Metadata, ShardInfo, warn_breaking
 from actcache.validate import Report, validate_dir
 
 FORMS = ("plain", "supervised", "unsupervised")
+OUT_DTYPES = ("float32", "stored")
+
+
+def check_out_dtype(out_dtype: str) -> None:
+    if out_dtype not in OUT_DTYPES:
+        raise ConfigError(
+            f"out_dtype={out_dtype!r}: use 'float32' (values converted exactly) or 'stored' (the cache's own "
+            "16-bit values, for a GPU to convert)"
+        )
 
 
 class ActivationCache:
-    def __init__(self, path: str, metadata: Metadata, shards: list[ShardInfo], report: Report | None = None):
+    def __init__(
+        self,
+        path: str,
+        metadata: Metadata,
+        shards: list[ShardInfo],
+        report: Report | None = None,
+        out_dtype: str = "float32",
+    ):
+        check_out_dtype(out_dtype)
         self.path = path
         self.metadata = metadata
+        # reads convert stored 16-bit values to float32 unless the stored ones are asked for
+        self.convert = out_dtype == "float32" and metadata.dtype != "float32"
+        self.out_dtype = np.dtype(np.float32 if out_dtype == "float32" else metadata.storage)
         self.shards = [s for s in shards if s.n_imgs > 0]
         self.report = report
         S = metadata.n_imgs_per_shard
@@ -43,15 +66,19 @@ class ActivationCache:
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
-    def open(cls, path: str | os.PathLike, check_hash: bool = True) -> ActivationCache:
-        """Validate ``path`` (metadata, shard table, file sizes, hash) and open it.
+    def open(cls, path: str | os.PathLike, check_hash: bool = True, out_dtype: str = "float32") -> ActivationCache:
+        """Validate ``path`` (metadata, shard table, file sizes, hash) and open it; ``out_dtype``:
+        "float32" (default) or "stored" (a 16-bit cache's own values, see the module doc).
 
-        Raises an ActCacheError subclass naming every problem.
+        Raises an ActCacheError subclass naming every problem. A cache of protocol 2.x gets the
+        protocol's breaking warning (once).
         """
+        check_out_dtype(out_dtype)
         path = os.fspath(path)
         rep = validate_dir(path, check_hash=check_hash)
+        warn_breaking(rep.metadata, path)
         shards = [ShardInfo(s.name, s.n_imgs) for s in rep.shards]
-        return cls(path, rep.metadata, shards, rep)
+        return cls(path, rep.metadata, shards, rep, out_dtype)
 
     def __repr__(self) -> str:
         md = self.metadata
@@ -76,7 +103,7 @@ class ActivationCache:
 
     # ---- shards ------------------------------------------------------------------------------
     def shard_array(self, shard_idx: int) -> np.ndarray:
-        """Read-only memmap (n_imgs_in_shard, L, T, D) of one shard (padding excluded)."""
+        """Read-only memmap (n_imgs_in_shard, L, T, D) of one shard's stored values (padding excluded)."""
         arr = self._maps.get(shard_idx)
         if arr is None:
             with self._lock:
@@ -85,7 +112,7 @@ class ActivationCache:
                     s = self.shards[shard_idx]
                     md = self.metadata
                     shape = (s.n_imgs, len(md.layers), md.n_tokens_per_img, md.d_vit)
-                    arr = np.memmap(os.path.join(self.path, s.name), dtype=np.float32, mode="r", shape=shape)
+                    arr = np.memmap(os.path.join(self.path, s.name), dtype=md.storage, mode="r", shape=shape)
                     self._maps[shard_idx] = arr
         return arr
 
@@ -168,11 +195,11 @@ class ActivationCache:
             sh = int(shard_of[group[0]])
             block = self._sub(self.shard_array(sh)[img_idx[group] - sh * S], layer, token)
             if out is None:
-                out = np.empty((img_idx.size,) + block.shape[1:], np.float32)
-            out[group] = block
+                out = np.empty((img_idx.size,) + block.shape[1:], self.out_dtype)
+            out[group] = to_float32(block, self.metadata.dtype) if self.convert else block
         if out is None:  # no images selected: an empty array of the right trailing shape
             probe = self._sub(np.zeros((1,) + self.shape[1:], np.float32), layer, token)
-            out = np.empty((0,) + probe.shape[1:], np.float32)
+            out = np.empty((0,) + probe.shape[1:], self.out_dtype)
         return out
 
     def __getitem__(self, key):
@@ -195,7 +222,7 @@ class ActivationCache:
                 view = view[layer]
             if not isinstance(token, slice) or token != slice(None):
                 view = view[token] if view.ndim == 2 else view[:, token]
-            return np.asarray(view)
+            return to_float32(view, self.metadata.dtype) if self.convert else np.asarray(view)
         return self.read_images(self._image_indices(img), layer, token)
 
     def select(self, index: ActIndex) -> np.ndarray:

@@ -17,7 +17,7 @@ One YAML file per experiment (config/experiments/NAME.yaml); config/README.md do
       shards_per_job: 4        # shards per Slurm dump job
     train: {...}               # SAE sweep (actcache.sae.config); optional
 
-Keys that change the cache (vit.*, data.*, cache.max_patches_per_shard) go into metadata.json and
+Keys that change the cache (vit.*, data.*, cache.max_patches_per_shard, cache.dtype) go into metadata.json and
 so into the hash; the others (batch size, workers, shards_per_job, train.*) never touch it.
 
 Each key is declared once, as a field below (:func:`actcache.keys.key`: type, default, help,
@@ -35,7 +35,9 @@ import yaml
 
 from actcache.errors import ConfigError
 from actcache.keys import check_fields, key, read_section
-from actcache.protocol import DEFAULT_MAX_PATCHES_PER_SHARD, FAMILIES
+from actcache.protocol import DEFAULT_MAX_PATCHES_PER_SHARD, DTYPES, FAMILIES
+
+DTYPE_NAMES = tuple(DTYPES)
 
 NAME_PATTERN = r"^[A-Za-z0-9_.-]+$"
 
@@ -80,6 +82,14 @@ class CacheConfig:
         "vectors per shard; images per shard = this // (tokens x layers); the default gives ~10 GiB shards at d=1024",
         scope="cache",
         ge=1,
+    )
+    dtype: str = key(
+        "float32",
+        "stored value type: `float32` writes protocol v1; `float16` / `bfloat16` write protocol 2.0 (half the "
+        "bytes, same shard sizing in vectors; v1 readers cannot open it)",
+        scope="cache",
+        late=True,
+        choices=DTYPE_NAMES,
     )
     batch_size: int = _cache(256, "images per forward pass in `actcache dump`", ge=1)
     n_workers: int = _cache(4, "image decoding processes (the workflow passes the job's threads instead)", ge=0)

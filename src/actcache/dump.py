@@ -8,7 +8,7 @@ Pipeline (each stage overlaps the others)::
           │  (B, 3, H, W) float32 batches; for CUDA: (B, H, W, 3) uint8, resized and cropped only
     main thread              forward pass on the device (stops after the last requested block);
                              for CUDA the batch is first rescaled and normalised on the GPU
-          │  (B, L, T, D) float32, bounded queue (a few batches)
+          │  (B, L, T, D) float32, or 16-bit (cache.dtype) cast on the device; bounded queue
     writer thread            streams into the open shard's temporary file; fsync + rename when full
 
 Guarantees:
@@ -484,7 +484,7 @@ def _run(md, path, batches, batch_iter, transform, vit, layers, dev, sink: Shard
             pixels = pixels.to(dev, non_blocking=True)
             if pixels.dtype == torch.uint8:  # resized and cropped only (CUDA): normalise here
                 pixels = transform.normalize(pixels)
-            acts = vit.forward(pixels, layers)
+            acts = stored_tensor(vit.forward(pixels, layers), md.dtype)
             if pinned is None:
                 sink.put(shard, acts.numpy())
             else:
@@ -496,6 +496,18 @@ def _run(md, path, batches, batch_iter, transform, vit, layers, dev, sink: Shard
         sink.abort(drain=isinstance(err, DumpError) and sink.error is None)
         raise
     return skipped
+
+
+def stored_tensor(acts: torch.Tensor, dtype: str) -> torch.Tensor:
+    """The activations as the cache stores them, cast where they are (on the GPU, before the copy
+    to the host, so that copy is halved too): float16 as it is, bfloat16 as its raw bits (int16,
+    which numpy can hold). Rounding: torch's, to nearest even; non-finite values stay non-finite
+    and ``actcache verify --deep`` counts them as for float32."""
+    if dtype == "float32":
+        return acts
+    if dtype == "float16":
+        return acts.to(torch.float16)
+    return acts.to(torch.bfloat16).view(torch.int16)
 
 
 def _ranges(ids: list[int]) -> str:

@@ -22,6 +22,25 @@ def describe_unknown(doc: dict) -> str:
     )
 
 
+def describe_format(md: Metadata) -> tuple[str, str]:
+    """(what the cache is, which readers can open it): the two lines `actcache inspect` prints."""
+    if md.foreign:
+        return (
+            f"saev {md.protocol} cache ({md.dtype}; read-only here)",
+            "saev's current release; actcache (cache, loaders, inspect, verify, train --cache)",
+        )
+    if md.dtype == "float32":
+        return (
+            f"actcache protocol {md.protocol} ({md.dtype}, {md.itemsize} bytes per value)",
+            "every protocol-1 reader: actcache (any version), saev's protocol-1 reader, the protocol's reference code",
+        )
+    return (
+        f"actcache protocol {md.protocol} ({md.dtype}, {md.itemsize} bytes per value)",
+        f"actcache with protocol {md.protocol.split('.')[0]} support only; protocol-1 readers (saev's included) "
+        "refuse it by version. For them: `actcache convert DIR --dtype float32 --to ROOT`",
+    )
+
+
 def load_metadata(path: str | os.PathLike) -> Metadata:
     """metadata.json (or the directory holding it) of a v1 cache (Metadata) or of a saev 2.x cache
     (SaevMetadata, read-only); anything else is a ProtocolError naming what it found."""

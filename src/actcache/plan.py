@@ -56,6 +56,7 @@ def experiment_metadata(exp: Experiment, listing_cache: str | None = None) -> Me
         n_imgs=n_imgs,
         max_patches_per_shard=exp.cache.max_patches_per_shard,
         data=metadata_data(exp.data),
+        dtype=exp.cache.dtype,
     )
 
 

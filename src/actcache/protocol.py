@@ -1,10 +1,16 @@
-"""The sharded-activation file protocol v1: the only module that knows the byte layout.
+"""The sharded-activation file protocol (v1, and the opt-in 16-bit 2.0): the only module that
+knows the byte layout.
 
 Normative source: the protocol sheet (``shared/seeds/000_...``). In short::
 
     <dump_to>/<HASH>/metadata.json   the data-generating config (hash input)
     <dump_to>/<HASH>/shards.json     [{"name": "acts000000.bin", "n_imgs": N}, ...]
     <dump_to>/<HASH>/actsNNNNNN.bin  C-contiguous float32 (n_imgs_in_shard, L, T, D)
+
+Protocol 2.0 is v1 with 16-bit values (``dtype`` float16 or bfloat16, little-endian): the same
+fields, shapes and shard sizing in vectors, half the bytes. A dtype switch is a major change
+(spec §5): float32 caches stay "1.0.0" byte for byte; 16-bit ones say "2.0.0", so every v1
+reader refuses them by version, and this reader warns once per cache when it opens one.
 
     HASH = sha256(json.dumps(metadata, sort_keys=True, separators=(",", ":")).encode("utf-8"))
 
@@ -25,8 +31,12 @@ from typing import ClassVar
 from actcache.errors import ProtocolError, VersionError
 
 PROTOCOL_VERSION = "1.0.0"
+PROTOCOL_V2 = "2.0.0"  # 16-bit values
 FAMILIES = ("clip", "siglip", "dinov2", "dinov3", "siglip2")
-DTYPES = {"float32": 4}
+DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}  # name -> bytes per value
+# how numpy holds each dtype's stored values (bfloat16: its raw bits, numpy has no bfloat16)
+STORAGE = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2"}
+_MAJOR_OF_DTYPE = {"float32": 1, "float16": 2, "bfloat16": 2}
 METADATA_FILE = "metadata.json"
 SHARDS_FILE = "shards.json"
 DEFAULT_MAX_PATCHES_PER_SHARD = 2_400_000
@@ -54,23 +64,50 @@ def parse_version(version: str, where: str = METADATA_FILE) -> tuple[int, int, i
     return int(parts[0]), int(parts[1]), int(parts[2])
 
 
-def check_version(version: str, where: str = METADATA_FILE) -> None:
-    """Refuse another major version; warn about a newer minor version (spec §5)."""
+def protocol_for(dtype: str) -> str:
+    """The version a cache of ``dtype`` is written with: float32 -> v1, 16-bit -> 2.0."""
+    return PROTOCOL_VERSION if _MAJOR_OF_DTYPE.get(dtype, 1) == 1 else PROTOCOL_V2
+
+
+READ_VERSIONS = (PROTOCOL_VERSION, PROTOCOL_V2)  # the newest version of each major this reads
+
+
+def check_version(version: str, where: str = METADATA_FILE, readable: tuple[str, ...] = READ_VERSIONS) -> None:
+    """Refuse a major version not in ``readable``; warn about a newer minor version (spec §5).
+    ``readable=(PROTOCOL_VERSION,)`` is a v1-only reader (what every reader before 2.0 does)."""
     major, minor, _ = parse_version(version, where)
-    ours = parse_version(PROTOCOL_VERSION)
-    if major != ours[0]:
+    ours = {parse_version(v)[0]: v for v in readable}
+    if major not in ours:
+        known = ", ".join(f"{v} (major {parse_version(v)[0]})" for v in readable)
         raise VersionError(
-            f"{where}: the cache uses protocol {version}, but this actcache reads protocol "
-            f"{PROTOCOL_VERSION} (major {ours[0]}) only. Use a reader for protocol {major}.x, "
-            "or re-dump the activations with this version."
+            f"{where}: the cache uses protocol {version}, but this reader reads protocol {known} only. "
+            f"Use a reader for protocol {major}.x, or re-dump the activations with this version."
         )
-    if minor > ours[1]:
+    if minor > parse_version(ours[major])[1]:
         warnings.warn(
-            f"{where}: protocol {version} is newer than {PROTOCOL_VERSION}; reading it as "
-            f"{PROTOCOL_VERSION} and ignoring fields this version does not know.",
+            f"{where}: protocol {version} is newer than {ours[major]}; reading it as "
+            f"{ours[major]} and ignoring fields this version does not know.",
             ProtocolWarning,
             stacklevel=3,
         )
+
+
+_warned_major: set[str] = set()
+
+
+def warn_breaking(md: Metadata, where: str) -> None:
+    """The breaking warning spec §5 asks of loader code, once per cache and process, for a cache
+    whose major version is not 1 (a 16-bit cache: v1 readers cannot open it). A saev cache (its
+    own versions, the v1 layout) gets none."""
+    if md.foreign or parse_version(md.protocol)[0] == 1 or where in _warned_major:
+        return
+    _warned_major.add(where)
+    warnings.warn(
+        f"{where}: protocol {md.protocol} cache ({md.dtype} values): readers of protocol 1.x (saev's "
+        "included) cannot open it; `actcache convert DIR --dtype float32 --to ROOT` writes a v1 copy.",
+        ProtocolWarning,
+        stacklevel=3,
+    )
 
 
 def canonical_json(obj: object) -> bytes:
@@ -105,7 +142,7 @@ _FIELDS: dict[str, tuple] = {
 
 @dataclasses.dataclass(frozen=True, eq=True)
 class Metadata:
-    """metadata.json of protocol v1. Validated on construction.
+    """metadata.json of protocol v1 (or 2.0: the same fields, a 16-bit dtype). Validated on construction.
 
     ``extra`` holds keys that this version does not know (from a newer minor version); they are
     written back and hashed unchanged, so the content hash of such a cache stays the same.
@@ -121,12 +158,14 @@ class Metadata:
     max_patches_per_shard: int
     data: dict = dataclasses.field(hash=False)
     dtype: str = "float32"
-    protocol: str = PROTOCOL_VERSION
+    protocol: str | None = None  # None: protocol_for(dtype)
     extra: dict = dataclasses.field(default_factory=dict, hash=False, compare=True)
     foreign: ClassVar[bool] = False  # True for a cache another tool wrote: actcache never writes into it
 
     def __post_init__(self) -> None:
         where = METADATA_FILE
+        if self.protocol is None:
+            object.__setattr__(self, "protocol", protocol_for(self.dtype))
         if isinstance(self.layers, list):
             object.__setattr__(self, "layers", tuple(self.layers))
         for name, (ok, what) in _FIELDS.items():
@@ -143,7 +182,10 @@ class Metadata:
             if getattr(self, name) < 1:
                 raise ProtocolError(f"{where}: field '{name}' must be >= 1, got {getattr(self, name)}.")
         if self.dtype not in DTYPES:
-            raise ProtocolError(f"{where}: field 'dtype' is {self.dtype!r}; protocol v1 allows only 'float32'.")
+            raise ProtocolError(
+                f"{where}: field 'dtype' is {self.dtype!r}; allowed: {', '.join(DTYPES)} (float32 is "
+                "protocol 1.x, the 16-bit ones 2.x)."
+            )
         if "__class__" not in self.data:
             warnings.warn(
                 f"{where}: field 'data' has no '__class__' key (the spec asks for the dataset "
@@ -152,6 +194,12 @@ class Metadata:
                 stacklevel=3,
             )
         check_version(self.protocol, where)
+        if parse_version(self.protocol, where)[0] != _MAJOR_OF_DTYPE[self.dtype]:
+            raise VersionError(
+                f"{where}: the cache uses protocol {self.protocol} with dtype {self.dtype!r}, but a "
+                f"{self.dtype} cache is protocol {protocol_for(self.dtype)} (1.x allows only 'float32', 2.x "
+                "only 16-bit dtypes). The file was edited; restore it, or re-dump the activations."
+            )
         if self.n_imgs_per_shard < 1:
             raise ProtocolError(
                 f"{where}: max_patches_per_shard={self.max_patches_per_shard} cannot hold one image "
@@ -180,7 +228,7 @@ class Metadata:
         return out
 
     @classmethod
-    def from_dict(cls, doc: object, where: str = METADATA_FILE) -> Metadata:
+    def from_dict(cls, doc: object, where: str = METADATA_FILE, readable: tuple[str, ...] = READ_VERSIONS) -> Metadata:
         if not isinstance(doc, dict):
             raise ProtocolError(f"{where}: expected a JSON object, got {type(doc).__name__}.")
         _refuse_other_format(doc, where)
@@ -193,9 +241,9 @@ class Metadata:
         for name, (ok, what) in _FIELDS.items():
             if not ok(doc[name]):
                 raise ProtocolError(f"{where}: field '{name}' must be {what}, got {doc[name]!r}.")
-        check_version(doc["protocol"], where)
+        check_version(doc["protocol"], where, readable)
         extra = {k: v for k, v in doc.items() if k not in _FIELDS}
-        if extra and parse_version(doc["protocol"], where)[1] == parse_version(PROTOCOL_VERSION)[1]:
+        if extra and parse_version(doc["protocol"], where)[1] == 0:
             warnings.warn(
                 f"{where}: unknown field(s) {', '.join(sorted(extra))} for protocol "
                 f"{doc['protocol']}; kept as they are (they are part of the hash).",
@@ -205,7 +253,7 @@ class Metadata:
         try:
             return cls(**{k: doc[k] for k in _FIELDS}, extra=extra)
         except ProtocolError as err:
-            raise ProtocolError(str(err).replace(METADATA_FILE, where, 1)) from None
+            raise type(err)(str(err).replace(METADATA_FILE, where, 1)) from None
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Metadata:
@@ -253,6 +301,11 @@ class Metadata:
     @property
     def itemsize(self) -> int:
         return DTYPES[self.dtype]
+
+    @property
+    def storage(self) -> str:
+        """The numpy dtype string of the stored values (bfloat16: '<u2', its raw bits)."""
+        return STORAGE[self.dtype]
 
     @property
     def bytes_per_vector(self) -> int:
@@ -314,8 +367,8 @@ def _refuse_other_format(doc: dict, where: str) -> None:
         keys = ", ".join(list(doc)[:12]) + (" ..." if len(doc) > 12 else "")
         raise ProtocolError(
             f"{where}: not protocol-v1 metadata (found keys: {keys or 'none'}; protocol "
-            f"{doc.get('protocol', 'missing')!r}). actcache writes only v1 caches; a saev cache (protocol 2.x) "
-            "is read-only: ActivationCache.open, the loaders, inspect, verify and train --cache read it."
+            f"{doc.get('protocol', 'missing')!r}). actcache writes v1 caches (16-bit ones: 2.0, same fields); a saev "
+            "cache (its own protocol 2.x) is read-only: ActivationCache.open, the loaders, inspect, verify and train --cache read it."
         )
 
 

@@ -25,6 +25,7 @@ import warnings
 
 import numpy as np
 
+from actcache.dtypes import to_float32
 from actcache.fsutil import atomic_write_bytes
 
 STATS_FILE = "actcache-stats.json"
@@ -51,7 +52,9 @@ def compute(cache, max_imgs: int = MAX_IMGS) -> dict:
     counts = {k: 0 for k in KINDS}
     c = int(md.cls_token)
     for i in imgs.tolist():
-        norms_LT = np.linalg.norm(np.asarray(cache[i], dtype=np.float32), axis=-1).astype(np.float64)
+        acts = cache[i]
+        acts = acts if acts.dtype == np.float32 else to_float32(acts, md.dtype)  # opened with out_dtype="stored"
+        norms_LT = np.linalg.norm(acts, axis=-1).astype(np.float64)
         sums["all"] += norms_LT.sum(axis=1)
         counts["all"] += norms_LT.shape[1]
         sums["image"] += norms_LT[:, c:].sum(axis=1)

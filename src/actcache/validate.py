@@ -1,4 +1,4 @@
-"""Validation of a cache directory against protocol v1.
+"""Validation of a cache directory against protocol v1 (and 2.0, its 16-bit variant).
 
 :func:`check_dir` collects every problem (it never raises for a bad cache) so that
 ``actcache inspect`` can show them all; :func:`validate_dir` raises one error listing them.
@@ -24,9 +24,11 @@ import warnings
 
 import numpy as np
 
+from actcache.dtypes import count_nonfinite
 from actcache.errors import CacheIncompleteError, ProtocolError
 from actcache.formats import load_metadata
 from actcache.protocol import (
+    DTYPES,
     METADATA_FILE,
     SHARDS_FILE,
     Metadata,
@@ -251,7 +253,14 @@ def _count_nonfinite(buf_f32: np.ndarray) -> int:
     return int(buf_f32.size - np.count_nonzero(np.isfinite(buf_f32)))
 
 
-def _scan_file(fpath: str, valid: int, n_threads: int | None = None) -> tuple[int, int]:
+def _count_in(buf, n_bytes: int, dtype: str) -> int:
+    """NaN/Inf values among the first ``n_bytes`` of ``buf`` holding ``dtype`` values."""
+    if dtype == "float32":
+        return _count_nonfinite(np.frombuffer(buf, dtype=np.float32, count=n_bytes // 4))
+    return count_nonfinite(np.frombuffer(buf, dtype=np.uint16, count=n_bytes // 2), dtype)
+
+
+def _scan_file(fpath: str, valid: int, n_threads: int | None = None, dtype: str = "float32") -> tuple[int, int]:
     """Read a file once; (bytes read, NaN/Inf count among its first ``valid`` bytes).
 
     ``n_threads`` threads each read 16 MiB chunks with ``pread`` into a buffer of their own and
@@ -287,10 +296,10 @@ def _scan_file(fpath: str, valid: int, n_threads: int | None = None) -> tuple[in
                                         f"{size:,}); another process may be rewriting it. Run verify again.")  # fmt: skip
                 got += n
             cut = max(0, min(want, valid - start))
-            cut -= cut % 4
+            cut -= cut % DTYPES[dtype]
             if cut <= 0:
                 return 0
-            return _count_nonfinite(np.frombuffer(buf, dtype=np.float32, count=cut // 4))
+            return _count_in(buf, cut, dtype)
 
         with contextlib.suppress(AttributeError, OSError):
             os.posix_fadvise(fd, 0, min(size, AHEAD * CHUNK), os.POSIX_FADV_WILLNEED)
@@ -314,7 +323,7 @@ def deep_scan(path: str, md: Metadata, rep: Report) -> None:
         if st.size is None:
             continue
         fpath = os.path.join(path, st.name)
-        n_read, bad = _scan_file(fpath, st.n_imgs * md.bytes_per_img)
+        n_read, bad = _scan_file(fpath, st.n_imgs * md.bytes_per_img, dtype=md.dtype)
         rep.bytes_read += n_read
         st.n_nonfinite = bad
         total_bad += bad

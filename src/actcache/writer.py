@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from actcache.dtypes import is_stored_as, to_stored
 from actcache.errors import CacheIncompleteError, DumpError, ProtocolError
 from actcache.fsutil import atomic_open, remove_stale_temps
 from actcache.protocol import METADATA_FILE, Metadata, shard_name, write_shards
@@ -57,7 +58,7 @@ def shard_is_complete(path: str, md: Metadata, shard_idx: int) -> bool:
 
 
 def write_shard(path: str, md: Metadata, shard_idx: int, acts_NLTD: np.ndarray) -> str:
-    """Write shard ``shard_idx`` atomically from a (n_imgs_in_shard, L, T, D) float32 array."""
+    """Write shard ``shard_idx`` atomically from a (n_imgs_in_shard, L, T, D) float32 array (or stored values)."""
     n = md.shard_n_imgs(shard_idx)
     want = (n, len(md.layers), md.n_tokens_per_img, md.d_vit)
     if acts_NLTD.shape != want:
@@ -74,7 +75,10 @@ class _ShardWriter:
         self.n_written = 0
 
     def write(self, acts_BLTD: np.ndarray) -> None:
-        a = np.ascontiguousarray(acts_BLTD, dtype=np.float32)
+        """A batch of float32 values, or of the cache's stored values (a 16-bit dump casts on the device)."""
+        a = np.ascontiguousarray(acts_BLTD)
+        if not is_stored_as(a, self.md.dtype):
+            a = to_stored(a, self.md.dtype)
         if a.shape[1:] != self.md.shard_shape[1:]:
             raise DumpError(f"shard {self.shard_idx}: batch shape {a.shape[1:]} != {self.md.shard_shape[1:]}")
         if self.n_written + a.shape[0] > self.n_expected:
@@ -199,6 +203,7 @@ def synthetic_metadata(
     max_patches_per_shard: int = 2_400_000,
     seed: int = 0,
     vit_family: str = "clip",
+    dtype: str = "float32",
 ) -> Metadata:
     return Metadata(
         vit_family=vit_family,
@@ -210,6 +215,7 @@ def synthetic_metadata(
         n_imgs=n_imgs,
         max_patches_per_shard=max_patches_per_shard,
         data={"__class__": "SyntheticActivations", "seed": seed},
+        dtype=dtype,
     )
 
 

@@ -24,6 +24,7 @@ HANDLERS = {
     "inspect": "actcache.cli.cache:cmd_inspect",
     "verify": "actcache.cli.cache:cmd_verify",
     "gather": "actcache.cli.cache:cmd_gather",
+    "convert": "actcache.cli.cache:cmd_convert",
     "plan": "actcache.cli.plan:cmd_plan",
     "dump": "actcache.cli.dump:cmd_dump",
     "train": "actcache.cli.train:cmd_train",
@@ -35,7 +36,7 @@ HANDLERS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from actcache.protocol import FAMILIES
+    from actcache.protocol import DTYPES, FAMILIES
 
     p = argparse.ArgumentParser(prog="actcache", description="Cache ViT activations and train SAEs on them.")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
@@ -55,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("gather", help="verify every shard of a hash directory and write shards.json")
     s.add_argument("dir")
+
+    s = sub.add_parser("convert", help="write a cache's values as another dtype: a new hash directory, verified")
+    s.add_argument("dir", help="the cache to convert")
+    s.add_argument("--dtype", required=True, choices=DTYPES, help="float32 (protocol 1) or float16 / bfloat16 (2.0)")
+    s.add_argument("--to", required=True, metavar="ROOT", help="root the new <HASH>/ directory is written under")
 
     s = sub.add_parser("plan", help="per experiment: hash, directory, cache status, training outputs")
     s.add_argument("--config", default="config/config.yaml", help="workflow config (default: %(default)s)")

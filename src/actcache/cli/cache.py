@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 
+from actcache.formats import describe_format
+
 
 def cmd_hash(args) -> int:
     from actcache.protocol import Metadata
@@ -28,6 +30,7 @@ def _report_dict(rep) -> dict:
         "ok": rep.ok,
         "hash": md.hash if md else None,
         "metadata": md.to_dict() if md else None,
+        "format": None if md is None else dict(zip(("what", "readers"), describe_format(md), strict=True)),
         "derived": None
         if md is None
         else {
@@ -68,6 +71,9 @@ def _print_report(rep, show_shards: bool) -> None:
         )
         print(f"data      {json.dumps(md.data, sort_keys=True)}")
         print(f"protocol  {md.protocol}")
+        what, readers = describe_format(md)
+        print(f"format    {what}")
+        print(f"readers   {readers}")
     if show_shards and rep.shards:
         print("shards")
         for s in rep.shards:
@@ -114,6 +120,13 @@ def cmd_gather(args) -> int:
 
     path = gather(args.dir)
     print(f"wrote {path}")
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from actcache.convert import convert
+
+    print(convert(args.dir, args.dtype, args.to))
     return 0
 
 

@@ -37,7 +37,8 @@ class Iteration:
         g = loader.geom
         rows = max(1, min(loader.batch_size, loader.n_examples))  # no bigger than one epoch
         spare, loader._spare_sets = loader._spare_sets, []
-        self.pool = BatchPool(lambda huge: BatchBuffers(rows, g.D, huge), max_sets, self.cond, spare)
+        act = loader.act_dtype
+        self.pool = BatchPool(lambda huge: BatchBuffers(rows, g.D, huge, act), max_sets, self.cond, spare)
         self.maps = ShardMaps(
             loader.cache.path,
             [s.name for s in loader.cache.shards],
@@ -134,6 +135,12 @@ class BaseLoader(abc.ABC):
         else:
             raise ConfigError(f"path={path!r} must be a cache directory or an ActivationCache")
         self.metadata = self.cache.metadata
+        md = self.metadata
+        # a 16-bit cache: batches hold float32 (widened in the copy kernel) or, with
+        # out_dtype="stored", its stored values
+        stored = o.out_dtype == "stored" or md.dtype == "float32"
+        self.widen = None if stored else md.dtype
+        self.act_dtype = np.dtype(md.storage if stored else np.float32)
         try:
             self.sel = Selection(self.metadata, o.patches, o.layer)
         except LayerNotRecordedError as err:

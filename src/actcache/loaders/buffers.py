@@ -183,11 +183,19 @@ def huge_empty(shape: tuple[int, ...], dtype=np.float32, huge: bool = True) -> n
     return raw[skip : skip + nbytes].view(dtype).reshape(shape)
 
 
-class BatchBuffers:
-    """One batch's numpy arrays: act (B, D) float32, image_i / patch_i / layer (B,) int64."""
+def as_tensor(a: np.ndarray) -> torch.Tensor:
+    """A tensor over ``a``'s memory; bfloat16's raw bits (uint16, dtypes.py) become torch.bfloat16."""
+    if a.dtype == np.uint16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
 
-    def __init__(self, batch_size: int, d: int, huge: bool = True):
-        self.act = huge_empty((batch_size, d), np.float32, huge)
+
+class BatchBuffers:
+    """One batch's numpy arrays: act (B, D) float32 (or a 16-bit cache's stored type), image_i /
+    patch_i / layer (B,) int64."""
+
+    def __init__(self, batch_size: int, d: int, huge: bool = True, act_dtype=np.float32):
+        self.act = huge_empty((batch_size, d), act_dtype, huge)
         self.huge = huge  # act on 2 MiB pages (False: 4 KiB, see HUGE_FAULT_MIN_BPS)
         self.uses = 0  # batches copied into it while on 4 KiB pages (see SMALL_SET_USES)
         self.faulted = False  # its memory faulted in (prefill, or a first copy that populated it)
@@ -207,7 +215,7 @@ class BatchBuffers:
     def to_torch(self) -> dict:
         n = self.n
         full = n == self.act.shape[0]
-        return {name: torch.from_numpy(a if full else a[:n]) for name, a in zip(FIELDS, self.arrays(), strict=True)}
+        return {name: as_tensor(a if full else a[:n]) for name, a in zip(FIELDS, self.arrays(), strict=True)}
 
     @property
     def nbytes(self) -> int:

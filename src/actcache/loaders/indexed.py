@@ -13,8 +13,10 @@ import numpy as np
 import torch
 
 from actcache.cache import ActivationCache
+from actcache.dtypes import to_float32
 from actcache.errors import LoaderError
 from actcache.loaders import integrity
+from actcache.loaders.buffers import as_tensor
 from actcache.loaders.common import Selection
 
 
@@ -22,12 +24,15 @@ class IndexedDataset(torch.utils.data.Dataset):
     """Every selected vector of the cache as one item.
 
     patches in {"cls", "image", "all"}; layer a recorded layer value or "all". Item i is a dict:
-    act (D,) float32 tensor, image_i, patch_i (-1 for CLS), layer (the layer value), token
+    act (D,) float32 tensor (out_dtype="stored": a 16-bit cache's own values), image_i, patch_i (-1 for CLS), layer (the layer value), token
     (position on the stored token axis). Items are ordered image-major, then layer, then token.
     """
 
-    def __init__(self, path: str | os.PathLike | ActivationCache, patches: str = "image", layer: int | str = -2):
-        self.cache = path if isinstance(path, ActivationCache) else ActivationCache.open(path)
+    def __init__(
+        self, path: str | os.PathLike | ActivationCache, patches: str = "image", layer: int | str = -2,
+        out_dtype: str = "float32",
+    ):  # fmt: skip
+        self.cache = path if isinstance(path, ActivationCache) else ActivationCache.open(path, out_dtype=out_dtype)
         self.metadata = self.cache.metadata
         self.sel = Selection(self.metadata, patches, layer)
         self._names = [s.name for s in self.cache.shards]
@@ -59,7 +64,7 @@ class IndexedDataset(torch.utils.data.Dataset):
             if got != fd:  # another thread opened it first
                 os.close(fd)
                 fd = got
-        vb = md.d_vit * 4
+        vb = md.d_vit * md.itemsize
         offset = ((local * len(md.layers) + layer_i) * md.n_tokens_per_img + token) * vb
         try:
             data = os.pread(fd, vb, offset)
@@ -69,7 +74,8 @@ class IndexedDataset(torch.utils.data.Dataset):
             raise integrity.read_error(
                 self.cache.path, self._names[shard], fd, self._ids[shard], self._sizes[shard], err
             ) from err
-        return np.frombuffer(data, np.float32).copy()
+        stored = np.frombuffer(data, md.storage)
+        return to_float32(stored, md.dtype) if self.cache.convert else stored.copy()
 
     @property
     def d_vit(self) -> int:
@@ -92,7 +98,7 @@ class IndexedDataset(torch.utils.data.Dataset):
         layer = int(layer)
         vec = self._read(int(img), self.metadata.layer_index(layer), int(token))
         return {
-            "act": torch.from_numpy(vec),
+            "act": as_tensor(vec),
             "image_i": int(img),
             "patch_i": int(patch),
             "layer": layer,

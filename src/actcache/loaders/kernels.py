@@ -10,7 +10,9 @@ a file are in the page cache. Each uses the C kernel
 ``actcache._native`` when it was built (the normal install compiles it; see setup.py) and numpy
 otherwise, with the same results; the C copies prefetch the next random rows and, for batches
 larger than the CPU cache, write with non-temporal stores (a cached store first reads the line it
-overwrites). Figures: BENCHMARKS.md (loaders).
+overwrites). Rows of a 16-bit cache (protocol 2.0) are widened to float32 during the copy
+(the C kernel's gather_widen; numpy: dtypes.to_float32, the same bytes). Figures: BENCHMARKS.md
+(loaders, half).
 
 ``ACTCACHE_NATIVE=0`` in the environment forces the numpy path (tests compare the two).
 """
@@ -22,6 +24,8 @@ import os
 import threading
 
 import numpy as np
+
+from actcache.dtypes import to_float32
 
 # gather_multi's ``prefetch`` is an index into PREFETCH_SCHEMES (defined with the other option values)
 from actcache.loaders.options import PREFETCH_SCHEMES
@@ -127,30 +131,43 @@ def copy_blocks(
     stream: bool = False,
     scale: float | None = None,
     scales: np.ndarray | None = None,
+    widen: str | None = None,
 ) -> bool:
     """Equal-size blocks of ``src`` (a C-contiguous array, e.g. a shard's byte mapping) into
     ``out``: block i is bytes ``[offset + rows[i] * stride, + piece)`` of src, piece =
     ``out.nbytes // len(rows)``, and lands at bytes ``[i * piece, (i + 1) * piece)`` of out
     (optionally its float32 values times ``scale`` or ``scales[i]``). Blocks that would reach
-    past src raise IndexError. Returns False, copying nothing, when the C kernel is not built:
-    the caller then copies with numpy (strided views)."""
+    past src raise IndexError. ``widen`` ("float16" / "bfloat16"): src holds that 16-bit type,
+    out float32 (a block is then piece / 2 bytes of src). Returns False, copying nothing, when the
+    C kernel is not built: the caller then copies with numpy (strided views)."""
     if _native is None:
         return False
     k = len(rows)
     if k == 0:
         return True
-    piece = out.nbytes // k
+    piece = out.nbytes // k // (2 if widen else 1)
     n_src = (src.nbytes - offset - piece) // stride + 1 if src.nbytes >= offset + piece else 0
     one = np.zeros(k, np.int64)  # every block from the one source
-    _gather([address(src) + offset], [max(0, n_src)], one, rows, stride, piece, out, stream, scale, scales)
+    _gather([address(src) + offset], [max(0, n_src)], one, rows, stride, piece, out, stream, scale, scales, 0, widen)
     return True
 
 
 def _gather(
-    addresses, counts, srcs, rows, stride: int, piece: int, out, stream: bool, scale, scales, prefetch: int = 0
+    addresses,
+    counts,
+    srcs,
+    rows,
+    stride: int,
+    piece: int,
+    out,
+    stream: bool,
+    scale,
+    scales,
+    prefetch: int = 0,
+    widen: str | None = None,
 ) -> None:
-    """The C kernel's gather_multi, arguments as it wants them."""
-    _native.gather_multi(
+    """The C kernel's gather_multi (gather_widen with ``widen``), arguments as it wants them."""
+    head = (
         np.asarray(addresses, np.int64),
         np.asarray(counts, np.int64),
         np.ascontiguousarray(srcs, np.int64),
@@ -158,11 +175,47 @@ def _gather(
         stride,
         piece,
         address(out),
+    )
+    tail = (
         stream,
         None if scales is None else np.ascontiguousarray(scales, np.float32),
         1.0 if scale is None else float(scale),
         prefetch,
     )
+    if widen:
+        _native.gather_widen(*head, WIDEN_KINDS.index(widen), *tail)
+    else:
+        _native.gather_multi(*head, *tail)
+
+
+# gather_widen's kinds, and the numpy dtype a shard view of each has (protocol.STORAGE)
+WIDEN_KINDS = ("float16", "bfloat16")
+_KIND_OF_STORAGE = {np.dtype("<f2"): "float16", np.dtype("<u2"): "bfloat16"}
+
+
+def widen_kind(src_dtype, out_dtype) -> str | None:
+    """The 16-bit type to widen from when copying ``src_dtype`` rows into ``out_dtype`` (float32)
+    ones, or None for a plain copy (same dtype)."""
+    if np.dtype(src_dtype) == np.dtype(out_dtype):
+        return None
+    kind = _KIND_OF_STORAGE.get(np.dtype(src_dtype))
+    if kind is None or np.dtype(out_dtype) != np.float32:
+        raise TypeError(f"cannot copy {np.dtype(src_dtype)} rows into {np.dtype(out_dtype)} ones")
+    return kind
+
+
+def widen_rows(
+    src: np.ndarray, out: np.ndarray, scale: float | None = None, scales: np.ndarray | None = None, stream: bool = False
+) -> None:
+    """``out[:] = src`` as float32 (src: rows of a 16-bit stored type, out: C-contiguous float32 of
+    the same shape), times ``scale`` or ``scales[i]`` per row; the C kernel when built, else numpy,
+    with the same bytes. ``stream``: non-temporal stores (see STREAM_MIN_BYTES)."""
+    src2 = np.ascontiguousarray(src).reshape(len(out), -1)
+    if widen_kind(src2.dtype, out.dtype) is None:
+        raise TypeError(f"widen_rows: {src2.dtype} rows are not a 16-bit stored type")
+    rows = np.arange(len(src2), dtype=np.int64)
+    out2 = out.reshape(len(out), -1)
+    take_multi([src2], np.zeros(len(rows), np.int64), rows, out2, scale=scale, scales=scales, stream=stream)
 
 
 def balanced_order(n: int, per: int, j0: int, lo: int, hi: int, rng: np.random.Generator) -> np.ndarray:
@@ -336,18 +389,24 @@ def take_multi(
     prefetch: int = 0,
 ) -> None:
     """``out[i] = sources[srcs[i]][rows[i]]`` (times ``scale`` or ``scales[i]``) for C-contiguous
-    2-D sources of one width and dtype (the shards' (rows, D) views, or arena slots). Bad sources
+    2-D sources of one width and dtype (the shards' (rows, D) views, or arena slots); sources of a
+    16-bit stored type (protocol 2.0) into a float32 ``out`` are widened (:func:`widen_kind`). Bad sources
     or rows raise IndexError. ``addresses`` / ``counts``: the sources' addresses and row counts
     (int64), if the caller keeps them. ``prefetch``: the C kernel's prefetch scheme, an index
     into PREFETCH_SCHEMES (the result is the same; only the speed differs)."""
+    kind = widen_kind(sources[0].dtype, out.dtype)
     if _native is not None:
         if addresses is None:
             addresses = np.array([address(s) for s in sources], np.int64)
             counts = np.array([s.shape[0] for s in sources], np.int64)
         piece = sources[0].strides[0]
-        _gather(addresses, counts, srcs, rows, piece, piece, out, stream, scale, scales, prefetch)
+        _gather(addresses, counts, srcs, rows, piece, piece, out, stream, scale, scales, prefetch, kind)
         return
-    if len(sources) == 1:
+    if kind is not None:  # numpy: gather the 16-bit rows, then widen them (dtypes.to_float32)
+        got = np.empty(out.shape, sources[0].dtype)
+        take_multi(sources, srcs, rows, got)
+        to_float32(got, kind, out=out)
+    elif len(sources) == 1:
         np.take(sources[0], rows, axis=0, out=out, mode="clip")  # rows valid by construction
     else:
         for s in np.unique(srcs).tolist():

@@ -209,10 +209,10 @@ class ShardMaps:
         arr = self._arrays.get((shard, self._main))
         return arr if arr is not None else self._open(shard, self._main)
 
-    def view(self, shard: int, shape: tuple[int, ...]) -> np.ndarray:
-        """The shard's first prod(shape) float32 values with ``shape``."""
-        n = int(np.prod(shape)) * 4
-        return self.array(shard)[:n].view(np.float32).reshape(shape)
+    def view(self, shard: int, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
+        """The shard's first prod(shape) values of ``dtype`` (the stored type) with ``shape``."""
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        return self.array(shard)[:n].view(dtype).reshape(shape)
 
     # ---- residency ----------------------------------------------------------------------------
     def prefetch(self, shard: int, starts: np.ndarray, ends: np.ndarray, gap: int = 0) -> bool:

@@ -21,6 +21,9 @@ COLD_READS = ("read", "fault")
 # The C kernel's prefetch schemes (an index into this tuple): whole rows into L2, or only their
 # first bytes into L3 (kernels.PrefetchChooser picks one with prefetch="auto").
 PREFETCH_SCHEMES = ("whole", "heads")
+# What a batch's act holds for a 16-bit cache: float32 (converted in the copy kernel) or the
+# stored values (float16, bfloat16 as torch.bfloat16) for the GPU to convert.
+OUT_DTYPES = ("float32", "stored")
 
 
 def check_number(name: str, value, lo=None, integer=False, allow_none=False) -> None:
@@ -61,8 +64,16 @@ class LoaderOptions:
     n_readers: int | None = None  # None: the loader's own default
     read_ahead: int = 2
     evict: bool = False
+    out_dtype: str = "float32"
 
     def __post_init__(self) -> None:
+        if self.out_dtype not in OUT_DTYPES:
+            raise ConfigError(f"out_dtype={self.out_dtype!r} is not allowed; use one of {', '.join(OUT_DTYPES)}")
+        if self.out_dtype == "stored" and self.scale_norm:
+            raise ConfigError(
+                "scale_norm=True scales float32 values; with out_dtype='stored' scale on the GPU after "
+                "converting, or use out_dtype='float32'"
+            )
         check_number("batch_size", self.batch_size, 1, integer=True)
         check_number("batch_timeout_s", self.batch_timeout_s, allow_none=True)
         check_number("n_threads", self.n_threads, 1, integer=True)

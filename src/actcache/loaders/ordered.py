@@ -41,6 +41,7 @@ import time
 
 import numpy as np
 
+from actcache.dtypes import to_float32
 from actcache.errors import ConfigError, LoaderError
 from actcache.loaders import kernels
 from actcache.loaders.base import BaseLoader, Iteration
@@ -114,6 +115,7 @@ class OrderedLoader(BaseLoader):
         end_img: int | None = None,
         batch_timeout_s: float | None = 30.0,
         scale_norm: bool = False,
+        out_dtype: str = "float32",
         rank: int = 0,
         world_size: int = 1,
         worker_id: int = 0,
@@ -135,6 +137,7 @@ class OrderedLoader(BaseLoader):
             drop_last=drop_last,
             batch_timeout_s=batch_timeout_s,
             scale_norm=scale_norm,
+            out_dtype=out_dtype,
             rank=rank,
             world_size=world_size,
             worker_id=worker_id,
@@ -158,6 +161,7 @@ class OrderedLoader(BaseLoader):
         # (SIGBUS in numpy): io="auto" then always reads
         self.may_map = self.may_map and kernels.native_info()["native"]
         self.path_cost = _PathCost()
+        self._stages = threading.local()  # _stage's buffers
         per = self.geom.per_img
         self.partition = Partition((end_img - start_img) * per, self.world, batch_size, drop_last)
         s, e = self.partition.part_range(self.world)
@@ -371,8 +375,9 @@ class OrderedLoader(BaseLoader):
             if self.scale is not None:
                 scales = np.tile(np.asarray(self.scale, np.float32), n)
         return kernels.copy_blocks(
-            it.maps.array(shard), rows, dst, stride=stride, offset=offset, stream=stream, scale=scale, scales=scales
-        )
+            it.maps.array(shard), rows, dst, stride=stride, offset=offset, stream=stream, scale=scale, scales=scales,
+            widen=self.widen,
+        )  # fmt: skip
 
     def _batch_extents(self, a: int, b: int):
         """(shard, starts, ends, lpos) of examples [a, b): the selected byte ranges in each shard,
@@ -388,10 +393,11 @@ class OrderedLoader(BaseLoader):
         buffer from row ``off`` on (preadv: nearby ranges in one call, the gaps into a scratch
         buffer; module doc)."""
         g = self.geom
-        act = memoryview(buf.act.reshape(-1).view(np.uint8))
+        stage = self._stage(b - a) if self.widen else None  # a 16-bit cache: read, then widen
+        act = memoryview((buf.act if stage is None else stage).reshape(-1).view(np.uint8))
         scratch = memoryview(bytearray(MERGE_GAP))
         limit = CALL_BYTES if self.scale is None else SCALE_CALL_BYTES
-        pos = off * g.vec_bytes
+        pos = (off if stage is None else 0) * g.vec_bytes
         for shard, starts, ends, lpos in self._batch_extents(a, b):
             fd = it.maps.fd(shard)
             S, E = starts.tolist(), ends.tolist()
@@ -422,7 +428,7 @@ class OrderedLoader(BaseLoader):
                         [shard],
                     )
                 it.rt.progressed()  # a slow filesystem is not a stalled one (runtime module doc)
-                if self.scale is not None:  # the rows just read, while still in the CPU cache
+                if self.scale is not None and stage is None:  # the rows just read, while still in the CPU cache
                     rows = buf.act[pos // g.vec_bytes : p // g.vec_bytes]
                     if len(self.scale) == 1:
                         rows *= np.float32(self.scale[0])
@@ -430,7 +436,33 @@ class OrderedLoader(BaseLoader):
                         n_rows = (np.asarray(E[i:j]) - np.asarray(S[i:j])) // g.vec_bytes
                         rows *= np.repeat(np.asarray(self.scale, np.float32)[lpos[i:j]], n_rows)[:, None]
                 pos, i = p, j
+        if stage is not None:
+            self._widen_into(a, b, stage[: b - a], buf.act[off : off + b - a])
         self._fill_indices(a, b, buf, off)
+
+    def _stage(self, n: int) -> np.ndarray:
+        """This thread's buffer for n rows of stored 16-bit values (io="read" of a 16-bit cache)."""
+        got = getattr(self._stages, "a", None)
+        if got is None or len(got) < n:
+            got = self._stages.a = np.empty((max(n, self.batch_size), self.geom.D), self.metadata.storage)
+        return got
+
+    def _widen_into(self, a: int, b: int, stage: np.ndarray, dst: np.ndarray) -> None:
+        """Examples [a, b) read as stored values into ``stage`` -> float32 ``dst`` (scaled as asked)."""
+        kw = {}
+        if self.scale is not None and len(self.scale) == 1:
+            kw["scale"] = self.scale[0]
+        elif self.scale is not None:
+            img, e = np.divmod(np.arange(a, b, dtype=np.int64), self.geom.per_img)
+            kw["scales"] = np.asarray(self.scale, np.float32)[self.geom.decode(img, e)[3]]
+        kernels.widen_rows(stage, dst, stream=dst.nbytes >= kernels.STREAM_MIN_BYTES, **kw)
+
+    def _put(self, dst: np.ndarray, src: np.ndarray) -> None:
+        """numpy copy of stored values into the batch (widened to float32 for a 16-bit cache)."""
+        if self.widen:
+            to_float32(src, self.widen, out=dst)
+        else:
+            np.copyto(dst, src)
 
     def _fill_indices(self, a: int, b: int, buf, off: int) -> None:
         ex = np.arange(a, b, dtype=np.int64)
@@ -470,7 +502,7 @@ class OrderedLoader(BaseLoader):
             img, e0 = divmod(x, per)
             shard = int(np.searchsorted(self.shard_start, img, side="right")) - 1
             simg = img - int(self.shard_start[shard])
-            src = it.maps.view(shard, (self.shard_imgs[shard], g.L, g.T, g.D))
+            src = it.maps.view(shard, (self.shard_imgs[shard], g.L, g.T, g.D), self.metadata.storage)
             if e0 == 0 and b - x >= per:  # a run of whole images within this shard
                 n = min((b - x) // per, self.shard_imgs[shard] - simg)
                 if not self._copy_native(it, shard, simg, n, buf.act[pos : pos + n * per], stream):
@@ -480,9 +512,9 @@ class OrderedLoader(BaseLoader):
                         blk = src[simg + c : simg + c + m]
                         dst = buf.act[pos + c * per : pos + (c + m) * per]
                         if one:
-                            np.copyto(dst.reshape(m, nT, g.D), blk[:, li0, ts : ts + nT])
+                            self._put(dst.reshape(m, nT, g.D), blk[:, li0, ts : ts + nT])
                         else:
-                            np.copyto(dst.reshape(m, g.L, nT, g.D), blk[:, :, ts : ts + nT])
+                            self._put(dst.reshape(m, g.L, nT, g.D), blk[:, :, ts : ts + nT])
                         if self.scale is not None:
                             self._scale_rows(dst, np.tile(np.repeat(np.arange(len(g.layer_idx)), nT), m))
                 pos += n * per
@@ -492,7 +524,11 @@ class OrderedLoader(BaseLoader):
                 for lp in range(e0 // nT, (e1 - 1) // nT + 1):
                     t0, t1 = max(e0, lp * nT) - lp * nT, min(e1, (lp + 1) * nT) - lp * nT
                     dst = buf.act[pos : pos + t1 - t0]
-                    self._copy_range(it, shard, src[simg, g.layer_idx[lp], ts + t0 : ts + t1], dst)
+                    piece = src[simg, g.layer_idx[lp], ts + t0 : ts + t1]
+                    if self.widen:  # a 16-bit cache: numpy widens (the guarded kernel copies bytes)
+                        self._put(dst, piece)
+                    else:
+                        self._copy_range(it, shard, piece, dst)
                     self._scale_rows(dst, np.full(t1 - t0, lp))
                     pos += t1 - t0
                 x += e1 - e0

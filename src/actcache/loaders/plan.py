@@ -54,6 +54,7 @@ class Geometry:
     n_tokens: int  # selected tokens per layer
     layers: tuple[int, ...]  # layer values (metadata.layers)
     cls: bool
+    itemsize: int = 4  # bytes per stored value (2: a 16-bit cache)
 
     @classmethod
     def from_selection(cls, sel) -> Geometry:
@@ -67,6 +68,7 @@ class Geometry:
             sel.n_tokens,
             tuple(md.layers),
             md.cls_token,
+            md.itemsize,
         )
 
     @property
@@ -75,7 +77,7 @@ class Geometry:
 
     @property
     def vec_bytes(self) -> int:
-        return self.D * 4
+        return self.D * self.itemsize
 
     @property
     def img_bytes(self) -> int:

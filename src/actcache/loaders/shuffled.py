@@ -130,6 +130,7 @@ class ShuffledLoader(BaseLoader):
         deterministic: bool = True,
         batch_timeout_s: float | None = 30.0,
         scale_norm: bool = False,
+        out_dtype: str = "float32",
         rank: int = 0,
         world_size: int = 1,
         worker_id: int = 0,
@@ -172,6 +173,7 @@ class ShuffledLoader(BaseLoader):
             drop_last=drop_last,
             batch_timeout_s=batch_timeout_s,
             scale_norm=scale_norm,
+            out_dtype=out_dtype,
             rank=rank,
             world_size=world_size,
             worker_id=worker_id,
@@ -490,7 +492,8 @@ class ShuffledLoader(BaseLoader):
             if slot is None:
                 self.stats.arena_slots += 1
         if slot is None:
-            arr = pages.empty((self.slot_bytes // 4,), np.float32)
+            stored = np.dtype(self.metadata.storage)
+            arr = pages.empty((self.slot_bytes // stored.itemsize,), stored)
             ok, huge = pages.fault_in(arr, pages.huge, stop=lambda: it.rt.stopping, nbytes=nbytes)
             if not ok:
                 raise Stopped
@@ -678,11 +681,12 @@ class ShuffledLoader(BaseLoader):
         return _Job(key, (spec.epoch, spec.index), n, sources, out, n_parts, mapped)
 
     def _shard_source(self, it: Iteration, shard: int) -> np.ndarray:
-        """The shard's (n_imgs * L * T, D) float32 view (made once per iteration)."""
+        """The shard's (n_imgs * L * T, D) view of stored values (made once per iteration)."""
         src = it.sources.get(shard)
         if src is None:
             g = self.geom
-            src = it.sources[shard] = it.maps.view(shard, (self.shard_imgs[shard] * g.L * g.T, g.D))
+            shape = (self.shard_imgs[shard] * g.L * g.T, g.D)
+            src = it.sources[shard] = it.maps.view(shard, shape, self.metadata.storage)
         return src
 
     def _copy(self, it: Iteration, job: _Job, part: int) -> None:
