@@ -23,6 +23,11 @@ over the same preprocessed images up to the same block, same batches. The dump's
 everything it does (listing, metadata, model load, decoding, forward, writing, fsync).
 Target: dump wall time <= 1.10 x forward-only time.
 
+Checksums (``--only checksums``, section ``dump-checksums``): the dump's writer thread (ShardSink,
+fed from memory, I/O-bound sizes) with its per-shard checksums (xxh3 of every byte as it is written,
+plus one record file per shard) against the same writer with hashing and records switched off in
+this process (the writer as it was before checksums). Target: with >= 0.95 x without.
+
 Rounds alternate the order of the measurements. On a shared machine other jobs take the CPU at
 random moments, so each figure is the best (minimum) time over the rounds, as timeit does:
 interference only ever slows a run down. The per-round ratios are printed too.
@@ -125,6 +130,60 @@ def write_path(directory: str, md, acts_NLTD: np.ndarray, batch: int) -> float:
     dt = time.perf_counter() - t0
     shutil.rmtree(directory)
     return dt
+
+
+class _NoHash:
+    """The writer's hasher switched off: the reference of the checksums scenario."""
+
+    def __init__(self, *args, **kw):
+        self.nbytes = 0
+
+    def update(self, data) -> None:
+        self.nbytes += memoryview(data).nbytes
+
+    def digest(self) -> str:
+        return "0" * 16
+
+
+def write_path_unhashed(directory: str, md, acts_NLTD: np.ndarray, batch: int) -> float:
+    from actcache import checksums
+
+    saved = checksums.StreamHasher, checksums.write_record
+    checksums.StreamHasher, checksums.write_record = _NoHash, lambda directory, rec: None
+    try:
+        return write_path(directory, md, acts_NLTD, batch)
+    finally:
+        checksums.StreamHasher, checksums.write_record = saved
+
+
+def checksum_cost(root: str, n_imgs: int, rounds: int, workers: int, batch: int) -> tuple[list[dict], tuple]:
+    ckpt = make_ckpt(root, "tiny", hidden_size=32, intermediate_size=32, num_hidden_layers=4, num_attention_heads=1,
+                     image_size=32, patch_size=4)  # fmt: skip
+    exp = make_exp(ckpt, n_imgs, 32, [0, 1, 2, 3], max_patches=4096 * 65 * 4, batch=batch, workers=workers)
+    md = experiment_metadata(exp)
+    total = md.n_imgs * md.bytes_per_img
+    acts = np.random.default_rng(0).standard_normal((2048, *md.shard_shape[1:]), dtype=np.float32)
+    write_path(os.path.join(root, "warm"), md, acts, batch)
+    res: dict[str, list[float]] = {"off": [], "on": []}
+    for r in range(rounds):
+        for which in ("off", "on") if r % 2 == 0 else ("on", "off"):
+            run = write_path if which == "on" else write_path_unhashed
+            dt = run(os.path.join(root, "sink"), md, acts, batch)
+            res[which].append(dt)
+            print(f"  checksums round {r}: {which:3s} {dt:7.3f} s  {total / dt / 1e6:8.1f} MB/s", flush=True)
+    off, on = min(res["off"]), min(res["on"])
+    ratios = [a / b for a, b in zip(res["off"], res["on"], strict=True)]
+    rows = [
+        {"write path (ShardSink, no model)": label, "seconds": t, "MB/s": total / t / 1e6, "vs without": off / t}
+        for label, t in [("without checksums", off), ("with checksums (xxh3 while writing, one record per shard)", on)]
+    ]
+    check = benchlib.check("dump write path with checksums >= 0.95 x without", off / on, 0.95, "x without")
+    setup = (
+        f"Checksums, on {where()}: {md.n_imgs:,} images of {md.bytes_per_img / 1e3:.1f} KB, {total / 1e9:.2f} GB in "
+        f"{md.n_shards} shards, batch {batch}; best of {rounds} rounds (per-round ratios "
+        f"{', '.join(f'{x:.3f}' for x in ratios)})."
+    )
+    return rows, (setup, check, [])
 
 
 def preprocessed(exp, n: int) -> torch.Tensor:
@@ -283,8 +342,8 @@ def main() -> None:
     ap.add_argument("--vit-batch", type=int, default=16)
     ap.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     ap.add_argument("--workers", type=int, default=None, help="image workers (default 1 on cpu, cores - 2 on cuda)")
-    ap.add_argument("--only", choices=["io", "compute", "both"], default=None,
-                    help="scenarios to run (default both on cpu, io on cuda)")  # fmt: skip
+    ap.add_argument("--only", choices=["io", "compute", "both", "checksums"], default=None,
+                    help="scenarios to run (default both on cpu, io on cuda; checksums: its own section)")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="small sizes, 1 round, no record (a smoke test)")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
@@ -307,8 +366,10 @@ def main() -> None:
     try:
         for name, run, n_rounds, n_imgs, batch in [("io", io_bound, args.rounds, args.io_imgs, args.io_batch),
                                                    ("compute", compute_bound, args.vit_rounds, args.vit_imgs,
-                                                    args.vit_batch)]:  # fmt: skip
-            if only not in (name, "both"):
+                                                    args.vit_batch),
+                                                   ("checksums", checksum_cost, 2 * args.rounds + 1, args.io_imgs,
+                                                    args.io_batch)]:  # fmt: skip
+            if only != name and (only != "both" or name == "checksums"):
                 continue
             print(name, flush=True)
             rows, (line, check, note) = run(root, n_imgs, n_rounds, args.workers, batch)
@@ -325,8 +386,12 @@ def main() -> None:
     body = benchlib.section_body(setup, tables, [c.bullet() for c in checks] + notes)
     print(body)
     if not args.no_record:
-        title = "dump: activations written vs. disk speed and forward-pass time"
-        benchlib.record(*DEV.section("dump", title), body, checks=checks)
+        if only == "checksums":
+            title = "dump: the writer with per-shard checksums vs. without"
+            benchlib.record(*DEV.section("dump-checksums", title), body, checks=checks)
+        else:
+            title = "dump: activations written vs. disk speed and forward-pass time"
+            benchlib.record(*DEV.section("dump", title), body, checks=checks)
 
 
 if __name__ == "__main__":

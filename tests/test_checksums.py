@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -20,46 +21,33 @@ from actcache.seal import seal
 from actcache.validate import check_dir
 from actcache.writer import gather
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def run(*args):
     return subprocess.run([sys.executable, "-m", "actcache.cli", *args], capture_output=True, text=True, timeout=120)
 
 
-def _flip(path, name, offset=100):
-    with open(os.path.join(path, name), "r+b") as fd:
-        fd.seek(offset)
-        b = fd.read(1)
-        fd.seek(offset)
-        fd.write(bytes([b[0] ^ 0x01]))
+def _load_damage():
+    spec = importlib.util.spec_from_file_location("damage", os.path.join(ROOT, "scripts", "damage.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
-def _zero(path, name):
-    f = os.path.join(path, name)
-    size = os.path.getsize(f)
-    with open(f, "r+b") as fd:
-        fd.write(b"\0" * size)
+damage = _load_damage()
+_flip, _zero, _duplicate = damage.flip_byte, damage.zero_shard, damage.duplicate_shard
 
 
-def _duplicate(path, name):
-    shutil.copyfile(os.path.join(path, shard_name(0)), os.path.join(path, name))
-
-
-def _swap(path, name):
-    a, b = os.path.join(path, shard_name(0)), os.path.join(path, name)
-    os.rename(a, a + ".x")
-    os.rename(b, a)
-    os.rename(a + ".x", b)
-
-
-@pytest.mark.parametrize("damage", [_flip, _zero, _duplicate, _swap])
-def test_verify_deep_fails_naming_the_shard_whose_bytes_changed(tmp_path, damage):
+@pytest.mark.parametrize("kind", sorted(damage.DAMAGES))
+def test_verify_deep_fails_naming_the_shard_whose_bytes_changed(tmp_path, kind):
     path, md, _ = make_cache(tmp_path)
     assert check_dir(path).ok and check_dir(path, deep=True).checksums == "checksums of all 3 shard(s) match"
     victim = shard_name(1)
-    damage(path, victim)
+    damage.DAMAGES[kind](path, victim)
     assert check_dir(path).ok  # sizes, names and the hash still agree
     rep = check_dir(path, deep=True)
-    assert not rep.ok
+    assert damage.caught_by_verify(path, victim)
     assert any(victim in p and "checksum mismatch" in p for p in rep.problems), rep.problems
 
 

@@ -8,6 +8,7 @@ shards.json records its true n_imgs.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import re
@@ -69,6 +70,15 @@ def write_shard(path: str, md: Metadata, shard_idx: int, acts_NLTD: np.ndarray) 
     return os.path.join(path, shard_name(shard_idx))
 
 
+_POOL: list[concurrent.futures.ThreadPoolExecutor] = []
+
+
+def _hash_pool() -> concurrent.futures.ThreadPoolExecutor:
+    if not _POOL:
+        _POOL.append(concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="actcache-shard-hash"))
+    return _POOL[0]
+
+
 class _ShardWriter:
     def __init__(self, fd, md: Metadata, shard_idx: int):
         self.fd, self.md, self.shard_idx = fd, md, shard_idx
@@ -83,8 +93,13 @@ class _ShardWriter:
         if self.n_written + a.shape[0] > self.n_expected:
             raise DumpError(f"shard {self.shard_idx}: more than {self.n_expected} images written")
         view = memoryview(a).cast("B")
-        self.fd.write(view)
-        self.hasher.update(view)
+        # Hash in a helper thread while this one writes the same bytes (both release the GIL);
+        # waited for before returning, since the caller may reuse the buffer (pinned host memory).
+        hashed = _hash_pool().submit(self.hasher.update, view)
+        try:
+            self.fd.write(view)
+        finally:
+            hashed.result()
         self.n_written += a.shape[0]
 
     def finish(self) -> None:
