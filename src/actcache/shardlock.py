@@ -9,8 +9,8 @@ leaves no stale lock; the lock file itself stays and is harmless.
 Shared filesystems: Linux's NFS client turns ``flock`` into a byte-range lock held by the server
 (NLM for NFSv3, in the protocol for NFSv4), so dumps on different nodes see each other's locks,
 and a dead node's locks end with its lease. Where the filesystem refuses locks (ENOLCK,
-EOPNOTSUPP, ENOSYS, EINVAL: Lustre mounted without ``-o flock``, some FUSE filesystems) the dump
-logs one warning and goes on without them: concurrent dumps may then repeat work, never corrupt
+EOPNOTSUPP, ENOSYS, EINVAL: Lustre mounted without ``-o flock``, some FUSE filesystems), or the
+lock file cannot be made, the dump logs one warning and goes on without them: concurrent dumps may then repeat work, never corrupt
 it, since every shard is written under a temporary name and renamed when complete.
 """
 
@@ -23,8 +23,6 @@ import os
 import threading
 
 log = logging.getLogger(__name__)
-
-_UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
 
 class ShardLocks:
@@ -56,17 +54,19 @@ class ShardLocks:
         another process holds it."""
         if not self.enabled:
             return True
-        fd = self._open(shard)
+        try:
+            fd = self._open(shard)
+        except OSError as err:  # no lock file here (read-only marks directory, say): no locks
+            self._disable(err)
+            return True
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
             os.close(fd)
             if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                 return False
-            if err.errno in _UNSUPPORTED:
-                self._disable(err)
-                return True
-            raise
+            self._disable(err)
+            return True
         with self._mutex:
             self._held[shard] = fd
         return True
@@ -85,11 +85,14 @@ class ShardLocks:
         """Block until no process holds ``shard``'s lock (its writer finished or died)."""
         if not self.enabled:
             return
-        fd = self._open(shard)
+        try:
+            fd = self._open(shard)
+        except OSError as err:
+            self._disable(err)
+            return
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError as err:
-            if err.errno not in _UNSUPPORTED:
-                raise
+            self._disable(err)
         finally:
             os.close(fd)
