@@ -124,7 +124,7 @@ def test_plain_verify_reports_a_shard_linked_twice_a_link_out_and_an_unreadable_
     assert any(s2 in p and "leading out of the cache directory" in p for p in problems), problems
     os.unlink(s2)
     os.mkdir(s2)  # a name that cannot be read as a file
-    assert any(s2 in p and "cannot be read" in p for p in check_dir(path).problems)
+    assert any(s2 in p and "not a regular file" in p for p in check_dir(path).problems)
 
 
 def test_nan_report_names_the_image_layer_token_and_dim(tmp_path):
@@ -161,3 +161,14 @@ def test_the_writer_stream_digest_equals_the_parallel_block_scan(tmp_path):
     for n_threads in (1, 3):
         assert _scan_file(str(f), valid=36_000, n_threads=n_threads, block=4096).digest != h.digest()
         assert _scan_file(str(f), valid=40_000, n_threads=n_threads, block=4096).digest == h.digest()
+
+
+def test_plain_verify_fails_on_a_shard_without_read_permission(small_cache):
+    path, _, _ = small_cache
+    os.chmod(os.path.join(path, shard_name(1)), 0)
+    # root reads any file: drop the capabilities that let it (as an ordinary user is without them)
+    as_user = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
+    proc = subprocess.run([*as_user, sys.executable, "-m", "actcache.cli", "verify", path],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 1 and "cannot be read (Permission denied)" in proc.stdout, proc.stdout + proc.stderr
+    assert shard_name(1) in proc.stdout

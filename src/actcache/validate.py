@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import stat
 import warnings
 
 from actcache.deepscan import deep_scan
@@ -264,7 +265,10 @@ def _check_files(path: str, rep: Report) -> None:
                 )
         try:
             info = os.stat(fpath)
-            _read_one_byte(fpath, st.size)
+            if not stat.S_ISREG(info.st_mode):
+                rep.problems.append(f"{fpath}: not a regular file; delete it and re-run the dump for this shard.")
+                continue
+            os.close(os.open(fpath, os.O_RDONLY))  # no byte read: the page cache stays as it was
         except OSError as err:
             rep.problems.append(
                 f"{fpath}: cannot be read ({err.strerror or err}); fix its permissions, or delete it and "
@@ -279,12 +283,3 @@ def _check_files(path: str, rep: Report) -> None:
             )
         else:
             seen[key] = st.name
-
-
-def _read_one_byte(fpath: str, size: int) -> None:
-    fd = os.open(fpath, os.O_RDONLY)
-    try:
-        if size:
-            os.pread(fd, 1, 0)
-    finally:
-        os.close(fd)
