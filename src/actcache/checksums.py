@@ -102,13 +102,6 @@ def write_record(directory: str, rec: Record) -> str:
     return path
 
 
-def remove_record(directory: str, shard: str) -> None:
-    try:
-        os.unlink(record_path(directory, shard))
-    except FileNotFoundError:
-        pass
-
-
 def read_record(directory: str, shard: str) -> Record | None:
     """The record of ``shard`` in ``directory``; None when there is none; ProtocolError when unreadable."""
     path = record_path(directory, shard)
