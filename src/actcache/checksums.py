@@ -47,9 +47,10 @@ class Record:
                 "digest": self.digest, "cache": self.cache}  # fmt: skip
 
 
-def block_digest(buf) -> int:
-    """xxh3_64 of one block (releases the GIL, so blocks hash in parallel threads)."""
-    return xxhash.xxh3_64_intdigest(buf)
+def block_hasher():
+    """A streaming xxh3_64 for one block fed in pieces (``.update``, ``.intdigest()``); it releases
+    the GIL, so blocks hash in parallel threads."""
+    return xxhash.xxh3_64()
 
 
 def combine(block_digests: list[int]) -> str:

@@ -20,7 +20,8 @@ from actcache import checksums
 from actcache.errors import ProtocolError
 from actcache.protocol import Metadata
 
-CHUNK = checksums.BLOCK  # bytes each thread reads and checks at a time: one checksum block
+CHUNK = checksums.BLOCK  # bytes a thread takes at a time: one checksum block
+PIECE = 2**20  # bytes read, checked and hashed at once within a chunk (fits the CPU cache)
 AHEAD = 4  # chunks asked of the kernel ahead of the checkers (posix_fadvise WILLNEED)
 
 
@@ -47,8 +48,8 @@ def _check_floats(buf_f32: np.ndarray) -> tuple[int, int | None, bool]:
 def _scan_file(fpath: str, valid: int, n_threads: int | None = None, block: int | None = None) -> Scan:
     """Read a file once and check its first ``valid`` bytes (a padded tail is read, not checked).
 
-    ``n_threads`` threads each read ``block``-byte chunks with ``pread`` into a buffer of their
-    own, check and hash them (numpy and xxhash release the GIL, so reading, checking and hashing
+    ``n_threads`` threads each take ``block``-byte chunks and read them with ``pread``, a piece at
+    a time, into a buffer of their own, to check and hash each piece (numpy and xxhash release the GIL, so reading, checking and hashing
     overlap on every core); each chunk asks the kernel for the chunks ``AHEAD`` of it, so cold
     data streams in with large reads. Plain reads rather than a memory map: a disk error is an
     OSError naming the file, not a SIGBUS.
@@ -70,23 +71,22 @@ def _scan_file(fpath: str, valid: int, n_threads: int | None = None, block: int 
                     os.posix_fadvise(fd, (i + AHEAD) * block, block, os.POSIX_FADV_WILLNEED)
             buf = getattr(local, "buf", None)
             if buf is None:
-                buf = local.buf = bytearray(block)
-            want = min(block, size - start)
-            got = 0
+                buf = local.buf = bytearray(PIECE)
             view = memoryview(buf)
-            while got < want:
-                n = os.preadv(fd, [view[got:want]], start + got)
-                if n == 0:
-                    raise ProtocolError(f"{fpath}: ended at byte {start + got:,} while being read (expected "
-                                        f"{size:,}); another process may be rewriting it. Run verify again.")  # fmt: skip
-                got += n
-            cut = max(0, min(want, valid - start))
-            if cut <= 0:
-                return 0, None, True, None
-            digest = checksums.block_digest(view[:cut])
-            n_f32 = cut // 4
-            bad, first, zero = _check_floats(np.frombuffer(buf, dtype=np.float32, count=n_f32))
-            return bad, None if first is None else start + 4 * first, zero, digest
+            want = min(block, size - start)
+            hasher = checksums.block_hasher()
+            bad, first, zero = 0, None, True
+            # Piece by piece, so each piece is checked and hashed while it is still in the CPU cache.
+            for at in range(start, start + want, PIECE):
+                n = min(PIECE, start + want - at)
+                _read_exactly(fd, view[:n], at, fpath, size)
+                cut = max(0, min(n, valid - at))
+                if cut:
+                    hasher.update(view[:cut])
+                    b, f, z = _check_floats(np.frombuffer(buf, dtype=np.float32, count=cut // 4))
+                    bad, zero = bad + b, zero and z
+                    first = at + 4 * f if first is None and f is not None else first
+            return bad, first, zero, hasher.intdigest() if valid > start else None
 
         with contextlib.suppress(AttributeError, OSError):
             os.posix_fadvise(fd, 0, min(size, AHEAD * block), os.POSIX_FADV_WILLNEED)
@@ -105,6 +105,16 @@ def _scan_file(fpath: str, valid: int, n_threads: int | None = None, block: int 
         digest=checksums.combine(digests) if digests else None,
         all_zero=bool(digests) and all(p[2] for p in parts),
     )
+
+
+def _read_exactly(fd: int, view: memoryview, at: int, fpath: str, size: int) -> None:
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], at + got)
+        if n == 0:
+            raise ProtocolError(f"{fpath}: ended at byte {at + got:,} while being read (expected {size:,}); "
+                                "another process may be rewriting it. Run verify again.")  # fmt: skip
+        got += n
 
 
 def locate_byte(md: Metadata, shard_idx: int, offset: int) -> str:
