@@ -185,13 +185,13 @@ def deep_scan(path: str, md: Metadata, rep, checksums_dir: str | None = None) ->
         else:
             n_ok += 1
     rep.n_nonfinite = total_bad
-    rep.checksums = _summary(n_ok, unsealed, rep.path)
+    rep.checksums = _summary(n_ok, unsealed, rep.path, md.foreign)
 
 
-def _summary(n_ok: int, unsealed: list[str], path: str) -> str:
+def _summary(n_ok: int, unsealed: list[str], path: str, foreign: bool) -> str:
     if not unsealed:
         return f"checksums of all {n_ok} shard(s) match"
     if not n_ok:
-        return f"no checksums (add them with `actcache seal {path}`)"
+        return f"no checksums (add them with `actcache seal {path}{' --to DIR' if foreign else ''}`)"
     shown = ", ".join(unsealed[:5]) + (" ..." if len(unsealed) > 5 else "")
     return f"checksums of {n_ok} shard(s) match; no checksums for {len(unsealed)} ({shown})"
