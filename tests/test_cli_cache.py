@@ -99,3 +99,21 @@ def test_deep_scan_counts_every_chunk_but_not_the_padded_tail(tmp_path, monkeypa
     empty.write_bytes(b"")
     scan = deepscan._scan_file(str(empty), valid=0)
     assert (scan.size, scan.n_bad, scan.digest) == (0, 0, None)
+
+
+def test_deep_scan_passes_large_finite_values_and_tiny_ones_without_a_warning(tmp_path):
+    import warnings
+
+    from actcache import deepscan
+
+    x = np.full(4096, 3e20, np.float32)  # squares overflow float32: still finite values
+    x[:100] = 1e-30  # squares underflow to zero: not an all-zero file
+    f = tmp_path / "f.bin"
+    x.tofile(f)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scan = deepscan._scan_file(str(f), valid=x.nbytes)
+    assert (scan.n_bad, scan.all_zero) == (0, False)
+    x[:] = 1e-30
+    x.tofile(f)
+    assert not deepscan._scan_file(str(f), valid=x.nbytes).all_zero
