@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import time
@@ -65,6 +66,12 @@ def files_of(path: str) -> list[str]:
     return [os.path.join(path, shard_name(i)) for i in range(md.n_shards)]
 
 
+def cpu_seconds() -> float:
+    """User + system CPU time of this process, all its threads."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def deep_verify(path: str) -> tuple[float, int]:
     t0 = time.perf_counter()
     rep = check_dir(path, deep=True)
@@ -89,13 +96,16 @@ def main() -> None:
     load0 = os.getloadavg()[0]
     for mode in ("warm",) if args.warm_only else ("warm", "cold"):
         refs, vers = [], []
+        cpu: dict[str, list[float]] = {"ref": [], "verify": []}  # CPU seconds per GB, all threads
         for r in range(args.rounds):
             for which in ("ref", "verify") if r % 2 == 0 else ("verify", "ref"):
                 if mode == "cold":
                     benchlib.drop_caches(files)
                 else:
                     benchlib.read_through(files)  # make it warm
+                c0 = cpu_seconds()
                 dt, n = benchlib.read_through(files) if which == "ref" else deep_verify(path)
+                cpu[which].append((cpu_seconds() - c0) / (n / 1e9))
                 (refs if which == "ref" else vers).append(n / dt / 1e9)
         ref, ver = statistics.median(refs), statistics.median(vers)
         rows.append(
@@ -107,6 +117,8 @@ def main() -> None:
                 "best ref GB/s": max(refs),
                 "best verify GB/s": max(vers),
                 "ratio of bests": max(vers) / max(refs),
+                "ref CPU s/GB": min(cpu["ref"]),
+                "verify CPU s/GB": min(cpu["verify"]),
                 "rounds": args.rounds,
             }
         )
@@ -122,7 +134,8 @@ def main() -> None:
         f"{args.rounds} alternating rounds.",
         "Reference, same run: a sequential read of the shards with 8 MiB reads.",
         "verify --deep checks every shard's checksum record (xxh3 over 16 MiB blocks), NaN/Inf, all-zero and "
-        "copied shards in the same read.",
+        "copied shards in the same read. CPU s/GB: CPU time of all the process's threads per GB (least over "
+        "the rounds); verify --deep spreads it over up to 4 threads.",
         f"Checked: the {'ratio of the best rounds (other jobs only ever slow a round down)' if args.best else 'ratio of the medians'}; "
         f"1-minute load average at the start / end: {load0:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores.",
     ]
