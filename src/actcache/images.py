@@ -208,9 +208,9 @@ def _folder_key(root: str) -> dict:
             if entry.is_dir() and not entry.name.startswith("."):
                 subdirs[entry.name] = entry.stat().st_mtime_ns
     st = os.stat(root)
-    # the root's identity (device, inode) too: another folder mounted or moved to the same path re-lists
-    return {"root": root, "dev": st.st_dev, "ino": st.st_ino, "mtime_ns": st.st_mtime_ns,
-            "subdirs": dict(sorted(subdirs.items()))}  # fmt: skip
+    # The root's inode too: another folder moved or copied to the same path re-lists. Not the
+    # device number, which differs between the nodes that mount one NFS export (each would re-list).
+    return {"root": root, "ino": st.st_ino, "mtime_ns": st.st_mtime_ns, "subdirs": dict(sorted(subdirs.items()))}
 
 
 def _walk_images(root: str) -> list[str]:
@@ -241,7 +241,7 @@ def list_image_folder(root: str, listing_cache: str | None = None) -> FolderList
     """Sorted image files under ``root``, with labels from the first subfolder name.
 
     With ``listing_cache`` (a directory), the listing is stored there keyed by the root path, the
-    root's device, inode and mtime and the mtimes of its immediate subfolders; a change to any of
+    root's inode and mtime and the mtimes of its immediate subfolders; a change to any of
     those re-lists. (Changes deeper down, in ``root/a/b/``, are not seen: touch ``root/a`` after
     such edits.) A stored listing is not trusted blindly: one with a path leaving the root, an
     entry that is not an image path, an unsorted or repeated entry, or a sampled file that does

@@ -61,7 +61,7 @@ class Report:
     deep: bool = False
     n_nonfinite: int | None = None
     bytes_read: int = 0
-    checksums: str | None = None  # deep check: "verified N shard(s)", "no checksums", ...
+    checksums: str | None = None  # deep check: "checksums of all N shard(s) match", "no checksums ...", ...
     digests: dict = dataclasses.field(default_factory=dict)  # shard name -> checksums.Record the deep scan computed
 
     @property
