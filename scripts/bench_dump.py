@@ -23,6 +23,11 @@ over the same preprocessed images up to the same block, same batches. The dump's
 everything it does (listing, metadata, model load, decoding, forward, writing, fsync).
 Target: dump wall time <= 1.10 x forward-only time.
 
+Checksums (``--only checksums``, section ``dump-checksums``): the dump's writer thread (ShardSink,
+fed from memory, I/O-bound sizes) with its per-shard checksums (xxh3 of every byte as it is written,
+plus one record file per shard) against the same writer with hashing and records switched off in
+this process (the writer as it was before checksums). Target: with >= 0.95 x without.
+
 Rounds alternate the order of the measurements. On a shared machine other jobs take the CPU at
 random moments, so each figure is the best (minimum) time over the rounds, as timeit does:
 interference only ever slows a run down. The per-round ratios are printed too.
@@ -125,6 +130,86 @@ def write_path(directory: str, md, acts_NLTD: np.ndarray, batch: int) -> float:
     dt = time.perf_counter() - t0
     shutil.rmtree(directory)
     return dt
+
+
+class _NoHash:
+    """The writer's hasher switched off: the reference of the checksums scenario."""
+
+    def __init__(self, *args, **kw):
+        self.nbytes = 0
+
+    def update(self, data) -> None:
+        self.nbytes += memoryview(data).nbytes
+
+    def digest(self) -> str:
+        return "0" * 16
+
+
+def unhashed(run, *args):
+    """``run(*args)`` with the writer's checksums switched off (the writer as it was before them)."""
+    from actcache import checksums
+
+    saved = checksums.StreamHasher, checksums.write_record
+    checksums.StreamHasher, checksums.write_record = _NoHash, lambda directory, rec: None
+    try:
+        return run(*args)
+    finally:
+        checksums.StreamHasher, checksums.write_record = saved
+
+
+def hash_alone(md, acts_NLTD: np.ndarray, batch: int) -> float:
+    """Seconds for one thread to hash the cache's bytes as the writer does, without writing them."""
+    from actcache.checksums import StreamHasher
+
+    t0 = time.perf_counter()
+    h = StreamHasher()
+    for _, lo, hi in plan_batches(md, range(md.n_shards), batch):
+        h.update(acts_NLTD[lo % len(acts_NLTD) : lo % len(acts_NLTD) + hi - lo])
+    h.digest()
+    return time.perf_counter() - t0
+
+
+def checksum_cost(root: str, n_imgs: int, rounds: int, workers: int, batch: int) -> tuple[list[dict], tuple]:
+    ckpt = make_ckpt(root, "tiny", hidden_size=32, intermediate_size=32, num_hidden_layers=4, num_attention_heads=1,
+                     image_size=32, patch_size=4)  # fmt: skip
+    exp = make_exp(ckpt, n_imgs, 32, [0, 1, 2, 3], max_patches=4096 * 65 * 4, batch=batch, workers=workers)
+    md = experiment_metadata(exp)
+    total = md.n_imgs * md.bytes_per_img
+    acts = np.random.default_rng(0).standard_normal((2048, *md.shard_shape[1:]), dtype=np.float32)
+    write_path(os.path.join(root, "warm"), md, acts, batch)
+    dump(make_exp(ckpt, 512, 32, [0, 1, 2, 3], 4096 * 65 * 4, batch, workers), os.path.join(root, "warm-dump"))
+    res: dict[str, list[float]] = {"off": [], "on": [], "dump off": [], "dump on": []}
+    for r in range(rounds):
+        for which in ("off", "on") if r % 2 == 0 else ("on", "off"):
+            sink = (os.path.join(root, "sink"), md, acts, batch)
+            res[which].append(write_path(*sink) if which == "on" else unhashed(write_path, *sink))
+            full = (exp, os.path.join(root, "dump"))
+            res["dump " + which].append((dump(*full) if which == "on" else unhashed(dump, *full))[0])
+            for key in (which, "dump " + which):
+                dt = res[key][-1]
+                print(f"  checksums round {r}: {key:8s} {dt:7.3f} s  {total / dt / 1e6:8.1f} MB/s", flush=True)
+    best = {k: min(v) for k, v in res.items()}
+    ratios = [a / b for a, b in zip(res["dump off"], res["dump on"], strict=True)]
+    best["hash"] = min(hash_alone(md, acts, batch) for _ in range(3))
+    rows = [
+        {"checksums": label, "seconds": best[k], "MB/s": total / best[k] / 1e6, "vs without": best[ref] / best[k]}
+        for label, k, ref in [
+            ("dump (end to end) without checksums", "dump off", "dump off"),
+            ("dump (end to end) with checksums", "dump on", "dump off"),
+            ("write path (ShardSink, no model) without checksums", "off", "off"),
+            ("write path with checksums (xxh3 while writing, one record per shard)", "on", "off"),
+            ("for scale: xxh3 of the same bytes alone, one thread, no writes", "hash", "off"),
+        ]
+    ]
+    ratio = best["dump off"] / best["dump on"]
+    check = benchlib.check("dump throughput with checksums >= 0.95 x without", ratio, 0.95, "x without")
+    setup = (
+        f"Checksums, on {where()}: the I/O-bound scenario's model and images, {md.n_imgs:,} images of "
+        f"{md.bytes_per_img / 1e3:.1f} KB, {total / 1e9:.2f} GB in {md.n_shards} shards, batch {batch}, {workers} "
+        f"worker(s); best of {rounds} rounds (per-round dump ratios {', '.join(f'{x:.3f}' for x in ratios)})."
+    )
+    note = f"the writer alone (no model) keeps {best['off'] / best['on']:.3f} x its speed with checksums"
+    return rows, (setup, check, [note])
 
 
 def preprocessed(exp, n: int) -> torch.Tensor:
@@ -283,8 +368,8 @@ def main() -> None:
     ap.add_argument("--vit-batch", type=int, default=16)
     ap.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     ap.add_argument("--workers", type=int, default=None, help="image workers (default 1 on cpu, cores - 2 on cuda)")
-    ap.add_argument("--only", choices=["io", "compute", "both"], default=None,
-                    help="scenarios to run (default both on cpu, io on cuda)")  # fmt: skip
+    ap.add_argument("--only", choices=["io", "compute", "both", "checksums"], default=None,
+                    help="scenarios to run (default both on cpu, io on cuda; checksums: its own section)")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="small sizes, 1 round, no record (a smoke test)")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
@@ -307,8 +392,10 @@ def main() -> None:
     try:
         for name, run, n_rounds, n_imgs, batch in [("io", io_bound, args.rounds, args.io_imgs, args.io_batch),
                                                    ("compute", compute_bound, args.vit_rounds, args.vit_imgs,
-                                                    args.vit_batch)]:  # fmt: skip
-            if only not in (name, "both"):
+                                                    args.vit_batch),
+                                                   ("checksums", checksum_cost, 2 * args.rounds + 1, args.io_imgs,
+                                                    args.io_batch)]:  # fmt: skip
+            if only != name and (only != "both" or name == "checksums"):
                 continue
             print(name, flush=True)
             rows, (line, check, note) = run(root, n_imgs, n_rounds, args.workers, batch)
@@ -325,8 +412,12 @@ def main() -> None:
     body = benchlib.section_body(setup, tables, [c.bullet() for c in checks] + notes)
     print(body)
     if not args.no_record:
-        title = "dump: activations written vs. disk speed and forward-pass time"
-        benchlib.record(*DEV.section("dump", title), body, checks=checks)
+        if only == "checksums":
+            title = "dump: the writer with per-shard checksums vs. without"
+            benchlib.record(*DEV.section("dump-checksums", title), body, checks=checks)
+        else:
+            title = "dump: activations written vs. disk speed and forward-pass time"
+            benchlib.record(*DEV.section("dump", title), body, checks=checks)
 
 
 if __name__ == "__main__":

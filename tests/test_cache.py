@@ -123,9 +123,9 @@ def test_labels_and_class_selection(tmp_path):
         cache[{"owl": 5}]
     with pytest.raises(ConfigError, match="unknown query form"):
         cache.query(0, form="weird")
-    # Labels are extra files: the hash and the v1 files are unchanged.
+    # Labels and checksums are extra files: the hash and the v1 files are unchanged.
     assert sorted(os.listdir(path)) == sorted(
-        ["metadata.json", "shards.json", "labels.json", "labels.npy"] + [shard_name(i) for i in range(3)]
+        ["metadata.json", "shards.json", "labels.json", "labels.npy", ".checksums"] + [shard_name(i) for i in range(3)]
     )
 
 

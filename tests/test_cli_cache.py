@@ -83,17 +83,37 @@ def test_gather_refuses_and_lists(tmp_path):
 
 
 def test_deep_scan_counts_every_chunk_but_not_the_padded_tail(tmp_path, monkeypatch):
-    from actcache import validate
+    from actcache import deepscan
 
-    monkeypatch.setattr(validate, "CHUNK", 4096)  # many chunks, checked by several threads
+    monkeypatch.setattr(deepscan, "CHUNK", 4096)  # many chunks, checked by several threads
     x = np.zeros(10_000, np.float32)
     x[[0, 1023, 1024, 5000, 8191]] = [np.nan, np.inf, -np.inf, np.nan, np.inf]  # chunk edges included
     x[9000] = np.nan  # in the tail past `valid`: read, not counted
     f = tmp_path / "f.bin"
     x.tofile(f)
     for n_threads in (1, 2, 3):
-        assert validate._scan_file(str(f), valid=9000 * 4, n_threads=n_threads) == (40_000, 5)
-    assert validate._scan_file(str(f), valid=40_000) == (40_000, 6)
+        scan = deepscan._scan_file(str(f), valid=9000 * 4, n_threads=n_threads)
+        assert (scan.size, scan.n_bad, scan.first_bad) == (40_000, 5, 0)
+    assert deepscan._scan_file(str(f), valid=40_000).n_bad == 6
     empty = tmp_path / "empty.bin"
     empty.write_bytes(b"")
-    assert validate._scan_file(str(empty), valid=0) == (0, 0)
+    scan = deepscan._scan_file(str(empty), valid=0)
+    assert (scan.size, scan.n_bad, scan.digest) == (0, 0, None)
+
+
+def test_deep_scan_passes_large_finite_values_and_tiny_ones_without_a_warning(tmp_path):
+    import warnings
+
+    from actcache import deepscan
+
+    x = np.full(4096, 3e20, np.float32)  # squares overflow float32: still finite values
+    x[:100] = 1e-30  # squares underflow to zero: not an all-zero file
+    f = tmp_path / "f.bin"
+    x.tofile(f)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scan = deepscan._scan_file(str(f), valid=x.nbytes)
+    assert (scan.n_bad, scan.all_zero) == (0, False)
+    x[:] = 1e-30
+    x.tofile(f)
+    assert not deepscan._scan_file(str(f), valid=x.nbytes).all_zero

@@ -37,14 +37,15 @@ def setup(tmp_path_factory):
     return exp, ref, shard_files(ref)
 
 
-def start_dump(exp, dump_to, log_path) -> subprocess.Popen:
+def start_dump(exp, dump_to, log_path, shards=None) -> subprocess.Popen:
     # a killed dump cannot remove its multiprocessing temp dir (/tmp/pymp-*): keep it in the test's
     tmp = os.path.join(os.path.dirname(log_path), "tmp")
     os.makedirs(tmp, exist_ok=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TMPDIR": tmp}
     with open(log_path, "ab") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "actcache.cli", "dump", "--experiment", exp, "--dump-to", dump_to, "--no-progress"],
+            [sys.executable, "-m", "actcache.cli", "dump", "--experiment", exp, "--dump-to", dump_to, "--no-progress",
+             *(["--shards", shards] if shards else [])],
             stdout=log, stderr=log, env=env, cwd=ROOT, start_new_session=True,
         )  # fmt: skip
 
@@ -135,14 +136,20 @@ def test_sigkill_at_many_moments_then_rerun(tmp_path, setup):
         assert open(os.path.join(path, SHARDS_FILE)).read() == open(os.path.join(ref, SHARDS_FILE)).read()
 
 
-def test_two_dumps_of_the_same_range_at_once(tmp_path, setup):
+def test_two_dumps_of_overlapping_ranges_at_once_write_each_shard_once(tmp_path, setup):
+    # Per-shard locks: a dump skips the shards the other is writing, then waits for them.
     exp, ref, ref_shards = setup
     dump_to = str(tmp_path / "d")
-    procs = [start_dump(exp, dump_to, tmp_path / f"dump{i}.log") for i in range(2)]
-    for i, proc in enumerate(procs):
-        assert proc.wait(timeout=120) == 0, open(tmp_path / f"dump{i}.log").read()[-3000:]
+    logs = [tmp_path / f"dump{i}.log" for i in range(2)]
+    procs = [start_dump(exp, dump_to, logs[0]), start_dump(exp, dump_to, logs[1], shards="10:")]
+    for log, proc in zip(logs, procs, strict=True):
+        assert proc.wait(timeout=120) == 0, open(log).read()[-3000:]
     (path,) = hash_dirs(dump_to)
     assert shard_files(path) == ref_shards and not temp_files(path)
+    writes = sum(" wrote acts" in line for log in logs for line in open(log))
+    skips = sum("being written by another dump" in line for log in logs for line in open(log))
+    print(f"{writes} shard writes for {len(ref_shards)} shards; {skips} skipped while another dump wrote them")
+    assert len(ref_shards) <= writes <= 1.05 * len(ref_shards), writes
     gather(path)
 
 

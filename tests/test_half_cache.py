@@ -175,7 +175,7 @@ def _convert_cmd(src, to) -> list[str]:
 
 def test_kill_during_convert_leaves_no_complete_shard_and_a_rerun_is_byte_identical(tmp_path):
     md = synthetic_metadata(4000, d_vit=64, max_patches_per_shard=17 * 200)  # 20 shards of 0.9 MiB
-    src = write_cache(tmp_path / "src", md, lambda s, e: np.full((e - s, 1, 17, 64), s, np.float32))
+    src = write_cache(tmp_path / "src", md, lambda s, e: np.full((e - s, 1, 17, 64), s + 1, np.float32))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     ref = subprocess.run(_convert_cmd(src, str(tmp_path / "ref")), capture_output=True, text=True, env=env, cwd=ROOT)
     ref_dir = ref.stdout.strip()

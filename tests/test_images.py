@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import numpy as np
 import PIL.Image
@@ -194,3 +195,39 @@ def test_hf_disk_dataset(tmp_path):
         count_images(HfDiskDataset(str(tmp_path / "dd"), image_key="img"))
     with pytest.raises(ConfigError, match="does not exist"):
         count_images(HfDiskDataset(str(tmp_path / "missing")))
+
+
+@pytest.mark.parametrize(
+    "plant",
+    [
+        lambda files: ["../../outside/evil.png", *files],  # a path leaving the folder
+        lambda files: [*files, "emu/ghost.png"],  # one more image than the folder holds
+        lambda files: sorted(files, reverse=True),
+    ],
+)
+def test_planted_listing_is_rebuilt_from_the_folder(folder, tmp_path, caplog, plant):
+    cache_dir = tmp_path / "listings"
+    cfg = ImageFolder(str(folder))
+    _age(folder)
+    assert count_images(cfg, listing_cache=str(cache_dir)) == 4
+    (cache_file,) = cache_dir.iterdir()
+    doc = json.loads(cache_file.read_text())
+    doc["files"] = plant(doc["files"])
+    cache_file.write_text(json.dumps(doc))
+    ds = open_dataset(cfg, listing_cache=str(cache_dir))
+    assert len(ds) == 4 and all(os.path.realpath(ds.describe(i)).startswith(str(folder)) for i in range(4))
+    assert json.loads(cache_file.read_text())["files"] == ["cat/a.jpeg", "cat/z.JPG", "dog/b.png", "dog/sub/c.webp"]
+    assert "ignoring image listing cache" in caplog.text
+
+
+def test_listing_of_another_folder_once_at_the_same_path_is_not_used(folder, tmp_path):
+    cache_dir = tmp_path / "listings"
+    cfg = ImageFolder(str(folder))
+    _age(folder)
+    assert count_images(cfg, listing_cache=str(cache_dir)) == 4
+    # another folder now at the same path, with the same subfolders and times but one image less
+    os.rename(folder, tmp_path / "old")
+    shutil.copytree(tmp_path / "old", folder)
+    os.unlink(folder / "dog" / "b.png")
+    _age(folder)
+    assert count_images(cfg, listing_cache=str(cache_dir)) == 3

@@ -43,8 +43,10 @@ import numpy as np
 import torch
 import torch.utils.data
 
+from actcache.checksums import record_dir
 from actcache.errors import ConfigError, DumpError, ProtocolError, os_error_text
 from actcache.protocol import Metadata, shard_name
+from actcache.shardlock import ShardLocks
 from actcache.sink import QUEUE_DEPTH, PinnedRing, ShardSink
 from actcache.writer import ensure_metadata, shard_is_complete
 
@@ -345,7 +347,7 @@ def dump_shards(
     """
     from actcache.images import open_dataset
     from actcache.models import load_transform, load_vit
-    from actcache.plan import experiment_metadata
+    from actcache.plan import DUMP_MARKS, experiment_metadata
     from actcache.preflight import check_writable_dir, root_setting
 
     root = root_setting(exp, "dump_to", dump_to)
@@ -373,6 +375,8 @@ def dump_shards(
             from actcache.fsutil import remove_stale_temps
 
             stale = remove_stale_temps(path)
+            if os.path.isdir(record_dir(path)):
+                stale += remove_stale_temps(record_dir(path))
         except OSError as err:
             raise _setup_error(err, f"creating {os.path.join(dump_to, md.hash)}") from err
         if stale:
@@ -397,7 +401,13 @@ def dump_shards(
         if not todo:
             log.info("%s: shards %d..%d are complete; nothing to do", path, a, b - 1)
             return path
-        _dump(exp, md, path, todo, dev, batch_size, n_workers, progress, ds, load_transform, load_vit)
+        locks = ShardLocks(os.path.join(path, DUMP_MARKS))
+        while todo:  # a second round only for shards whose other writer stopped before finishing them
+            busy = _dump(exp, md, path, todo, dev, batch_size, n_workers, progress, ds, load_transform, load_vit, locks)
+            for s in busy:
+                log.info("waiting for the other dump writing %s", shard_name(s))
+                locks.wait(shard_name(s))
+            todo = [s for s in busy if not shard_is_complete(path, md, s)]
     return path
 
 
@@ -419,7 +429,8 @@ def _start_workers(loader, n_workers: int):
     )
 
 
-def _dump(exp, md, path, todo, dev, batch_size, n_workers, progress, ds, load_transform, load_vit) -> None:
+def _dump(exp, md, path, todo, dev, batch_size, n_workers, progress, ds, load_transform, load_vit, locks) -> list[int]:
+    """Write the shards ``todo``; returns those skipped because another dump holds their lock."""
     from actcache.progress import Progress
 
     batches = plan_batches(md, todo, batch_size)
@@ -442,10 +453,13 @@ def _dump(exp, md, path, todo, dev, batch_size, n_workers, progress, ds, load_tr
         t0 = time.monotonic()
         vit = load_vit(exp.vit.family, exp.vit.ckpt, dev)
         log.info("loaded %s %s on %s in %.1f s", exp.vit.family, exp.vit.ckpt, dev, time.monotonic() - t0)
-        sink = ShardSink(path, md, on_done=lambda s: log.info("wrote %s", shard_name(s))).start()
+        sink = ShardSink(path, md, on_done=lambda s: _done(locks, s)).start()
         with Progress(n_imgs, desc="dump", unit="img", enabled=progress) as bar, _full_fp32(dev):
-            skipped = _run(md, path, batches, batch_iter, transform, vit, list(exp.vit.layers), dev, sink, bar)
+            skipped, busy = _run(
+                md, path, batches, batch_iter, transform, vit, list(exp.vit.layers), dev, sink, bar, locks
+            )
     finally:
+        locks.release_all()
         # Stop the workers now (a traceback may keep the iterator alive for a while).
         shutdown = getattr(batch_iter, "_shutdown_workers", None)
         if shutdown is not None:
@@ -458,12 +472,23 @@ def _dump(exp, md, path, todo, dev, batch_size, n_workers, progress, ds, load_tr
         len(sink.done), dt, n_imgs / dt if dt else 0.0, nbytes / dt / 1e6 if dt else 0.0,
         f" ({len(skipped)} written by another job)" if skipped else "",
     )  # fmt: skip
+    return sorted(busy)
 
 
-def _run(md, path, batches, batch_iter, transform, vit, layers, dev, sink: ShardSink, bar) -> set[int]:
-    """The main loop: next batch of pixels -> forward -> writer thread. Returns shards skipped."""
+def _done(locks, shard: int) -> None:
+    log.info("wrote %s", shard_name(shard))
+    locks.release(shard_name(shard))
+
+
+def _run(md, path, batches, batch_iter, transform, vit, layers, dev, sink: ShardSink, bar, locks):
+    """The main loop: next batch of pixels -> forward -> writer thread.
+
+    Returns (shards skipped, those of them another dump is still writing). A shard is locked at
+    its first batch and unlocked by the writer thread once renamed into place.
+    """
     pinned = PinnedRing(QUEUE_DEPTH + 2) if dev.type == "cuda" else None
     skipped: set[int] = set()
+    busy: set[int] = set()
     try:
         for shard, lo, hi in batches:
             try:
@@ -475,9 +500,8 @@ def _run(md, path, batches, batch_iter, transform, vit, layers, dev, sink: Shard
                 ) from err
             if isinstance(pixels, _BatchError):
                 raise DumpError(f"{pixels.message.rstrip('. ')}. Shard {shard_name(shard)} was not written.")
-            if lo == md.shard_img_range(shard)[0] and shard_is_complete(path, md, shard):
-                log.info("%s was completed by another job meanwhile; skipping it", shard_name(shard))
-                skipped.add(shard)
+            if lo == md.shard_img_range(shard)[0]:
+                _claim(md, path, shard, locks, skipped, busy)
             if shard in skipped:
                 bar.update(hi - lo)
                 continue
@@ -495,7 +519,21 @@ def _run(md, path, batches, batch_iter, transform, vit, layers, dev, sink: Shard
     except BaseException as err:
         sink.abort(drain=isinstance(err, DumpError) and sink.error is None)
         raise
-    return skipped
+    return skipped, busy
+
+
+def _claim(md, path: str, shard: int, locks, skipped: set[int], busy: set[int]) -> None:
+    """At a shard's first batch: skip it when complete or locked by another dump, else lock it."""
+    if shard_is_complete(path, md, shard):
+        log.info("%s was completed by another job meanwhile; skipping it", shard_name(shard))
+        skipped.add(shard)
+    elif not locks.try_acquire(shard_name(shard)):
+        log.info("%s is being written by another dump; skipping it for now", shard_name(shard))
+        skipped.add(shard)
+        busy.add(shard)
+    elif shard_is_complete(path, md, shard):  # finished between the check and the lock
+        locks.release(shard_name(shard))
+        skipped.add(shard)
 
 
 def stored_tensor(acts: torch.Tensor, dtype: str) -> torch.Tensor:

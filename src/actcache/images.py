@@ -30,7 +30,7 @@ from actcache.fsutil import atomic_write_bytes
 logger = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
-LISTING_VERSION = 1
+LISTING_VERSION = 2
 # A folder modified less than this long ago may still change within the same mtime tick; its
 # listing is not cached (the "racy git" problem).
 _RACY_S = 2.0
@@ -207,7 +207,10 @@ def _folder_key(root: str) -> dict:
         for entry in it:
             if entry.is_dir() and not entry.name.startswith("."):
                 subdirs[entry.name] = entry.stat().st_mtime_ns
-    return {"root": root, "mtime_ns": os.stat(root).st_mtime_ns, "subdirs": dict(sorted(subdirs.items()))}
+    st = os.stat(root)
+    # The root's inode too: another folder moved or copied to the same path re-lists. Not the
+    # device number, which differs between the nodes that mount one NFS export (each would re-list).
+    return {"root": root, "ino": st.st_ino, "mtime_ns": st.st_mtime_ns, "subdirs": dict(sorted(subdirs.items()))}
 
 
 def _walk_images(root: str) -> list[str]:
@@ -238,8 +241,11 @@ def list_image_folder(root: str, listing_cache: str | None = None) -> FolderList
     """Sorted image files under ``root``, with labels from the first subfolder name.
 
     With ``listing_cache`` (a directory), the listing is stored there keyed by the root path, the
-    root's mtime and the mtimes of its immediate subfolders; a change to any of those re-lists.
-    (Changes deeper down, in ``root/a/b/``, are not seen: touch ``root/a`` after such edits.)
+    root's inode and mtime and the mtimes of its immediate subfolders; a change to any of
+    those re-lists. (Changes deeper down, in ``root/a/b/``, are not seen: touch ``root/a`` after
+    such edits.) A stored listing is not trusted blindly: one with a path leaving the root, an
+    entry that is not an image path, an unsorted or repeated entry, or a sampled file that does
+    not exist is ignored with a warning, and the folder is listed again.
     """
     root = _abs(root)
     if not os.path.isdir(root):
@@ -253,7 +259,7 @@ def list_image_folder(root: str, listing_cache: str | None = None) -> FolderList
     if listing_cache is not None:
         name = "imagefolder-" + hashlib.sha256(root.encode("utf-8", "surrogateescape")).hexdigest()[:20] + ".json"
         cache_path = os.path.join(_abs(listing_cache), name)
-        files = _read_listing(cache_path, key)
+        files = _read_listing(cache_path, key, root)
     if files is None:
         t0 = time.perf_counter()
         files = _walk_images(root)
@@ -276,7 +282,7 @@ def list_image_folder(root: str, listing_cache: str | None = None) -> FolderList
     return FolderListing(root=root, files=_Strings(files), labels=labels, classes=tuple(classes))
 
 
-def _read_listing(path: str, key: dict) -> list[str] | None:
+def _read_listing(path: str, key: dict, root: str) -> list[str] | None:
     try:
         with open(path, "rb") as f:
             doc = json.loads(f.read())
@@ -288,7 +294,37 @@ def _read_listing(path: str, key: dict) -> list[str] | None:
     if not isinstance(doc, dict) or doc.get("version") != LISTING_VERSION or doc.get("key") != key:
         return None
     files = doc.get("files")
-    return files if isinstance(files, list) and files else None
+    problem = _listing_problem(root, files)
+    if problem is not None:
+        logger.warning("ignoring image listing cache %s: %s; listing %s again", path, problem, root)
+        return None
+    return files
+
+
+_SAMPLED = 8  # listed files checked to exist, spread over the listing
+
+
+def _listing_problem(root: str, files: object) -> str | None:
+    """Why a stored listing cannot be the listing of ``root`` (None: it can)."""
+    if not isinstance(files, list) or not files:
+        return "it has no list of files"
+    prev = None
+    for f in files:
+        if not isinstance(f, str) or not f or "\0" in f:
+            return f"entry {f!r} is not a file path"
+        parts = f.split("/")
+        if f.startswith("/") or any(p in ("", ".", "..") or p.startswith(".") for p in parts):
+            return f"entry {f!r} is not a plain path inside the folder"
+        if not f.lower().endswith(IMAGE_EXTENSIONS):
+            return f"entry {f!r} is not an image file name"
+        if prev is not None and f <= prev:
+            return f"entry {f!r} is out of order or repeated"
+        prev = f
+    step = max(1, len(files) // _SAMPLED)
+    for f in [*files[::step][:_SAMPLED], files[-1]]:
+        if not os.path.isfile(os.path.join(root, f)):
+            return f"listed file {f!r} does not exist"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------

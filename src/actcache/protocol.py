@@ -15,7 +15,9 @@ reader refuses them by version, and this reader warns once per cache when it ope
     HASH = sha256(json.dumps(metadata, sort_keys=True, separators=(",", ":")).encode("utf-8"))
 
 This module imports neither torch nor snakemake. Validation of a whole directory lives in
-:mod:`actcache.validate`; atomic file writes in :mod:`actcache.fsutil`.
+:mod:`actcache.validate`; atomic file writes in :mod:`actcache.fsutil`. Files beside a cache that
+are not part of the protocol (not hashed, ignored by v1 readers) have modules of their own:
+labels (:mod:`actcache.labels`) and per-shard checksums (:mod:`actcache.checksums`).
 """
 
 from __future__ import annotations

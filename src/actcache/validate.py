@@ -1,4 +1,4 @@
-"""Validation of a cache directory against protocol v1 (and 2.0, its 16-bit variant).
+"""Validation of a cache directory against protocol v1.
 
 :func:`check_dir` collects every problem (it never raises for a bad cache) so that
 ``actcache inspect`` can show them all; :func:`validate_dir` raises one error listing them.
@@ -14,21 +14,16 @@ directory hash, ``n_examples`` in shards.json and an optional labels.bin of know
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
 import dataclasses
 import os
 import re
-import threading
+import stat
 import warnings
 
-import numpy as np
-
-from actcache.dtypes import count_nonfinite
+from actcache.deepscan import deep_scan
 from actcache.errors import CacheIncompleteError, ProtocolError
 from actcache.formats import load_metadata
 from actcache.protocol import (
-    DTYPES,
     METADATA_FILE,
     SHARDS_FILE,
     Metadata,
@@ -66,6 +61,8 @@ class Report:
     deep: bool = False
     n_nonfinite: int | None = None
     bytes_read: int = 0
+    checksums: str | None = None  # deep check: "checksums of all N shard(s) match", "no checksums ...", ...
+    digests: dict = dataclasses.field(default_factory=dict)  # shard name -> checksums.Record the deep scan computed
 
     @property
     def ok(self) -> bool:
@@ -79,7 +76,14 @@ class Report:
             raise cls(f"{self.path} is not a valid {kind} cache:\n  - {lines}")
 
 
-def check_dir(path: str | os.PathLike, deep: bool = False, check_hash: bool = True) -> Report:
+def check_dir(
+    path: str | os.PathLike, deep: bool = False, check_hash: bool = True, checksums_dir: str | None = None
+) -> Report:
+    """Every problem of the cache at ``path``; ``deep`` reads every byte (NaN/Inf, checksums).
+
+    ``checksums_dir``: where the shards' checksum records are (default ``<path>/.checksums``; a
+    saev cache has its records wherever ``actcache seal --to`` put them).
+    """
     path = os.fspath(path)
     rep = Report(path=path, deep=deep)
     if not os.path.exists(path):
@@ -122,8 +126,9 @@ def check_dir(path: str | os.PathLike, deep: bool = False, check_hash: bool = Tr
     _check_table(path, md, shards, rep)
     if md.foreign:
         _check_saev_labels(path, md, rep)
+    _check_files(path, rep)
     if deep and rep.ok:
-        deep_scan(path, md, rep)
+        deep_scan(path, md, rep, checksums_dir)
     return rep
 
 
@@ -239,98 +244,42 @@ def _stat_shard(path: str, s: ShardInfo, expected: tuple[int, ...], rep: Report)
     return st
 
 
-# ---- deep scan: read every byte once ---------------------------------------------------------
-
-CHUNK = 16 * 2**20
-AHEAD = 4  # chunks asked of the kernel ahead of the checkers (posix_fadvise WILLNEED)
+# ---- the shard files themselves: one file each, inside the cache, readable ---------------------
 
 
-def _count_nonfinite(buf_f32: np.ndarray) -> int:
-    # A finite sum proves every element finite (one fast pass); only otherwise count exactly.
-    s = np.add.reduce(buf_f32, dtype=np.float32)
-    if np.isfinite(s):
-        return 0
-    return int(buf_f32.size - np.count_nonzero(np.isfinite(buf_f32)))
-
-
-def _count_in(buf, n_bytes: int, dtype: str) -> int:
-    """NaN/Inf values among the first ``n_bytes`` of ``buf`` holding ``dtype`` values."""
-    if dtype == "float32":
-        return _count_nonfinite(np.frombuffer(buf, dtype=np.float32, count=n_bytes // 4))
-    return count_nonfinite(np.frombuffer(buf, dtype=np.uint16, count=n_bytes // 2), dtype)
-
-
-def _scan_file(fpath: str, valid: int, n_threads: int | None = None, dtype: str = "float32") -> tuple[int, int]:
-    """Read a file once; (bytes read, NaN/Inf count among its first ``valid`` bytes).
-
-    ``n_threads`` threads each read 16 MiB chunks with ``pread`` into a buffer of their own and
-    check them (both release the GIL, so reading and checking overlap on every core); each
-    chunk asks the kernel for the chunks ``AHEAD`` of it, so cold data streams in with large
-    reads. Plain reads rather than a memory map: a disk error is an OSError naming the file,
-    not a SIGBUS. Bytes past ``valid`` (a padded tail) are read but not counted.
-    """
-    size = os.path.getsize(fpath)
-    if size == 0:
-        return 0, 0
-    n_threads = n_threads or max(1, min(4, os.cpu_count() or 1))
-    n_chunks = -(-size // CHUNK)
-    local = threading.local()
-    with open(fpath, "rb", buffering=0) as fh:
-        fd = fh.fileno()
-
-        def check(i: int) -> int:
-            start = i * CHUNK
-            with contextlib.suppress(AttributeError, OSError):
-                if i + AHEAD < n_chunks:
-                    os.posix_fadvise(fd, (i + AHEAD) * CHUNK, CHUNK, os.POSIX_FADV_WILLNEED)
-            buf = getattr(local, "buf", None)
-            if buf is None:
-                buf = local.buf = bytearray(CHUNK)
-            want = min(CHUNK, size - start)
-            got = 0
-            view = memoryview(buf)
-            while got < want:
-                n = os.preadv(fd, [view[got:want]], start + got)
-                if n == 0:
-                    raise ProtocolError(f"{fpath}: ended at byte {start + got:,} while being read (expected "
-                                        f"{size:,}); another process may be rewriting it. Run verify again.")  # fmt: skip
-                got += n
-            cut = max(0, min(want, valid - start))
-            cut -= cut % DTYPES[dtype]
-            if cut <= 0:
-                return 0
-            return _count_in(buf, cut, dtype)
-
-        with contextlib.suppress(AttributeError, OSError):
-            os.posix_fadvise(fd, 0, min(size, AHEAD * CHUNK), os.POSIX_FADV_WILLNEED)
-        try:
-            with concurrent.futures.ThreadPoolExecutor(n_threads) as pool:
-                bad = sum(pool.map(check, range(n_chunks)))
-        except OSError as err:
-            raise ProtocolError(f"{fpath}: read error ({err.strerror or err}); the file or the disk is damaged. "
-                                "Re-dump this shard (delete it, then rerun its dump job).") from None  # fmt: skip
-    return size, bad
-
-
-def deep_scan(path: str, md: Metadata, rep: Report) -> None:
-    """Read every stored byte once and count NaN/Inf.
-
-    Only the images' bytes are checked; a padded tail is read too (every byte once) but its
-    values are not counted.
-    """
-    total_bad = 0
+def _check_files(path: str, rep: Report) -> None:
+    """Two names for one file (hard link, or a symlink to another shard), a symlink leading out of
+    the cache directory, and a shard that cannot be opened and read are problems."""
+    real_dir = os.path.realpath(path)
+    seen: dict[tuple[int, int], str] = {}
     for st in rep.shards:
         if st.size is None:
             continue
         fpath = os.path.join(path, st.name)
-        n_read, bad = _scan_file(fpath, st.n_imgs * md.bytes_per_img, dtype=md.dtype)
-        rep.bytes_read += n_read
-        st.n_nonfinite = bad
-        total_bad += bad
-        if bad:
+        if os.path.islink(fpath):
+            target = os.path.realpath(fpath)
+            if os.path.commonpath([real_dir, target]) != real_dir:
+                rep.problems.append(
+                    f"{fpath}: a symlink leading out of the cache directory (to {target}); a cache is one "
+                    "directory. Replace the link by a copy of the file (cp --remove-destination TARGET LINK)."
+                )
+        try:
+            info = os.stat(fpath)
+            if not stat.S_ISREG(info.st_mode):
+                rep.problems.append(f"{fpath}: not a regular file; delete it and re-run the dump for this shard.")
+                continue
+            os.close(os.open(fpath, os.O_RDONLY))  # no byte read: the page cache stays as it was
+        except OSError as err:
             rep.problems.append(
-                f"{fpath}: {bad:,} NaN/Inf values among its {st.n_imgs} images. The model "
-                "produced non-finite activations (check the checkpoint and dtype) or the file is "
-                "corrupt; re-dump this shard."
+                f"{fpath}: cannot be read ({err.strerror or err}); fix its permissions, or delete it and "
+                "re-run the dump for this shard."
             )
-    rep.n_nonfinite = total_bad
+            continue
+        key = (info.st_dev, info.st_ino)
+        if key in seen:
+            rep.problems.append(
+                f"{fpath}: the same file as {seen[key]} (a hard link or symlink, not a shard of its own); "
+                f"delete {st.name} and re-run the dump for this shard."
+            )
+        else:
+            seen[key] = st.name

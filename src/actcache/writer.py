@@ -8,12 +8,15 @@ shards.json records its true n_imgs.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
+import re
 from collections.abc import Callable
 
 import numpy as np
 
+from actcache import checksums
 from actcache.dtypes import is_stored_as, to_stored
 from actcache.errors import CacheIncompleteError, DumpError, ProtocolError
 from actcache.fsutil import atomic_open, remove_stale_temps
@@ -68,11 +71,21 @@ def write_shard(path: str, md: Metadata, shard_idx: int, acts_NLTD: np.ndarray) 
     return os.path.join(path, shard_name(shard_idx))
 
 
+_POOL: list[concurrent.futures.ThreadPoolExecutor] = []
+
+
+def _hash_pool() -> concurrent.futures.ThreadPoolExecutor:
+    if not _POOL:
+        _POOL.append(concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="actcache-shard-hash"))
+    return _POOL[0]
+
+
 class _ShardWriter:
     def __init__(self, fd, md: Metadata, shard_idx: int):
         self.fd, self.md, self.shard_idx = fd, md, shard_idx
         self.n_expected = md.shard_n_imgs(shard_idx)
         self.n_written = 0
+        self.hasher = checksums.StreamHasher()  # hashes the bytes as they are written: no extra read
 
     def write(self, acts_BLTD: np.ndarray) -> None:
         """A batch of float32 values, or of the cache's stored values (a 16-bit dump casts on the device)."""
@@ -83,7 +96,14 @@ class _ShardWriter:
             raise DumpError(f"shard {self.shard_idx}: batch shape {a.shape[1:]} != {self.md.shard_shape[1:]}")
         if self.n_written + a.shape[0] > self.n_expected:
             raise DumpError(f"shard {self.shard_idx}: more than {self.n_expected} images written")
-        self.fd.write(memoryview(a).cast("B"))
+        view = memoryview(a).cast("B")
+        # Hash in a helper thread while this one writes the same bytes (both release the GIL);
+        # waited for before returning, since the caller may reuse the buffer (pinned host memory).
+        hashed = _hash_pool().submit(self.hasher.update, view)
+        try:
+            self.fd.write(view)
+        finally:
+            hashed.result()
         self.n_written += a.shape[0]
 
     def finish(self) -> None:
@@ -95,11 +115,20 @@ class _ShardWriter:
         # Full-size file with a sparse zero tail (seed readers memmap every shard at full size).
         self.fd.truncate(self.md.shard_nbytes)
 
+    def record(self) -> checksums.Record:
+        name = shard_name(self.shard_idx)
+        return checksums.Record(name, self.hasher.nbytes, self.hasher.digest(), self.md.hash)
+
 
 class open_shard_writer:
-    """Context manager streaming one shard to a temporary file; renamed only when complete."""
+    """Context manager streaming one shard to a temporary file; renamed only when complete.
+
+    The shard's checksum record is written just before the rename, so a complete shard always
+    has one (a record without its shard, left by a kill in between, is rewritten by the rerun).
+    """
 
     def __init__(self, path: str, md: Metadata, shard_idx: int):
+        self.path = path
         self.target = os.path.join(path, shard_name(shard_idx))
         self.md, self.shard_idx = md, shard_idx
 
@@ -115,6 +144,7 @@ class open_shard_writer:
             if et is None:
                 try:
                     self._w.finish()
+                    checksums.write_record(checksums.record_dir(self.path), self._w.record())
                 except BaseException as err:
                     self._cm.__exit__(type(err), err, err.__traceback__)
                     raise
@@ -141,10 +171,12 @@ def missing_shards(path: str, md: Metadata) -> list[int]:
 def gather(path: str | os.PathLike) -> str:
     """Verify every expected shard of <HASH>/ and write shards.json atomically.
 
-    Refuses (CacheIncompleteError, listing them) when any shard is missing or has the wrong size.
+    Refuses (CacheIncompleteError, listing them) when any shard is missing or has the wrong size,
+    and (ProtocolError) when the directory is named by a hash that its metadata.json no longer has.
     """
     path = os.fspath(path)
     md = Metadata.load(path)
+    _check_dir_name(path, md)
     remove_stale_temps(path)
     bad = []
     for i in range(md.n_shards):
@@ -162,6 +194,16 @@ def gather(path: str | os.PathLike) -> str:
             + "\nRun `actcache dump` for the missing shard ranges, then gather again."
         )
     return write_shards(path, md.expected_shards())
+
+
+def _check_dir_name(path: str, md: Metadata) -> None:
+    name = os.path.basename(os.path.normpath(path))
+    if re.fullmatch(r"[0-9a-f]{64}", name) and name != md.hash:
+        raise ProtocolError(
+            f"{path}: cannot gather: its metadata.json hashes to {md.hash}, not to the directory's name "
+            "(metadata.json was edited after the dump, or the directory was renamed). Restore the original "
+            "metadata.json, or re-dump into a new directory."
+        )
 
 
 def write_cache(

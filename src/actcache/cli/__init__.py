@@ -25,6 +25,7 @@ HANDLERS = {
     "verify": "actcache.cli.cache:cmd_verify",
     "gather": "actcache.cli.cache:cmd_gather",
     "convert": "actcache.cli.cache:cmd_convert",
+    "seal": "actcache.cli.cache:cmd_seal",
     "plan": "actcache.cli.plan:cmd_plan",
     "dump": "actcache.cli.dump:cmd_dump",
     "train": "actcache.cli.train:cmd_train",
@@ -51,8 +52,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("verify", help="exit 0 only when the cache is complete and consistent")
     s.add_argument("dir")
-    s.add_argument("--deep", action="store_true", help="also read every byte once and count NaN/Inf")
+    s.add_argument(
+        "--deep", action="store_true", help="also read every byte once: NaN/Inf, zeroed and copied shards, checksums"
+    )
+    s.add_argument("--checksums", default=None, help="the checksum records' directory (default: DIR/.checksums)")
     s.add_argument("--json", action="store_true", help="machine-readable output")
+
+    s = sub.add_parser("seal", help="verify every byte of a cache, then add checksums to shards that have none")
+    s.add_argument("dir")
+    s.add_argument("--to", default=None, help="write the records here (required for a saev cache)")
 
     s = sub.add_parser("gather", help="verify every shard of a hash directory and write shards.json")
     s.add_argument("dir")

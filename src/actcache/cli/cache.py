@@ -49,6 +49,7 @@ def _report_dict(rep) -> dict:
         "warnings": rep.warnings,
         "deep": rep.deep,
         "n_nonfinite": rep.n_nonfinite,
+        "checksums": rep.checksums,
     }
 
 
@@ -84,7 +85,7 @@ def _print_report(rep, show_shards: bool) -> None:
     for w in rep.warnings:
         print(f"warning: {w}")
     if rep.deep and rep.ok:
-        print(f"deep      read {_fmt_bytes(rep.bytes_read)}, {rep.n_nonfinite} NaN/Inf values")
+        print(f"deep      read {_fmt_bytes(rep.bytes_read)}, {rep.n_nonfinite} NaN/Inf values, {rep.checksums}")
     if rep.ok:
         print("verdict   OK: complete and consistent")
     else:
@@ -107,11 +108,22 @@ def cmd_inspect(args) -> int:
 def cmd_verify(args) -> int:
     from actcache.validate import check_dir
 
-    rep = check_dir(args.dir, deep=args.deep)
+    rep = check_dir(args.dir, deep=args.deep, checksums_dir=args.checksums)
     if args.json:
         print(json.dumps(_report_dict(rep), indent=2))
     else:
         _print_report(rep, show_shards=False)
+    return 0 if rep.ok else 1
+
+
+def cmd_seal(args) -> int:
+    from actcache.checksums import record_dir
+    from actcache.seal import seal
+
+    rep, new = seal(args.dir, to=args.to)
+    _print_report(rep, show_shards=False)
+    if rep.ok:
+        print(f"sealed    {len(new)} shard(s) given checksums in {args.to or record_dir(args.dir)}")
     return 0 if rep.ok else 1
 
 
