@@ -829,6 +829,36 @@ __attribute__((target("avx2,f16c"))) static void widen_avx2(const job_t *j, int 
 static int widen_isa = -1; /* 1: avx2 and f16c */
 #endif
 
+static void widen_run(const job_t *j, int kind, int stream) {
+#ifdef ACT_X86
+    if (widen_isa < 0) widen_isa = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    if (widen_isa == 1)
+        widen_avx2(j, kind, stream && ((uintptr_t)j->dst % 32) == 0 && (2 * j->piece) % 32 == 0);
+    else
+        widen_plain(j, kind);
+#else
+    (void)stream;
+    widen_plain(j, kind);
+#endif
+}
+
+/* widen_run under the SIGBUS guard (as run_job_guarded): 0, or 1 with *fault set. */
+static int widen_guarded(const job_t *j, int kind, int stream, uintptr_t *fault) {
+    sigjmp_buf jb;
+    if (sigsetjmp(jb, 0)) {
+        sigset_t bus;
+        sigemptyset(&bus);
+        sigaddset(&bus, SIGBUS);
+        pthread_sigmask(SIG_UNBLOCK, &bus, NULL);
+        *fault = guard_fault;
+        return 1;
+    }
+    guard_jmp = &jb;
+    widen_run(j, kind, stream);
+    guard_jmp = NULL;
+    return 0;
+}
+
 static PyObject *gather_widen(PyObject *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"bases", "n_src",  "srcs",   "rows",  "stride",   "piece", "dst",
                             "kind",  "stream", "scales", "scale", "prefetch", NULL};
@@ -869,18 +899,16 @@ static PyObject *gather_widen(PyObject *self, PyObject *args, PyObject *kw) {
     j.srcs = S;
     j.dst = (char *)(uintptr_t)dst_addr;
     set_prefetch(&j);
+    uintptr_t fault = 0;
+    int faulted;
+    guard_install();
     Py_BEGIN_ALLOW_THREADS;
-#ifdef ACT_X86
-    if (widen_isa < 0) widen_isa = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-    if (widen_isa == 1)
-        widen_avx2(&j, kind, stream && ((uintptr_t)j.dst % 32) == 0 && (2 * piece) % 32 == 0);
-    else
-        widen_plain(&j, kind);
-#else
-    (void)stream;
-    widen_plain(&j, kind);
-#endif
+    faulted = widen_guarded(&j, kind, stream, &fault);
     Py_END_ALLOW_THREADS;
+    if (faulted) {
+        raise_bus_error("gather_widen", fault);
+        goto done;
+    }
     result = Py_None;
     Py_INCREF(result);
 done:

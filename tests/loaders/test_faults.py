@@ -77,6 +77,31 @@ def test_a_copy_out_of_a_mapping_truncated_under_it_raises_instead_of_sigbus(big
         maps.close()
 
 
+def test_a_widening_copy_out_of_a_truncated_mapping_raises_instead_of_sigbus(big_shards, tmp_path):
+    """The same guard around the 16-bit widening copy (gather_widen): the shard's bytes read as
+    float16 rows, the file cut under the copy, a BusError with the faulting address."""
+    src, md, _ = big_shards
+    if not kernels.native_info()["native"]:
+        pytest.fail("the C kernel is not built: only it survives a SIGBUS")
+    name = "acts000003.bin"
+    with open(os.path.join(src, name), "rb") as fh, open(os.path.join(tmp_path, name), "wb") as out:
+        out.write(fh.read())
+    size = os.path.getsize(os.path.join(tmp_path, name))
+    maps = ShardMaps(str(tmp_path), [name], [size], mode="pte")
+    try:
+        rows_D = maps.view(0, (size // (md.d_vit * 2), md.d_vit), "<f2")
+        maps.make_resident(0, np.array([0]), np.array([size]))
+        damage_shard(os.path.join(tmp_path, name), "truncate")
+        out = np.empty((len(rows_D), md.d_vit), np.float32)
+        rows = np.arange(len(rows_D), dtype=np.int64)[::-1].copy()
+        with pytest.raises(OSError) as err:
+            kernels.take_multi([rows_D], np.zeros(len(rows), np.int64), rows, out)
+        assert getattr(err.value, "address", None) and "gather_widen" in str(err.value)
+        assert name in str(maps.read_error(err.value))
+    finally:
+        maps.close()
+
+
 def test_indexed_dataset_reports_a_truncated_or_replaced_shard(big_shards, tmp_path):
     src, md, acts = big_shards
     import shutil
