@@ -150,7 +150,12 @@ def write_sweep(runs: list[Run], out: str) -> dict:
     for name, ok in made.items():  # the files always exist (workflow outputs); say why one is empty
         if not ok:
             _placeholder(os.path.join(out, name), "no metrics.jsonl / eval.json in these runs yet")
-    atomic_write_bytes(os.path.join(out, SWEEP_FILE), (json.dumps({"points": pts}, indent=2) + "\n").encode())
+    from actcache.visuals_pareto import CAPTIONS, pareto_points, write_pareto
+
+    pareto = pareto_points(runs)
+    made.update(write_pareto(pareto, out))
+    doc = {"points": pts, "pareto_points": pareto}
+    atomic_write_bytes(os.path.join(out, SWEEP_FILE), (json.dumps(doc, indent=2) + "\n").encode())
     rows = []
     for r in runs:
         p = next((x for x in pts if x["run"] == r.dir), {})
@@ -161,7 +166,8 @@ def write_sweep(runs: list[Run], out: str) -> dict:
         rows.append(f"<tr><td>{link}</td><td>{html.escape(r.label())}</td>"
                     f"<td>{'' if nmse is None else f'{nmse:.4f}'}</td><td>{'' if l0 is None else f'{l0:.2f}'}</td>"
                     f"<td>{p.get('source', '')}</td></tr>")  # fmt: skip
-    imgs = "".join(f'<img src="{n}" alt="{os.path.splitext(n)[0]}">' for n in made)
+    imgs = "".join(f'<img src="{n}" alt="{os.path.splitext(n)[0]}">'
+                   + (f"<p>{html.escape(CAPTIONS[n])}</p>" if n in CAPTIONS else "") for n in made)  # fmt: skip
     page = (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>SAE sweep</title><style>'
         "body{font:14px system-ui,sans-serif;margin:16px} td,th{padding:2px 10px;text-align:left}"

@@ -36,7 +36,8 @@ rule report:
 
 
 rule sweep_report:
-    """Held-out NMSE against L0, one point per SAE, and every SAE's training curves."""
+    """Held-out NMSE against L0, one point per SAE, every SAE's training curves, and the Pareto
+    frontiers (L0 against FVU, spliced fraction recovered, label-probe accuracy)."""
     input:
         marks=lambda w: sweep_group_marks(w.hash),
     output:
@@ -51,6 +52,24 @@ rule sweep_report:
             caption="../report/curves.rst",
             category="SAE sweeps",
             labels={"cache": "{hash}", "plot": "training curves"},
+        ),
+        pareto_fvu=report(
+            os.path.join(RUNS_TO, "{hash}", VISUALS_DIR, PARETO_FVU_PLOT),
+            caption="../report/pareto_fvu.rst",
+            category="SAE sweeps",
+            labels={"cache": "{hash}", "plot": "Pareto: L0 against FVU"},
+        ),
+        pareto_spliced=report(
+            os.path.join(RUNS_TO, "{hash}", VISUALS_DIR, PARETO_SPLICED_PLOT),
+            caption="../report/pareto_spliced.rst",
+            category="SAE sweeps",
+            labels={"cache": "{hash}", "plot": "Pareto: L0 against spliced fraction recovered"},
+        ),
+        pareto_probe=report(
+            os.path.join(RUNS_TO, "{hash}", VISUALS_DIR, PARETO_PROBE_PLOT),
+            caption="../report/pareto_probe.rst",
+            category="SAE sweeps",
+            labels={"cache": "{hash}", "plot": "Pareto: L0 against label-probe accuracy"},
         ),
     params:
         actcache=ACTCACHE,

@@ -272,7 +272,13 @@ class ShuffledLoader(BaseLoader):
         """The plan of one epoch for this part (no I/O)."""
         g = self.geom
         runs = epoch_runs(
-            self.shard_imgs, self.run_imgs, g.per_img, self.seed, epoch, self._cut_points(), equal=self.io == "read",
+            self.shard_imgs,
+            self.run_imgs,
+            g.per_img,
+            self.seed,
+            epoch,
+            self._cut_points(),
+            equal=self.io == "read",
             skip=self._skip,
         )
         s, e = self.partition.part_range(self.world)

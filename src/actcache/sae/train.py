@@ -26,7 +26,6 @@ the trainer write a checkpoint at the current step and raise :class:`Preempted`.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import json
 import logging

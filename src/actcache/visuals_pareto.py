@@ -1,0 +1,107 @@
+"""Pareto frontiers over every SAE of a cache: L0 against each quality a researcher ranks by.
+
+    points = pareto_points(runs)          # one dict per SAE from its eval.json
+    made = write_pareto(points, out)      # {plot file: whether it has data}
+
+Each view puts L0 (latents per token on the held-out split; fewer is better) on x and one
+quality on y: FVU (lower is better), the spliced fraction recovered against zero-ablation
+(higher is better) and the k-sparse label-probe accuracy at k = PROBE_K (higher is better). The
+frontier joins the SAEs that no other SAE beats on both axes; an SAE off it has a sibling that is
+at least as sparse and at least as good. CAPTIONS says the same under each plot.
+"""
+
+from __future__ import annotations
+
+import os
+
+from actcache.rundir import PARETO_FVU_PLOT, PARETO_PROBE_PLOT, PARETO_SPLICED_PLOT, Run
+
+PROBE_K = 5
+# plot file -> (point key, axis label, higher is better)
+VIEWS = {
+    PARETO_FVU_PLOT: ("fvu", "FVU (held-out, lower is better)", False),
+    PARETO_SPLICED_PLOT: ("spliced_recovered", "spliced fraction recovered vs zero-ablation (higher is better)", True),
+    PARETO_PROBE_PLOT: ("probe_acc", f"{PROBE_K}-sparse label-probe accuracy (higher is better)", True),
+}
+CAPTIONS = {
+    PARETO_FVU_PLOT: "Reconstruction against sparsity: each dot is one SAE (held-out FVU against L0); the line "
+    "joins the SAEs no other SAE beats on both. Pick from the line: down and left is better.",
+    PARETO_SPLICED_PLOT: "Downstream faithfulness against sparsity: the fraction of the final-embedding change "
+    "under zero-ablation that splicing the SAE's reconstruction in avoids (1 = as clean, 0 = no better than "
+    "zeroing), against L0. Up and left is better; the line is the frontier.",
+    PARETO_PROBE_PLOT: f"Concepts against sparsity: accuracy of a {PROBE_K}-latent probe for each class (mean "
+    "over classes, held-out images), against L0. Up and left is better; the line is the frontier.",
+}
+
+
+def _num(v) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v else None
+
+
+def pareto_points(runs: list[Run]) -> list[dict]:
+    """One point per SAE with a held-out evaluation: its label, l0 and whichever qualities it has."""
+    pts = []
+    for r in runs:
+        ev = r.eval()
+        l0 = _num(ev.get("l0"))
+        if l0 is None:
+            continue
+        spliced, probes = ev.get("spliced") or {}, ev.get("probes") or {}
+        pts.append({
+            "sae_id": r.name, "label": r.label(), "l0": l0, "fvu": _num(ev.get("fvu", ev.get("nmse"))),
+            "spliced_recovered": _num(spliced.get("fraction_recovered_zero")),
+            "probe_acc": _num((probes.get("sparse_probe_acc") or {}).get(str(PROBE_K))),
+        })  # fmt: skip
+    return pts
+
+
+def pareto_front(points: list[dict], key: str, higher: bool) -> list[dict]:
+    """The points no other point beats on both L0 (lower) and ``key``; sorted by L0."""
+    pts = sorted((p for p in points if p.get(key) is not None), key=lambda p: (p["l0"], -p[key] if higher else p[key]))
+    front, best = [], None
+    for p in pts:
+        if best is None or (p[key] > best if higher else p[key] < best):
+            front.append(p)
+            best = p[key]
+    return front
+
+
+def plot_pareto(points: list[dict], key: str, ylabel: str, higher: bool, path: str) -> bool:
+    """One Pareto view into ``path``; False (nothing drawn) when no SAE has ``key``."""
+    from actcache.visuals_plots import _plt
+
+    have = [p for p in points if p.get(key) is not None]
+    if not have:
+        return False
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    front = pareto_front(have, key, higher)
+    ax.scatter([p["l0"] for p in have], [p[key] for p in have], color="#9aa9bf", label="SAE")
+    ax.plot([p["l0"] for p in front], [p[key] for p in front], "o-", color="#c0392b", label="Pareto frontier")
+    for p in have:
+        ax.annotate(p["label"], (p["l0"], p[key]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    l0 = [p["l0"] for p in have if p["l0"] > 0]
+    if l0 and max(l0) / min(l0) > 20:
+        ax.set_xscale("log")
+    ax.margins(x=0.2, y=0.15)
+    ax.set_xlabel("L0 (held-out latents per token, lower is better)")
+    ax.set_ylabel(ylabel, fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
+
+
+def write_pareto(points: list[dict], out: str) -> dict[str, bool]:
+    """Every view of VIEWS into ``out`` (a view without data: a placeholder saying why)."""
+    from actcache.visuals_plots import _placeholder
+
+    made = {}
+    for name, (key, ylabel, higher) in VIEWS.items():
+        path = os.path.join(out, name)
+        made[name] = plot_pareto(points, key, ylabel, higher, path)
+        if not made[name]:
+            _placeholder(path, f"no SAE of this sweep has {key} in its eval.json yet")
+    return made

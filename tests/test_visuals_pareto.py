@@ -1,0 +1,26 @@
+"""Pareto frontiers over a sweep (actcache.visuals_pareto): which SAEs are on the frontier."""
+
+from __future__ import annotations
+
+import PIL.Image
+
+from actcache.visuals_pareto import pareto_front, write_pareto
+
+
+def pts(*rows):
+    return [{"label": f"s{i}", "l0": l0, "fvu": fvu, "probe_acc": acc, "spliced_recovered": None}
+            for i, (l0, fvu, acc) in enumerate(rows)]  # fmt: skip
+
+
+def test_frontier_keeps_only_saes_no_other_beats_on_both_axes():
+    p = pts((4, 0.5, 0.6), (8, 0.3, 0.9), (8, 0.4, 0.5), (16, 0.35, 0.95), (32, 0.1, 0.7))
+    assert [x["label"] for x in pareto_front(p, "fvu", higher=False)] == ["s0", "s1", "s4"]
+    assert [x["label"] for x in pareto_front(p, "probe_acc", higher=True)] == ["s0", "s1", "s3"]
+
+
+def test_views_without_data_are_placeholders_that_say_why(tmp_path):
+    made = write_pareto(pts((4, 0.5, None), (8, 0.3, None)), str(tmp_path))
+    assert made == {"pareto_l0_fvu.png": True, "pareto_l0_spliced.png": False, "pareto_l0_probe.png": False}
+    for name in made:
+        with PIL.Image.open(tmp_path / name) as im:
+            assert im.size[0] > 100
