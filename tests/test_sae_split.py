@@ -54,3 +54,4 @@ def test_every_sae_of_a_labelled_cache_records_the_same_stratified_split(tmp_pat
     assert np.bincount(labels[splits[0]["heldout_images"]]).tolist() == [6, 2]
     ev = json.load(open(os.path.join(dirs[0], "eval.json")))
     assert ev["n_heldout_images"] == 8 and ev["n_tokens"] == 8 * 4
+    assert ev["probes"]["n_images"] == 8 and len(ev["probes"]["latent_best_class"]) == 16  # the labels are probed

@@ -77,7 +77,8 @@ def test_fresh_root_dry_run_lists_every_dump_job(tmp_path, ckpt):
     proc = snakemake(cfg, "-n")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout + proc.stderr
-    assert job_counts(out) == {"dump": 4, "gather": 1, "train": 1, "report": 2, "sweep_report": 1, "all": 1}
+    want = {"dump": 4, "gather": 1, "train": 1, "report": 2, "spliced_eval": 1, "sweep_report": 1, "all": 1}
+    assert job_counts(out) == want
     assert dump_ranges(out) == ["000000-000001", "000001-000002", "000002-000003", "000003-000004"]
     (p,) = plan_json(cfg)
     assert p["hash"] in out and p["cache"]["state"] == "missing"
@@ -186,7 +187,7 @@ def test_changed_sae_hyperparameter_gives_only_training_jobs(done_project, tmp_p
     proc = snakemake(cfg2, "-n")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    assert job_counts(out) == {"train": 1, "report": 2, "sweep_report": 1, "all": 1}
+    assert job_counts(out) == {"train": 1, "report": 2, "spliced_eval": 1, "sweep_report": 1, "all": 1}
 
 
 def test_end_to_end_trained_saes_visuals_and_report(done_project):

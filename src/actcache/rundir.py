@@ -48,6 +48,7 @@ PARETO_PROBE_PLOT = "pareto_l0_probe.png"
 PARETO_PLOTS = (PARETO_FVU_PLOT, PARETO_SPLICED_PLOT, PARETO_PROBE_PLOT)
 SWEEP_PLOTS = (NMSE_L0_PLOT, CURVES_PLOT, *PARETO_PLOTS)  # in <runs_to>/<HASH>/visuals/
 GROUPS_DIR = "groups"
+SPLICED_MARK = "spliced.done"  # in GROUPS_DIR: `actcache eval` ran over every SAE of the cache
 _CHECKPOINT_RE = re.compile(r"^step-(\d{8,})$")
 
 

@@ -123,7 +123,7 @@ def plot_freq(res: LatentSummary, path: str) -> None:
         lf = np.log10(res.freq[alive])
         a.hist(lf, bins=50, color="#4a6fa5")
         b.scatter(lf, np.log10(np.maximum(res.mean_act[alive], 1e-12)), s=3, alpha=0.5, color="#4a6fa5")
-    a.set_title(f"firing frequency ({(~alive).sum():,} dead of {res.width:,})")
+    a.set_title(f"firing frequency ({(~alive).sum():,} of {res.width:,} silent in this pass)")
     a.set_xlabel("log10 frequency")
     a.set_ylabel("latents")
     b.set_title("mean activation when firing")

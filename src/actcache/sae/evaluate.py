@@ -40,15 +40,20 @@ HIST_LO, HIST_HI, HIST_STEP = -8.0, 0.0, 0.5
 class EvalAccumulator:
     """Streaming held-out metrics of one SAE: ``update(x_BD)`` per batch, then ``result()``."""
 
-    def __init__(self, sae, dense_frac: float = 0.1):
+    def __init__(self, sae, dense_frac: float = 0.1, labels_I=None, class_names: list[str] | None = None):
         self.sae, self.dense_frac = sae, dense_frac
+        self.probe, self.class_names = None, class_names or []
+        if labels_I is not None:
+            from actcache.sae.probes import ProbeAccumulator
+
+            self.probe = ProbeAccumulator(sae.cfg.width, labels_I)
         dev = next(sae.parameters()).device
         self.fires_S = torch.zeros(sae.cfg.width, dtype=torch.int64, device=dev)
         self.sums: list[torch.Tensor] | None = None  # sse, sum_x_D, sum_x2_D, l0, l1 (float64)
         self.n = 0
 
     @torch.no_grad()
-    def update(self, x_BD: torch.Tensor) -> None:
+    def update(self, x_BD: torch.Tensor, image_i_B: torch.Tensor | None = None) -> None:
         sae = self.sae
         was_training = sae.training
         sae.eval()  # batchtopk: the inference threshold, per example
@@ -71,6 +76,8 @@ class EvalAccumulator:
         self.sums = parts if self.sums is None else [a + b for a, b in zip(self.sums, parts, strict=True)]
         self.fires_S += nz_BS.sum(0)
         self.n += x_BD.shape[0]
+        if self.probe is not None and image_i_B is not None:
+            self.probe.update(f_BS, image_i_B)
 
     def result(self) -> dict:
         if self.n == 0 or self.sums is None:
@@ -86,7 +93,7 @@ class EvalAccumulator:
         n_bins = int(round((HIST_HI - HIST_LO) / HIST_STEP))
         edges = [HIST_LO + i * HIST_STEP for i in range(n_bins + 1)]
         counts = torch.histc(fired.log10().clamp(HIST_LO, HIST_HI).float(), bins=n_bins, min=HIST_LO, max=HIST_HI)
-        return {
+        out = {
             "n_tokens": n,
             "width": S,
             "mse": float(sse) / (n * D),
@@ -111,6 +118,9 @@ class EvalAccumulator:
                 "n_never": int((freq_S == 0).sum()),
             },
         }
+        if self.probe is not None:
+            out["probes"] = self.probe.result(self.class_names)
+        return out
 
 
 def definitions(n_tokens: int | None, dense_frac: float) -> dict[str, str]:
@@ -161,16 +171,20 @@ def check_finite(x_BD: torch.Tensor, batch: dict | None, what: str) -> None:
     )
 
 
-def evaluate(sae, batches: Iterable, *, dense_frac: float = 0.1, max_tokens: int | None = None) -> dict:
+def evaluate(sae, batches: Iterable, *, dense_frac: float = 0.1, max_tokens: int | None = None,
+             labels=None) -> dict:  # fmt: skip
     """Metrics of ``sae`` over ``batches`` (tensors (B, D) or loader dicts with "act")."""
-    return evaluate_many([sae], batches, dense_frac=[dense_frac], max_tokens=max_tokens)[0]
+    return evaluate_many([sae], batches, dense_frac=[dense_frac], max_tokens=max_tokens, labels=labels)[0]
 
 
 def evaluate_many(
-    saes: list, batches: Iterable, *, dense_frac: list[float], max_tokens: int | None = None
+    saes: list, batches: Iterable, *, dense_frac: list[float], max_tokens: int | None = None, labels=None
 ) -> list[dict]:
-    """One pass over ``batches`` evaluating several SAEs (same d_vit and device)."""
-    accs = [EvalAccumulator(s, f) for s, f in zip(saes, dense_frac, strict=True)]
+    """One pass over ``batches`` evaluating several SAEs (same d_vit and device). ``labels``:
+    (labels_I, class_names), a class per image of the cache (-1: none), adds the label probes
+    (actcache.sae.probes) of loader-dict batches."""
+    lab, names = labels if labels is not None else (None, None)
+    accs = [EvalAccumulator(s, f, lab, names) for s, f in zip(saes, dense_frac, strict=True)]
     device = next(saes[0].parameters()).device
     n = 0
     for batch in batches:
@@ -181,8 +195,9 @@ def evaluate_many(
             break
         x_BD = x_BD.to(device, non_blocking=True)
         check_finite(x_BD, batch if isinstance(batch, dict) else None, "held-out activations")
+        image_i = batch["image_i"][: x_BD.shape[0]] if isinstance(batch, dict) and "image_i" in batch else None
         for acc in accs:
-            acc.update(x_BD)
+            acc.update(x_BD, image_i)
         n += x_BD.shape[0]
         if max_tokens is not None and n >= max_tokens:
             break

@@ -35,6 +35,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from actcache.errors import ConfigError, TrainError, os_error_text
@@ -491,18 +492,27 @@ class GroupTrainer:
 
         kw = {"batch_size": run.batch_size, "patches": run.patches, "layer": self.layer, "scale_norm": run.scale_norm,
               "n_readers": run.n_readers, "batch_timeout_s": run.batch_timeout_s}  # fmt: skip
+        from actcache.labels import read_labels
+
+        labels = None
         if run.eval_cache is not None:
             where = {"cache": os.path.abspath(run.eval_cache), "split": "eval_cache"}
             loader = OrderedLoader(run.eval_cache, **kw)
+            labels = read_labels(loader.cache.path, loader.cache.n_imgs)
         else:
             from actcache.sae.split import RULE, HeldoutBatches
 
             where = {"cache": os.path.abspath(self.cache_dir), "split": RULE, "n_heldout_images": self.n_eval}
             loader = HeldoutBatches(cache, self.heldout, run.patches, self.layer, run.scale_norm, run.batch_size,
                                     max_tokens=run.eval_tokens)  # fmt: skip
+            found = read_labels(cache.path, cache.n_imgs)
+            if found is not None:  # only the held-out images are probed
+                lab_I = np.full(cache.n_imgs, -1, np.int64)
+                lab_I[self.heldout] = found[0][self.heldout]
+                labels = (lab_I, found[1])
         try:
             res = evaluate_many([m.sae for m in members], loader, dense_frac=[m.run.dense_frac for m in members],
-                                max_tokens=run.eval_tokens)  # fmt: skip
+                                max_tokens=run.eval_tokens, labels=labels)  # fmt: skip
         finally:
             loader.close()
         return [{**where, "layer": self.layer, "patches": run.patches, **r} for r in res]
