@@ -24,3 +24,18 @@ def test_views_without_data_are_placeholders_that_say_why(tmp_path):
     for name in made:
         with PIL.Image.open(tmp_path / name) as im:
             assert im.size[0] > 100
+
+
+def test_page_gets_each_latents_best_class_and_the_best_latent_table():
+    from actcache.visuals_probes import annotate_page
+
+    page = '<div class="card-head"><b>latent 3</b><span>freq</span></div><h2>Latents</h2><b>latent 0</b>'
+    probes = {"latent_best_class": [-1, -1, -1, 1], "class_names": ["cat", "dog"],
+              "best_latent_per_class": [{"name": "dog", "latent": 3, "ap": 0.995, "n_images": 40}],
+              "sparse_probe_acc": {"1": 0.9, "5": None}}  # fmt: skip
+    out = annotate_page(page, probes)
+    assert '<b>latent 3</b><span class="best-class">best class: dog</span>' in out
+    assert "<b>latent 0</b><span" not in out  # never fired: no class
+    assert '<a href="#latent-3">latent 3</a></td><td>0.995</td>' in out and "k=1: 0.900" in out
+    assert out.index("Best latent per class") < out.index("<h2>Latents</h2>")
+    assert annotate_page(page, None) == page

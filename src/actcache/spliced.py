@@ -150,6 +150,7 @@ class _CacheContext:
         self.ds, self.batch_images = src.dataset, batch_images
         self.vit = load_vit(md.vit_family, md.vit_ckpt, device)
         self._clean: dict[bytes, object] = {}
+        self._ablated: dict[tuple, tuple] = {}  # (split, layer, patches) -> (zero, mean) embeddings
 
     def batches(self, held: np.ndarray):
         for s in range(0, len(held), self.batch_images):
@@ -203,14 +204,20 @@ def spliced_run(ctx: _CacheContext, run, max_images: int | None = None) -> dict:
         from actcache.stats import scale_factors
 
         scale = scale_factors(ctx.cache, Selection(md, run.patches, run.layer))[0]
-    mean_D = _mean_vector(ctx.cache, held, run.patches, run.layer).to(vit.device)
-    splice = _Splice(tokens, scale, mean_D)
+    key = (held.tobytes(), run.layer, run.patches)
+    if key not in ctx._ablated:  # shared by every SAE of the same layer, tokens and split
+        mean_D = _mean_vector(ctx.cache, held, run.patches, run.layer).to(vit.device)
+        ablate = _Splice(tokens, 1.0, mean_D)
+        ctx._ablated[key] = (
+            ctx.embeddings(held, block, lambda: ablate.const(torch.zeros_like(mean_D))),
+            ctx.embeddings(held, block, lambda: ablate.const(mean_D)),
+        )
+    e_zero, e_mean = ctx._ablated[key]
+    splice = _Splice(tokens, scale, None)
     sae = SAE.load(run.dir).to(vit.device).eval()
     clean = ctx.clean(held)
     with torch.inference_mode():
         e_sae = ctx.embeddings(held, block, lambda: splice.sae(sae))
-        e_zero = ctx.embeddings(held, block, lambda: splice.const(torch.zeros_like(mean_D)))
-        e_mean = ctx.embeddings(held, block, lambda: splice.const(mean_D))
     d = {k: float((e - clean).norm(dim=1).mean()) for k, e in (("sae", e_sae), ("zero", e_zero), ("mean", e_mean))}
     doc = {
         "n_images": int(len(held)), "layer": run.layer, "patches": run.patches,

@@ -183,6 +183,11 @@ def heldout_rows(ev: dict) -> dict[str, str]:
         if isinstance(ev.get(key), (int, float)):
             why = defs.get("fvu" if key == "nmse" else key)
             rows[name] = fmt.format(ev[key]) + (f" ({why})" if why else "")
+    sp = ev.get("spliced") or {}
+    if isinstance(sp.get("fraction_recovered_zero"), (int, float)):
+        rows["spliced in"] = (f"fraction recovered {sp['fraction_recovered_zero']:.4f} (vs zero-ablation), "
+                              f"{sp.get('fraction_recovered_mean', float('nan')):.4f} (vs mean), "
+                              f"cos {sp.get('cos_spliced_clean', float('nan')):.4f} on {sp.get('n_images', 0):,} images")  # fmt: skip
     return rows
 
 
@@ -360,6 +365,9 @@ def write_visuals(run: Run, cache, res: LatentSummary, src, opts, timings: dict)
             **heldout_rows(ev),
         }  # fmt: skip
         page = vh.render_page(res, latents, info, labels, pot, heat, src.dataset is not None, plots, notes)
+        from actcache.visuals_probes import annotate_page
+
+        page = annotate_page(page, ev.get("probes"))
         vh.write_page(os.path.join(tmp, PAGE_FILE), page)
         standalone = vh.inline_assets(page, tmp)
         summary = {
