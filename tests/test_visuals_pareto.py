@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import PIL.Image
 
-from actcache.visuals_pareto import pareto_front, write_pareto
+from actcache.visuals_pareto import pareto_front
+from actcache.visuals_plots import write_pareto
 
 
 def pts(*rows):

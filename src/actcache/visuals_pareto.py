@@ -1,7 +1,8 @@
 """Pareto frontiers over every SAE of a cache: L0 against each quality a researcher ranks by.
 
     points = pareto_points(runs)          # one dict per SAE from its eval.json
-    made = write_pareto(points, out)      # {plot file: whether it has data}
+    front = pareto_front(points, "fvu", higher=False)
+    # the plots: actcache.visuals_plots.write_pareto(points, out)
 
 Each view puts L0 (latents per token on the held-out split; fewer is better) on x and one
 quality on y: FVU (lower is better), the spliced fraction recovered against zero-ablation
@@ -11,8 +12,6 @@ at least as sparse and at least as good. CAPTIONS says the same under each plot.
 """
 
 from __future__ import annotations
-
-import os
 
 from actcache.rundir import PARETO_FVU_PLOT, PARETO_PROBE_PLOT, PARETO_SPLICED_PLOT, Run
 
@@ -64,44 +63,3 @@ def pareto_front(points: list[dict], key: str, higher: bool) -> list[dict]:
             front.append(p)
             best = p[key]
     return front
-
-
-def plot_pareto(points: list[dict], key: str, ylabel: str, higher: bool, path: str) -> bool:
-    """One Pareto view into ``path``; False (nothing drawn) when no SAE has ``key``."""
-    from actcache.visuals_plots import _plt
-
-    have = [p for p in points if p.get(key) is not None]
-    if not have:
-        return False
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 4.2))
-    front = pareto_front(have, key, higher)
-    ax.scatter([p["l0"] for p in have], [p[key] for p in have], color="#9aa9bf", label="SAE")
-    ax.plot([p["l0"] for p in front], [p[key] for p in front], "o-", color="#c0392b", label="Pareto frontier")
-    for p in have:
-        ax.annotate(p["label"], (p["l0"], p[key]), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    l0 = [p["l0"] for p in have if p["l0"] > 0]
-    if l0 and max(l0) / min(l0) > 20:
-        ax.set_xscale("log")
-    ax.margins(x=0.2, y=0.15)
-    ax.set_xlabel("L0 (held-out latents per token, lower is better)")
-    ax.set_ylabel(ylabel, fontsize=8)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return True
-
-
-def write_pareto(points: list[dict], out: str) -> dict[str, bool]:
-    """Every view of VIEWS into ``out`` (a view without data: a placeholder saying why)."""
-    from actcache.visuals_plots import _placeholder
-
-    made = {}
-    for name, (key, ylabel, higher) in VIEWS.items():
-        path = os.path.join(out, name)
-        made[name] = plot_pareto(points, key, ylabel, higher, path)
-        if not made[name]:
-            _placeholder(path, f"no SAE of this sweep has {key} in its eval.json yet")
-    return made
