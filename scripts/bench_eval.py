@@ -74,6 +74,7 @@ def bench_eval(cache_dir: str, width: int, dev) -> dict:
 def bench_spliced(vit_size: str, n_images: int, dev) -> dict:
     import transformers
 
+    from actcache.models import _find_blocks
     from actcache.spliced import _Splice, final_embedding
 
     cfg = transformers.CLIPVisionConfig(image_size=224, patch_size=16, **VITS[vit_size])
@@ -82,7 +83,7 @@ def bench_spliced(vit_size: str, n_images: int, dev) -> dict:
 
     class _Vit:  # the attributes final_embedding uses
         device = torch.device(dev.name)
-        blocks = model.vision_model.encoder.layers
+        blocks = _find_blocks(model, cfg.num_hidden_layers)
 
         @staticmethod
         def _model_inputs(px):

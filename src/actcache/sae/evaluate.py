@@ -61,20 +61,20 @@ class EvalAccumulator:
             x_hat_BD, f_BS, _ = sae(x_BD)
         finally:
             sae.train(was_training)
-        x64 = x_BD.double()
-        nz_BS = f_BS != 0
-        dec_norm_S = sae.W_dec.norm(dim=1).double()
-        xh64 = x_hat_BD.double()
-        x_norm_B, xh_norm_B = x64.norm(dim=1), xh64.norm(dim=1)
-        dot_B = (xh64 * x64).sum(1)
+        # per-example sums in the input's precision (D terms each), totals over examples in float64
+        x, xh = x_BD.float(), x_hat_BD.float()
+        x_norm_B, xh_norm_B = x.norm(dim=1), xh.norm(dim=1)
+        dot_B = (xh * x).sum(1)
+        dec_norm_S = sae.W_dec.norm(dim=1).to(f_BS.dtype)
+        d64 = torch.float64
         parts = [
-            (xh64 - x64).pow(2).sum(), x64.sum(0), x64.pow(2).sum(0),
-            nz_BS.sum().double(), (f_BS.double().abs() @ dec_norm_S).sum(),
-            (dot_B / (x_norm_B * xh_norm_B).clamp_min(1e-30)).sum(), (xh_norm_B / x_norm_B.clamp_min(1e-30)).sum(),
-            xh_norm_B.pow(2).sum(), dot_B.sum(),
+            (xh - x).pow(2).sum(1).sum(dtype=d64), x.sum(0, dtype=d64), x.pow(2).sum(0, dtype=d64),
+            (f_BS.abs() @ dec_norm_S).sum(dtype=d64),
+            (dot_B / (x_norm_B * xh_norm_B).clamp_min(1e-30)).sum(dtype=d64),
+            (xh_norm_B / x_norm_B.clamp_min(1e-30)).sum(dtype=d64), xh_norm_B.pow(2).sum(dtype=d64), dot_B.sum(dtype=d64),
         ]  # fmt: skip
         self.sums = parts if self.sums is None else [a + b for a, b in zip(self.sums, parts, strict=True)]
-        self.fires_S += nz_BS.sum(0)
+        self.fires_S += torch.count_nonzero(f_BS, dim=0)
         self.n += x_BD.shape[0]
         if self.probe is not None and image_i_B is not None:
             self.probe.update(f_BS, image_i_B)
@@ -83,7 +83,8 @@ class EvalAccumulator:
         if self.n == 0 or self.sums is None:
             raise TrainError("evaluation got no held-out examples")
         n, D, S = self.n, self.sae.cfg.d_vit, self.sae.cfg.width
-        sse, sum_x, sum_x2, l0, l1, cos, ratio, xh2, dot = self.sums
+        sse, sum_x, sum_x2, l1, cos, ratio, xh2, dot = self.sums
+        l0 = self.fires_S.sum()
         total_var = float((sum_x2 - sum_x.pow(2) / n).sum())
         fvu = float(sse) / total_var if total_var > 0 else math.nan
         n_dead = int((self.fires_S == 0).sum())

@@ -81,7 +81,7 @@ class HeldoutBatches:
     def _image(self, i: int) -> np.ndarray:
         sel = self.sel
         a_LTD = np.asarray(self.cache[int(i)])[sel.layer_idx, sel.token_start : sel.token_start + sel.n_tokens]
-        a_LTD = a_LTD.astype(np.float32)
+        a_LTD = a_LTD.astype(np.float32, copy=False)
         if self.scale is not None:
             a_LTD = a_LTD * self.scale[:, None, None]
         return a_LTD.reshape(-1, a_LTD.shape[-1])
