@@ -48,3 +48,13 @@ def test_average_precision_known_values():
     pos = torch.tensor([True, True, False, False])
     ap = average_precision(score, pos)
     assert ap[0] == pytest.approx(1.0) and ap[1] == pytest.approx((1 / 3 + 2 / 4) / 2)
+
+
+def test_a_latent_that_never_fires_is_no_class_best_latent_even_on_class_sorted_images():
+    labels = np.repeat([0, 1, 2], 20)  # held-out images in index order follow the classes
+    ev = evaluate(identity_sae(D), labelled_batches(labels), dense_frac=0.5, labels=(labels, ["a", "b", "c"]))
+    assert ev["probes"]["best_latent_per_class"][1]["latent"] == 5
+    score = torch.zeros(60, 2)
+    score[:, 1] = torch.rand(60)
+    ap = average_precision(score, torch.from_numpy(labels == 0))
+    assert ap[0] == pytest.approx(1 / 3)  # constant: the AP of a random ranking

@@ -73,7 +73,8 @@ def test_identity_sae_recovers_everything_and_zero_sae_nothing(world):
     assert zero["d_zero"] > 0 and zero["cos_spliced_clean"] < ident["cos_spliced_clean"]
     assert ident["probe_acc_spliced"] == pytest.approx(ident["probe_acc_clean"])  # the same embeddings
     ev = jload(os.path.join(world["identity"], "eval.json"))
-    assert ev["spliced"]["n_images"] == 12 and ev["nmse"] == 0.0  # added beside what was there
+    assert ev["spliced"]["n_images"] == 12  # beside the held-out statistics, recomputed on the split
+    assert ev["n_heldout_images"] == 12 and ev["fvu"] < 1e-6 and ev["n_dead"] == 0
 
 
 def test_eval_command_writes_every_run_of_a_sweep(world, capsys):

@@ -1,4 +1,4 @@
-"""Spliced-in downstream metrics: what an SAE's reconstruction does to the ViT's final embedding.
+"""`actcache eval`: spliced-in downstream metrics, what an SAE's reconstruction does to the ViT's final embedding.
 
     docs = spliced_eval(run_dirs, device="cpu")   # per run: the "spliced" section of eval.json
 
@@ -256,10 +256,36 @@ def _definitions(n: int) -> dict[str, str]:
     }
 
 
+def heldout_metrics(cache, run, device) -> dict:
+    """The run's held-out statistics (actcache.sae.evaluate, with label probes), recomputed on the
+    split in its run.json: the fields `actcache train` writes into eval.json."""
+    import os
+
+    from actcache.labels import read_labels
+    from actcache.sae.evaluate import evaluate_many
+    from actcache.sae.modeling import SAE
+    from actcache.sae.split import RULE, HeldoutBatches
+
+    held = heldout_of(run, None)
+    cfg = run.info.get("run", {})
+    sae = SAE.load(run.dir).to(device).eval()
+    tokens = cfg.get("eval_tokens")
+    batches = HeldoutBatches(cache, held, run.patches, run.layer, run.scale_norm, 16384, max_tokens=tokens)
+    labels, found = None, read_labels(cache.path, cache.n_imgs)
+    if found is not None:
+        lab_I = np.full(cache.n_imgs, -1, np.int64)
+        lab_I[held] = found[0][held]
+        labels = (lab_I, found[1])
+    (res,) = evaluate_many([sae], batches, dense_frac=[cfg.get("dense_frac", 0.1)], max_tokens=tokens, labels=labels)
+    where = {"cache": os.path.abspath(cache.path), "split": RULE, "n_heldout_images": int(len(held))}
+    return {**where, "layer": run.layer, "patches": run.patches, **res}
+
+
 def spliced_eval(run_dirs: list[str], device: str | None = None, batch_images: int = 32,
                  max_images: int | None = None, report=print) -> dict[str, dict]:  # fmt: skip
     """The spliced metrics of every run under ``run_dirs``, written into each eval.json under
-    "spliced"; returns {run dir: section}. Runs sharing a cache share its ViT and clean pass."""
+    "spliced" beside its held-out statistics, recomputed (:func:`heldout_metrics`); returns
+    {run dir: spliced section}. Runs sharing a cache share its ViT and clean pass."""
     import torch
 
     from actcache.rundir import find_runs, load_run
@@ -275,7 +301,7 @@ def spliced_eval(run_dirs: list[str], device: str | None = None, batch_images: i
         ctx = _CacheContext(members[0], device, batch_images)
         for r in members:
             doc = spliced_run(ctx, r, max_images)
-            write_eval(r.dir, {**r.eval(), "spliced": doc})
+            write_eval(r.dir, {**r.eval(), **heldout_metrics(ctx.cache, r, device), "spliced": doc})
             out[r.dir] = doc
             report(f"{r.dir}: spliced cos {doc['cos_spliced_clean']:.4f}, fraction recovered "
                    f"{doc['fraction_recovered_zero']:.4f} (zero) {doc['fraction_recovered_mean']:.4f} (mean)")  # fmt: skip

@@ -27,11 +27,17 @@ MAX_CLASSES = 100
 
 
 def average_precision(score_NS: torch.Tensor, pos_N: torch.Tensor) -> torch.Tensor:
-    """AP of every column of ``score_NS`` for the boolean targets ``pos_N`` -> (S,)."""
+    """AP of every column of ``score_NS`` for the boolean targets ``pos_N`` -> (S,). Tied scores
+    are ranked in a fixed random order (not by image index, which may follow the classes), and a
+    column that is constant gets the AP of a random ranking: the positives' share."""
+    shuffle = torch.from_numpy(np.random.default_rng(2).permutation(score_NS.shape[0]))
+    score_NS, pos_N = score_NS[shuffle], pos_N[shuffle]
     order = score_NS.argsort(dim=0, descending=True, stable=True)
     hit = pos_N[order].double()
     prec = hit.cumsum(0) / torch.arange(1, hit.shape[0] + 1, dtype=torch.float64).unsqueeze(1)
-    return (prec * hit).sum(0) / max(1, int(pos_N.sum()))
+    ap = (prec * hit).sum(0) / max(1, int(pos_N.sum()))
+    constant = score_NS.max(0).values == score_NS.min(0).values
+    return torch.where(constant, pos_N.double().mean(), ap)
 
 
 def _balanced_acc(pred: torch.Tensor, y: torch.Tensor) -> float:
