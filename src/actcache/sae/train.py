@@ -5,7 +5,7 @@
     train_group("<dump_to>/<HASH>", runs, runs_to="data/runs", device="cpu")
 
 Every SAE of the group takes an optimizer step on the same batch of ONE ShuffledLoader pass (the
-held-out images excluded). Per SAE, into its run directory (actcache.rundir): the run file at the
+held-out images of actcache.sae.split skipped). Per SAE, into its run directory (actcache.rundir): the run file at the
 start, a metrics line every ``log_every`` steps, checkpoints every ``ckpt_every`` steps and at the
 end (actcache.sae.checkpoint), then the final weights, the evaluation (actcache.sae.evaluate) and
 last the done file. SAEs whose done file exists are skipped.
