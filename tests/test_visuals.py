@@ -365,7 +365,7 @@ def test_sweep_of_trained_saes(world, capsys, tmp_path):
     for d in dirs:
         ev = jload(os.path.join(d, "eval.json"))
         assert jload(os.path.join(d, "visuals", "summary.json"))["n_dead"] == ev["n_dead"]
-        page = open(os.path.join(d, "visuals", "index.html")).read()
+        page = read_text(os.path.join(d, "visuals", "index.html"))
         assert f"<td>dead latents</td><td>{ev['n_dead']:,} (latents that never fired on the " in page
     # the Pareto views, each with its caption
     pareto = jload(sweep / "sweep.json")["pareto_points"]
