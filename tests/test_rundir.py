@@ -19,7 +19,7 @@ RUN_FILE_NAMES = {
     rundir.RUN_FILE, rundir.METRICS_FILE, rundir.EVAL_FILE, rundir.DONE_FILE, rundir.WEIGHTS_FILE,
     rundir.CHECKPOINTS_DIR, rundir.POSITION_FILE, rundir.VISUALS_PAGE, rundir.STATS_FILE, rundir.SUMMARY_FILE,
     rundir.SWEEP_FILE, rundir.NMSE_L0_PLOT, rundir.CURVES_PLOT, rundir.FREQ_PLOT, rundir.GROUPS_DIR,
-    rundir.CHECKPOINT_STATE_FILE, rundir.MANIFEST_FILE,
+    rundir.CHECKPOINT_STATE_FILE, rundir.MANIFEST_FILE, *rundir.PARETO_PLOTS, rundir.SPLICED_MARK,
 }  # fmt: skip
 
 

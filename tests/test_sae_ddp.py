@@ -17,6 +17,7 @@ from actcache.errors import TrainError
 from actcache.rundir import run_dir
 from actcache.sae.config import expand_train_section
 from actcache.sae.ddp import DistContext, env_context
+from actcache.sae.split import heldout_images
 from test_sae_train import dictionary_cache
 
 WORKER = textwrap.dedent(
@@ -82,7 +83,8 @@ def test_two_process_ddp_keeps_ranks_identical_on_disjoint_data(tmp_path):
     assert [i["group_left"] for i in info] == [True, True]  # run() left the group it joined
     imgs0, imgs1 = set(info[0]["images"]), set(info[1]["images"])
     assert imgs0 and imgs1 and not imgs0 & imgs1  # each rank reads its own partition
-    assert imgs0 | imgs1 <= set(range(180))  # the held-out images (last 10%) are never trained on
+    held = set(heldout_images(200, 0.1).tolist())
+    assert len(held) == 20 and not (imgs0 | imgs1) & held  # the held-out images are never trained on
     assert len(imgs0 | imgs1) > 150
 
     states = [torch.load(out / f"rank{r}.pt") for r in (0, 1)]

@@ -366,6 +366,19 @@ def test_sweep_of_trained_saes(world, capsys, tmp_path):
     html = (sweep / "index.html").read_text()
     for link in re.findall(r'href="([^"]+)"', html):
         assert os.path.isfile(sweep / link)
+    # one dead count: the page, its summary.json and eval.json agree, with the window stated
+    for d in dirs:
+        ev = jload(os.path.join(d, "eval.json"))
+        assert jload(os.path.join(d, "visuals", "summary.json"))["n_dead"] == ev["n_dead"]
+        page = read_text(os.path.join(d, "visuals", "index.html"))
+        assert f"<td>dead latents</td><td>{ev['n_dead']:,} (latents that never fired on the " in page
+    # the Pareto views, each with its caption
+    pareto = jload(sweep / "sweep.json")["pareto_points"]
+    assert {p["fvu"] for p in pareto} == {jload(os.path.join(d, "eval.json"))["fvu"] for d in dirs}
+    for name in ("pareto_l0_fvu.png", "pareto_l0_spliced.png", "pareto_l0_probe.png"):
+        with PIL.Image.open(sweep / name) as im:
+            assert im.size[0] > 300
+    assert "Pick from the line" in html
 
     # --plots-only into --out, with the last training metrics where there is no eval.json
     os.remove(os.path.join(dirs[0], "eval.json"))

@@ -89,7 +89,8 @@ def test_fresh_root_dry_run_lists_every_dump_job(tmp_path, ckpt):
     proc = snakemake(cfg, "-n")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout + proc.stderr
-    assert job_counts(out) == {"dump": 4, "gather": 1, "train": 1, "report": 2, "sweep_report": 1, "all": 1}
+    want = {"dump": 4, "gather": 1, "train": 1, "report": 2, "spliced_eval": 1, "sweep_report": 1, "all": 1}
+    assert job_counts(out) == want
     assert dump_ranges(out) == ["000000-000001", "000001-000002", "000002-000003", "000003-000004"]
     (p,) = plan_json(cfg)
     assert p["hash"] in out and p["cache"]["state"] == "missing"
@@ -198,7 +199,7 @@ def test_changed_sae_hyperparameter_gives_only_training_jobs(done_project, tmp_p
     proc = snakemake(cfg2, "-n")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    assert job_counts(out) == {"train": 1, "report": 2, "sweep_report": 1, "all": 1}
+    assert job_counts(out) == {"train": 1, "report": 2, "spliced_eval": 1, "sweep_report": 1, "all": 1}
 
 
 def test_end_to_end_trained_saes_visuals_and_report(done_project, report_html):
@@ -259,8 +260,10 @@ def test_report_latent_pages_and_sweep_plots_load_in_chromium(done_project, repo
             assert browser.eval_in(f["id"], "document.querySelectorAll('.latent-card').length") > 0
     assert max(got["sizes"]) < 2 * 1024 * 1024
     plots = {lab.get("plot") for lab in got["labels"]} - {None}
-    assert plots == {"NMSE against L0", "training curves"}
-    assert len(got["widths"]) == 2 and min(got["widths"]) > 0
+    pareto = {"Pareto: L0 against FVU", "Pareto: L0 against spliced fraction recovered",
+              "Pareto: L0 against label-probe accuracy"}  # fmt: skip
+    assert plots == {"NMSE against L0", "training curves"} | pareto
+    assert len(got["widths"]) == 5 and min(got["widths"]) > 0
 
 
 def test_identical_cache_settings_share_one_hash(tmp_path, ckpt):

@@ -46,8 +46,13 @@ SWEEP_FILE = "sweep.json"
 CURVES_PLOT = "curves.png"  # training curves: per run in visuals/, and over a sweep
 FREQ_PLOT = "freq.png"
 NMSE_L0_PLOT = "nmse_l0.png"
-SWEEP_PLOTS = (NMSE_L0_PLOT, CURVES_PLOT)  # in <runs_to>/<HASH>/visuals/
+PARETO_FVU_PLOT = "pareto_l0_fvu.png"  # Pareto frontiers over a cache's SAEs (actcache.visuals_pareto)
+PARETO_SPLICED_PLOT = "pareto_l0_spliced.png"
+PARETO_PROBE_PLOT = "pareto_l0_probe.png"
+PARETO_PLOTS = (PARETO_FVU_PLOT, PARETO_SPLICED_PLOT, PARETO_PROBE_PLOT)
+SWEEP_PLOTS = (NMSE_L0_PLOT, CURVES_PLOT, *PARETO_PLOTS)  # in <runs_to>/<HASH>/visuals/
 GROUPS_DIR = "groups"
+SPLICED_MARK = "spliced.done"  # in GROUPS_DIR: `actcache eval` ran over every SAE of the cache
 _CHECKPOINT_RE = re.compile(r"^step-(\d{8,})$")
 
 

@@ -172,6 +172,26 @@ def display_transform(md):
 # The pass
 
 
+def heldout_rows(ev: dict) -> dict[str, str]:
+    """The page's rows of held-out statistics: eval.json's values with their definitions (the
+    one place they are computed is actcache.sae.evaluate)."""
+    if not isinstance(ev.get("nmse"), (int, float)):
+        return {"held-out eval": "none (eval.json has no held-out statistics)"}
+    defs = ev.get("definitions", {})
+    rows = {}
+    for name, key, fmt in (("FVU (= NMSE)", "nmse", "{:.4f}"), ("L0", "l0", "{:.2f}"), ("dead latents", "n_dead", "{:,}"),
+                           ("dense latents", "n_dense", "{:,}"), ("cos(x, x_hat)", "cos_x_xhat", "{:.4f}")):  # fmt: skip
+        if isinstance(ev.get(key), (int, float)):
+            why = defs.get("fvu" if key == "nmse" else key)
+            rows[name] = fmt.format(ev[key]) + (f" ({why})" if why else "")
+    sp = ev.get("spliced") or {}
+    if isinstance(sp.get("fraction_recovered_zero"), (int, float)):
+        rows["spliced in"] = (f"fraction recovered {sp['fraction_recovered_zero']:.4f} (vs zero-ablation), "
+                              f"{sp.get('fraction_recovered_mean', float('nan')):.4f} (vs mean), "
+                              f"cos {sp.get('cos_spliced_clean', float('nan')):.4f} on {sp.get('n_images', 0):,} images")  # fmt: skip
+    return rows
+
+
 def compute_stats(cache, saes: list, patches: str, layer: int, scale_norm: bool, k: int = 16,
                   batch_images: int | None = None, device: str = "cpu",
                   timings: dict | None = None) -> list[LatentSummary]:  # fmt: skip
@@ -343,13 +363,13 @@ def write_visuals(run: Run, cache, res: LatentSummary, src, opts, timings: dict)
             "SAE": run.name, "activation": cfg.get("activation"), "width": res.width, "k": cfg.get("k"),
             "cache": f"{md.hash[:16]}... ({run.cache})", "model": f"{md.vit_family} {md.vit_ckpt}",
             "layer / patches": f"{run.layer} / {run.patches}" + (" (scale_norm)" if run.scale_norm else ""),
-            "images / tokens": f"{res.n_imgs:,} / {res.n_tokens:,}",
-            "dead / dense latents": f"{int((res.fire_count == 0).sum()):,} / {int((res.freq > 0.1).sum()):,}",
-            "mean L0 (this pass)": f"{res.fire_count.sum() / max(1, res.n_tokens):.2f}",
+            "images / tokens (this page)": f"{res.n_imgs:,} / {res.n_tokens:,}",
+            **heldout_rows(ev),
         }  # fmt: skip
-        if isinstance(ev.get("nmse"), (int, float)):
-            info["held-out eval"] = f"NMSE {ev['nmse']:.4f}, L0 {ev.get('l0', float('nan')):.2f}"
         page = vh.render_page(res, latents, info, labels, pot, heat, src.dataset is not None, plots, notes)
+        from actcache.visuals_probes import annotate_page
+
+        page = annotate_page(page, ev.get("probes"))
         vh.write_page(os.path.join(tmp, PAGE_FILE), page)
         standalone, one_file = one_file_page(res, latents, info, labels, pot, heat, src.dataset is not None, plots,
                                              notes, tmp, os.path.abspath(os.path.join(final, PAGE_FILE)))  # fmt: skip
@@ -357,8 +377,8 @@ def write_visuals(run: Run, cache, res: LatentSummary, src, opts, timings: dict)
             "version": 1, "sae_id": run.name, "run_dir": os.path.abspath(run.dir), "cache": run.cache,
             "cache_hash": md.hash, "layer": run.layer, "patches": run.patches, "scale_norm": run.scale_norm,
             "k": int(res.top_img.shape[1]), "width": res.width, "n_imgs": res.n_imgs, "n_tokens": res.n_tokens,
-            "n_dead": int((res.fire_count == 0).sum()), "latents_shown": [int(s) for s in latents],
-            "one_file_latents": [int(s) for s in one_file],
+            "n_dead": ev.get("n_dead"), "n_dead_definition": ev.get("definitions", {}).get("n_dead"),
+            "latents_shown": [int(s) for s in latents], "one_file_latents": [int(s) for s in one_file],
             "sae_weights": _weights_stamp(run.dir), "reused": timings.pop("reused", False), "seconds": timings,
             "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         }  # fmt: skip

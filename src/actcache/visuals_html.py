@@ -358,9 +358,10 @@ def render_page(res: LatentSummary, latents: np.ndarray, info: dict, labels: dic
     note_html = "".join(f'<p class="note">{esc(n)}</p>' for n in notes)
     title = f"SAE {info.get('SAE', '')} latents"
     dead_html = (
-        f"<details><summary>{len(dead):,} dead latents (never fired on {res.n_tokens:,} tokens of "
-        f"{res.n_imgs:,} images)</summary><div class=\"ids\">{esc(id_ranges(dead))}</div></details>"
-        if len(dead) else f"<p>No dead latents: every latent fired on the {res.n_tokens:,} tokens.</p>"
+        f"<details><summary>{len(dead):,} latents silent in this page's pass (no firing on its {res.n_tokens:,} "
+        f"tokens of {res.n_imgs:,} images; the dead count above is eval.json's, on the held-out split)</summary>"
+        f'<div class="ids">{esc(id_ranges(dead))}</div></details>'
+        if len(dead) else f"<p>Every latent fired on this page's {res.n_tokens:,} tokens.</p>"
     )  # fmt: skip
     dense_html = (
         f"<details><summary>{len(dense):,} dense latents (fire on more than 10% of tokens)</summary>"

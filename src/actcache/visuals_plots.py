@@ -1,5 +1,5 @@
 """Plots of `actcache visuals` (matplotlib, Agg): training curves, firing frequencies, and the
-sweep outputs (NMSE against L0 across SAEs, every SAE's curves, a small index page)."""
+sweep outputs (NMSE against L0 across SAEs, the Pareto views, every SAE's curves, a small index page)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from actcache.errors import ActCacheError
 from actcache.fsutil import atomic_write_bytes
 from actcache.rundir import CURVES_PLOT, NMSE_L0_PLOT, PAGE_FILE, SWEEP_FILE, VISUALS_DIR, Run, read_metrics
 from actcache.topk import LatentSummary
+from actcache.visuals_pareto import CAPTIONS, pareto_front, pareto_points
+from actcache.visuals_pareto import VIEWS as PARETO_VIEWS
 
 
 class PlotError(ActCacheError):
@@ -123,7 +125,7 @@ def plot_freq(res: LatentSummary, path: str) -> None:
         lf = np.log10(res.freq[alive])
         a.hist(lf, bins=50, color="#4a6fa5")
         b.scatter(lf, np.log10(np.maximum(res.mean_act[alive], 1e-12)), s=3, alpha=0.5, color="#4a6fa5")
-    a.set_title(f"firing frequency ({(~alive).sum():,} dead of {res.width:,})")
+    a.set_title(f"firing frequency ({(~alive).sum():,} of {res.width:,} silent in this pass)")
     a.set_xlabel("log10 frequency")
     a.set_ylabel("latents")
     b.set_title("mean activation when firing")
@@ -150,7 +152,10 @@ def write_sweep(runs: list[Run], out: str) -> dict:
     for name, ok in made.items():  # the files always exist (workflow outputs); say why one is empty
         if not ok:
             _placeholder(os.path.join(out, name), "no metrics.jsonl / eval.json in these runs yet")
-    atomic_write_bytes(os.path.join(out, SWEEP_FILE), (json.dumps({"points": pts}, indent=2) + "\n").encode())
+    pareto = pareto_points(runs)
+    made.update(write_pareto(pareto, out))
+    doc = {"points": pts, "pareto_points": pareto}
+    atomic_write_bytes(os.path.join(out, SWEEP_FILE), (json.dumps(doc, indent=2) + "\n").encode())
     rows = []
     for r in runs:
         p = next((x for x in pts if x["run"] == r.dir), {})
@@ -161,7 +166,8 @@ def write_sweep(runs: list[Run], out: str) -> dict:
         rows.append(f"<tr><td>{link}</td><td>{html.escape(r.label())}</td>"
                     f"<td>{'' if nmse is None else f'{nmse:.4f}'}</td><td>{'' if l0 is None else f'{l0:.2f}'}</td>"
                     f"<td>{p.get('source', '')}</td></tr>")  # fmt: skip
-    imgs = "".join(f'<img src="{n}" alt="{os.path.splitext(n)[0]}">' for n in made)
+    imgs = "".join(f'<img src="{n}" alt="{os.path.splitext(n)[0]}">'
+                   + (f"<p>{html.escape(CAPTIONS[n])}</p>" if n in CAPTIONS else "") for n in made)  # fmt: skip
     page = (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>SAE sweep</title><style>'
         "body{font:14px system-ui,sans-serif;margin:16px} td,th{padding:2px 10px;text-align:left}"
@@ -170,4 +176,41 @@ def write_sweep(runs: list[Run], out: str) -> dict:
         "</table></body></html>\n"
     )
     atomic_write_bytes(os.path.join(out, PAGE_FILE), page.encode())
+    return made
+
+
+def plot_pareto(points: list[dict], key: str, ylabel: str, higher: bool, path: str) -> bool:
+    """One Pareto view (actcache.visuals_pareto) into ``path``; False when no SAE has ``key``."""
+    have = [p for p in points if p.get(key) is not None]
+    if not have:
+        return False
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    front = pareto_front(have, key, higher)
+    ax.scatter([p["l0"] for p in have], [p[key] for p in have], color="#9aa9bf", label="SAE")
+    ax.plot([p["l0"] for p in front], [p[key] for p in front], "o-", color="#c0392b", label="Pareto frontier")
+    for p in have:
+        ax.annotate(p["label"], (p["l0"], p[key]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    l0 = [p["l0"] for p in have if p["l0"] > 0]
+    if l0 and max(l0) / min(l0) > 20:
+        ax.set_xscale("log")
+    ax.margins(x=0.2, y=0.15)
+    ax.set_xlabel("L0 (held-out latents per token, lower is better)")
+    ax.set_ylabel(ylabel, fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
+
+
+def write_pareto(points: list[dict], out: str) -> dict[str, bool]:
+    """Every Pareto view into ``out`` (a view without data: a placeholder saying why)."""
+    made = {}
+    for name, (key, ylabel, higher) in PARETO_VIEWS.items():
+        path = os.path.join(out, name)
+        made[name] = plot_pareto(points, key, ylabel, higher, path)
+        if not made[name]:
+            _placeholder(path, f"no SAE of this sweep has {key} in its eval.json yet")
     return made

@@ -19,6 +19,10 @@ from actcache.rundir import (
     CURVES_PLOT,
     GROUPS_DIR,
     NMSE_L0_PLOT,
+    PARETO_FVU_PLOT,
+    PARETO_PROBE_PLOT,
+    PARETO_SPLICED_PLOT,
+    SPLICED_MARK,
     SWEEP_PLOTS,
     VISUALS_DIR,
     VISUALS_PAGE,
@@ -196,6 +200,10 @@ def visuals_group_mark(hash, sae):
 
 def sweep_group_marks(hash):
     return sorted(job.mark for (h, _), job in TRAIN_JOBS.items() if h == hash)
+
+
+def spliced_mark(hash):
+    return os.path.join(RUNS_TO, hash, GROUPS_DIR, SPLICED_MARK)
 
 
 def sweep_run_dirs(hash):

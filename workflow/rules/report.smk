@@ -37,10 +37,37 @@ rule report:
         "".join((ATTEMPT_LOG, AS_TASK, " {params.actcache} visuals {params.images} {params.run_dir} >> {log} 2>&1"))
 
 
-rule sweep_report:
-    """Held-out NMSE against L0, one point per SAE, and every SAE's training curves."""
+rule spliced_eval:
+    """Spliced-in downstream metrics of every SAE of one cache (`actcache eval`): the ViT runs on
+    the held-out images with each SAE's reconstruction in place of its layer's tokens; the results
+    go into each SAE's eval.json. One job per cache: the ViT and the clean pass are shared."""
     input:
         marks=lambda w: sweep_group_marks(w.hash),
+    output:
+        mark=os.path.join(RUNS_TO, "{hash}", GROUPS_DIR, SPLICED_MARK),
+    params:
+        actcache=ACTCACHE,
+        run_dirs=lambda w: " ".join(sweep_run_dirs(w.hash)),
+    log:
+        "logs/eval/{hash}/spliced.log",
+    benchmark:
+        "benchmarks/eval/{hash}/spliced.tsv"
+    threads: 4
+    conda:
+        "../envs/actcache.yaml"
+    resources:
+        gpu=1,
+        attempt=attempt,
+    shell:
+        "".join((ATTEMPT_LOG, AS_TASK, " {params.actcache} eval {params.run_dirs} >> {log} 2>&1 && touch {output.mark}"))
+
+
+rule sweep_report:
+    """Held-out NMSE against L0, one point per SAE, every SAE's training curves, and the Pareto
+    frontiers (L0 against FVU, spliced fraction recovered, label-probe accuracy)."""
+    input:
+        marks=lambda w: sweep_group_marks(w.hash),
+        spliced=lambda w: spliced_mark(w.hash),
     output:
         nmse_l0=report(
             os.path.join(RUNS_TO, "{hash}", VISUALS_DIR, NMSE_L0_PLOT),
@@ -53,6 +80,24 @@ rule sweep_report:
             caption="../report/curves.rst",
             category="SAE sweeps",
             labels={"cache": "{hash}", "plot": "training curves"},
+        ),
+        pareto_fvu=report(
+            os.path.join(RUNS_TO, "{hash}", VISUALS_DIR, PARETO_FVU_PLOT),
+            caption="../report/pareto_fvu.rst",
+            category="SAE sweeps",
+            labels={"cache": "{hash}", "plot": "Pareto: L0 against FVU"},
+        ),
+        pareto_spliced=report(
+            os.path.join(RUNS_TO, "{hash}", VISUALS_DIR, PARETO_SPLICED_PLOT),
+            caption="../report/pareto_spliced.rst",
+            category="SAE sweeps",
+            labels={"cache": "{hash}", "plot": "Pareto: L0 against spliced fraction recovered"},
+        ),
+        pareto_probe=report(
+            os.path.join(RUNS_TO, "{hash}", VISUALS_DIR, PARETO_PROBE_PLOT),
+            caption="../report/pareto_probe.rst",
+            category="SAE sweeps",
+            labels={"cache": "{hash}", "plot": "Pareto: L0 against label-probe accuracy"},
         ),
     params:
         actcache=ACTCACHE,

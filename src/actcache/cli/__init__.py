@@ -2,7 +2,7 @@
 every step can be run by hand (`python -m actcache.cli` works too; torchrun uses it).
 
 This package parses the arguments; each subcommand's handler lives in a module of its own here
-(cache, plan, dump, train, visuals, demo), imported only when that subcommand runs, so `actcache
+(cache, plan, dump, train, visuals, eval, demo), imported only when that subcommand runs, so `actcache
 hash` does not import torch. A handler turns the parsed arguments into typed calls of the
 library; no library module imports this package. A user error (ActCacheError) prints its message
 and exits with status 2, without a traceback.
@@ -30,6 +30,7 @@ HANDLERS = {
     "dump": "actcache.cli.dump:cmd_dump",
     "train": "actcache.cli.train:cmd_train",
     "visuals": "actcache.cli.visuals:cmd_visuals",
+    "eval": "actcache.cli.eval:cmd_eval",
     "demo-cache": "actcache.cli.cache:cmd_demo_cache",
     "demo-assets": "actcache.cli.demo:cmd_demo_assets",
     "export": "actcache.cli.export:cmd_export",
@@ -130,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="only the training curves and the NMSE-L0 plot (no pass over the cache)",
     )
     s.add_argument("--out", default=None, help="folder for the sweep plots (default: <common parent>/visuals)")
+
+    s = sub.add_parser("eval", help="spliced-in downstream metrics of trained SAEs, into their eval.json")
+    s.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="SAE run directory, or a directory holding runs")
+    s.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when present)")
+    s.add_argument("--batch-images", type=int, default=32, help="images per forward pass (default: %(default)s)")
+    s.add_argument("--max-images", type=int, default=None, help="at most this many held-out images (a seeded subset)")
 
     s = sub.add_parser("demo-assets", help="write the offline demo's tiny random ViT and image folder")
     s.add_argument("--root", default="data/demo")

@@ -206,11 +206,37 @@ def epoch_runs(
     epoch: int,
     points: list[np.ndarray] | None = None,
     equal: bool = False,
+    skip: list[np.ndarray] | None = None,
 ) -> np.ndarray:
-    """The epoch's runs in epoch order: (R, 5) as :func:`cut_runs`. Same on every rank."""
+    """The epoch's runs in epoch order: (R, 5) as :func:`cut_runs`, less the ``skip`` images
+    (:func:`drop_images`). Same on every rank."""
     rng = np.random.default_rng([seed, epoch, 0x5EED])
     runs = cut_runs(shard_imgs, run_imgs, rng, per_img, points, equal)
+    if skip is not None:
+        runs = drop_images(runs, per_img, skip)
     return runs[rng.permutation(len(runs))]
+
+
+def drop_images(runs: np.ndarray, per_img: int, skip: list[np.ndarray]) -> np.ndarray:
+    """Runs with the examples of the skipped images taken out (``skip[shard]``: sorted
+    shard-local image indices); a run holding skipped images is split around them. -> (R', 5)
+    as :func:`cut_runs`, in the same order."""
+    per, out = per_img, []
+    for shard, img0, _, lo, hi in runs.tolist():
+        sk = skip[shard] if shard < len(skip) else None
+        a, b = img0 * per + lo, img0 * per + hi  # shard-local examples [a, b)
+        inside = [] if sk is None else sk[(sk >= a // per) & (sk * per < b)].tolist()
+        pieces, pos = [], a
+        for im in inside:
+            if im * per > pos:
+                pieces.append((pos, im * per))
+            pos = max(pos, (im + 1) * per)
+        if pos < b:
+            pieces.append((pos, b))
+        for s, e in pieces:
+            i0 = s // per
+            out.append((shard, i0, -(-e // per) - i0, s - i0 * per, e - i0 * per))
+    return np.asarray(out, np.int64).reshape(-1, 5)
 
 
 def part_runs(runs: np.ndarray, per_img: int, start: int, end: int) -> np.ndarray:

@@ -110,6 +110,8 @@ class ShuffledLoader(BaseLoader):
             only their "heads" into L3, or "auto" (the default): the loader times both on its
             first copies and keeps the faster (kernels.PrefetchChooser; stats.prefetch says which).
             The batches are the same either way.
+        skip_imgs: image indices left out of every epoch (a held-out split); runs holding them
+            are split around them.
     """
 
     kind = "ShuffledLoader"
@@ -144,6 +146,7 @@ class ShuffledLoader(BaseLoader):
         cold_read: str = "read",
         evict: bool = False,
         prefetch: str = "auto",
+        skip_imgs=None,
     ):
         check_number("buffer_bytes", buffer_bytes, 1, integer=True)
         check_number("seed", seed, integer=True)
@@ -194,7 +197,9 @@ class ShuffledLoader(BaseLoader):
         self._prefetch = kernels.PrefetchChooser(fixed)  # kept across iterations
         self.n_strips = n_strips if io == "mmap" else 1
         g = self.geom
-        self.partition = Partition(self.sel.n_examples, self.world, batch_size, drop_last)
+        self._skip, n_skipped = self._skip_by_shard(skip_imgs)
+        n_ex = self.sel.n_examples - n_skipped * g.per_img
+        self.partition = Partition(n_ex, self.world, batch_size, drop_last)
         self.run_imgs = int(min(max(1, round(run_bytes / g.img_bytes)), max(1, buffer_bytes // (16 * g.img_bytes))))
         run_max = (self.run_imgs + self.run_imgs // 2 + 1) * g.img_bytes
         if io == "read":
@@ -221,6 +226,17 @@ class ShuffledLoader(BaseLoader):
         # cold, each reader waits on one run's reads at a time: 4 keep more of them in flight
         # (warm, the count makes no difference)
         self.n_readers = n_readers or 4
+
+    def _skip_by_shard(self, skip_imgs) -> tuple[list[np.ndarray] | None, int]:
+        """skip_imgs -> (shard-local sorted indices per shard, or None; how many are skipped)."""
+        if skip_imgs is None or len(skip_imgs) == 0:
+            return None, 0
+        imgs = np.unique(np.asarray(skip_imgs, np.int64))
+        if imgs[0] < 0 or imgs[-1] >= self.metadata.n_imgs:
+            raise ConfigError(f"skip_imgs holds images outside [0, {self.metadata.n_imgs}) of {self.cache.path}")
+        shard = np.searchsorted(self.shard_start, imgs, side="right") - 1
+        out = [imgs[shard == i] - self.shard_start[i] for i in range(len(self.shard_imgs))]
+        return out, len(imgs)
 
     # ---- sizes --------------------------------------------------------------------------------
     def close(self) -> None:
@@ -259,7 +275,14 @@ class ShuffledLoader(BaseLoader):
         """The plan of one epoch for this part (no I/O)."""
         g = self.geom
         runs = epoch_runs(
-            self.shard_imgs, self.run_imgs, g.per_img, self.seed, epoch, self._cut_points(), equal=self.io == "read"
+            self.shard_imgs,
+            self.run_imgs,
+            g.per_img,
+            self.seed,
+            epoch,
+            self._cut_points(),
+            equal=self.io == "read",
+            skip=self._skip,
         )
         s, e = self.partition.part_range(self.world)
         rng = np.random.default_rng([self.seed, epoch, self.world.part, 1])

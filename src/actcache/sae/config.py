@@ -35,7 +35,6 @@ import dataclasses
 import hashlib
 import itertools
 import json
-import math
 from typing import Any
 
 from actcache.errors import ConfigError
@@ -93,7 +92,9 @@ class RunConfig:
     buffer_bytes: int = _group(2**30, "shuffle buffer of the loader", ge=1)
     scale_norm: bool = _group(False, "loader scales activations to mean norm sqrt(d)")
     deterministic: bool = _group(True, "loader yields batches in plan order (exact resume); false: as ready")
-    eval_frac: float = _group(0.05, "last fraction of images held out for eval (excluded from training)", ge=0, lt=1)
+    eval_frac: float = _group(
+        0.05, "fraction of images held out for eval: seeded random, stratified by label, never trained on", ge=0, lt=1
+    )
     eval_cache: str | None = _group(None, "evaluate on this other cache directory instead (eval_frac ignored)")
     eval_tokens: int = _group(1_000_000, "at most this many held-out examples are evaluated", ge=1)
     activation: str = _sae("topk", "the SAE's activation", choices=ACTIVATIONS)
@@ -218,13 +219,6 @@ class RunConfig:
                 kw["prefix_weights"] = self.matryoshka_weights
         return kw
 
-    def split_images(self, n_imgs: int) -> tuple[int, int]:
-        """(n_train, n_eval): training uses images [0, n_train), eval [n_train, n_imgs)."""
-        if self.eval_cache is not None or self.eval_frac <= 0:
-            return n_imgs, 0
-        n_eval = min(n_imgs - 1, max(1, int(math.floor(n_imgs * self.eval_frac))))
-        return n_imgs - n_eval, n_eval
-
 
 def _hash(doc: dict) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
@@ -339,7 +333,9 @@ def _objective_keys(d: dict, where: str) -> None:
     if p is not None and any(b <= a for a, b in zip(p, p[1:], strict=False)):
         raise ConfigError(f"{where}: key 'matryoshka_prefixes' = {list(p)} must be increasing sizes >= 1.")
     if p is not None and d["width"] is not None and p[-1] != d["width"]:
-        raise ConfigError(f"{where}: key 'matryoshka_prefixes' = {list(p)} must end with the width {d['width']}; append it.")
+        raise ConfigError(
+            f"{where}: key 'matryoshka_prefixes' = {list(p)} must end with the width {d['width']}; append it."
+        )
     n = 1 if p is None else len(p)
     if w is not None and len(w) != n:
         raise ConfigError(f"{where}: key 'matryoshka_weights' has {len(w)} values for {n} prefixes; give one each.")
@@ -427,4 +423,3 @@ def groups(runs: list[RunConfig]) -> dict[str, list[RunConfig]]:
     for run in runs:
         out.setdefault(run.group_id, []).append(run)
     return out
-

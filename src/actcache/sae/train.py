@@ -5,7 +5,7 @@
     train_group("<dump_to>/<HASH>", runs, runs_to="data/runs", device="cpu")
 
 Every SAE of the group takes an optimizer step on the same batch of ONE ShuffledLoader pass (the
-held-out images excluded). Per SAE, into its run directory (actcache.rundir): the run file at the
+held-out images of actcache.sae.split skipped). Per SAE, into its run directory (actcache.rundir): the run file at the
 start, a metrics line every ``log_every`` steps, checkpoints every ``ckpt_every`` steps and at the
 end (actcache.sae.checkpoint), then the final weights, the evaluation (actcache.sae.evaluate) and
 last the done file. SAEs whose done file exists are skipped.
@@ -26,7 +26,6 @@ the trainer write a checkpoint at the current step and raise :class:`Preempted`.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import json
 import logging
@@ -36,6 +35,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from actcache.errors import ConfigError, LoaderError, TrainError, os_error_text
@@ -143,21 +143,6 @@ def _now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
-def restrict_images(cache, n_imgs: int):
-    """A view of ``cache`` holding only images [0, n_imgs) (the training part; the rest is held out).
-
-    Same directory, shard files and image indices; the last shards are cut or left out."""
-    from actcache.cache import ActivationCache
-    from actcache.protocol import ShardInfo
-
-    if n_imgs >= cache.n_imgs:
-        return cache
-    md = dataclasses.replace(cache.metadata, n_imgs=n_imgs)
-    S = md.n_imgs_per_shard
-    shards = [ShardInfo(s.name, min(s.n_imgs, n_imgs - i * S)) for i, s in enumerate(cache.shards) if i * S < n_imgs]
-    return ActivationCache(cache.path, md, shards)
-
-
 class PinnedFeed(StagedFeed):
     """A loader's activations as device tensors, staged through a ring of page-locked buffers.
 
@@ -261,8 +246,21 @@ class GroupTrainer:
             except ConfigError as err:
                 raise ConfigError(f"SAE {r.sae_id} on this cache (d_vit={md.d_vit}): {err}") from None
         self.md = md
-        self.n_train, self.n_eval = run.split_images(md.n_imgs)
+        self.heldout = self._heldout(cache, run)
+        self.n_eval = len(self.heldout)
+        self.n_train = md.n_imgs - self.n_eval
         return cache
+
+    @staticmethod
+    def _heldout(cache, run: RunConfig):
+        """The images held out of training (actcache.sae.split); none with eval_cache."""
+        from actcache.labels import read_labels
+        from actcache.sae.split import heldout_images
+
+        if run.eval_cache is not None:
+            return heldout_images(cache.n_imgs, 0.0)
+        lab = read_labels(cache.path, cache.n_imgs)
+        return heldout_images(cache.n_imgs, run.eval_frac, None if lab is None else lab[0])
 
     def _write_run_json(self, run: RunConfig, directory: str) -> None:
         os.makedirs(directory, exist_ok=True)
@@ -270,8 +268,17 @@ class GroupTrainer:
         _write_json(os.path.join(directory, RUN_FILE), {
             "sae_id": run.sae_id, "group_id": self.group_id, "cache": os.path.abspath(self.cache_dir),
             "cache_hash": self.md.hash, "layer": self.layer, "d_vit": self.md.d_vit, "width": sae_cfg.width,
-            "train_images": [0, self.n_train], "world_size": self.ctx.world_size, "run": run.to_dict(),
+            "train_images": self.n_train, "split": self._split_doc(run), "world_size": self.ctx.world_size,
+            "run": run.to_dict(),
         })  # fmt: skip
+
+    def _split_doc(self, run: RunConfig) -> dict:
+        from actcache.sae.split import RULE, SPLIT_SEED
+
+        if run.eval_cache is not None:
+            return {"rule": "eval_cache", "eval_cache": os.path.abspath(run.eval_cache)}
+        return {"rule": RULE, "seed": SPLIT_SEED, "eval_frac": run.eval_frac, "n_heldout": self.n_eval,
+                "heldout_images": [int(i) for i in self.heldout]}  # fmt: skip
 
     def _passes(self, pending: list[tuple[RunConfig, str]]) -> list[tuple[int, list[tuple[RunConfig, str]]]]:
         """(start step, members) of each data pass: SAEs with valid checkpoints resume from the
@@ -320,7 +327,7 @@ class GroupTrainer:
 
         run = self.runs[0]
         loader = ShuffledLoader(
-            restrict_images(cache, self.n_train), batch_size=run.batch_size // self.ctx.world_size,
+            cache, batch_size=run.batch_size // self.ctx.world_size, skip_imgs=self.heldout,
             patches=run.patches, layer=self.layer, buffer_bytes=run.buffer_bytes, seed=run.data_seed,
             n_epochs=None, end_at=("batch", run.steps), drop_last=True, deterministic=run.deterministic,
             scale_norm=run.scale_norm, rank=self.ctx.rank, world_size=self.ctx.world_size,
@@ -496,15 +503,27 @@ class GroupTrainer:
 
         kw = {"batch_size": run.batch_size, "patches": run.patches, "layer": self.layer, "scale_norm": run.scale_norm,
               "n_readers": run.n_readers, "batch_timeout_s": run.batch_timeout_s}  # fmt: skip
+        from actcache.labels import read_labels
+
+        labels = None
         if run.eval_cache is not None:
-            where = {"cache": os.path.abspath(run.eval_cache)}
+            where = {"cache": os.path.abspath(run.eval_cache), "split": "eval_cache"}
             loader = OrderedLoader(run.eval_cache, **kw)
+            labels = read_labels(loader.cache.path, loader.cache.n_imgs)
         else:
-            where = {"cache": os.path.abspath(self.cache_dir), "images": [self.n_train, self.md.n_imgs]}
-            loader = OrderedLoader(cache, start_img=self.n_train, end_img=self.md.n_imgs, **kw)
+            from actcache.sae.split import RULE, HeldoutBatches
+
+            where = {"cache": os.path.abspath(self.cache_dir), "split": RULE, "n_heldout_images": self.n_eval}
+            loader = HeldoutBatches(cache, self.heldout, run.patches, self.layer, run.scale_norm, run.batch_size,
+                                    max_tokens=run.eval_tokens)  # fmt: skip
+            found = read_labels(cache.path, cache.n_imgs)
+            if found is not None:  # only the held-out images are probed
+                lab_I = np.full(cache.n_imgs, -1, np.int64)
+                lab_I[self.heldout] = found[0][self.heldout]
+                labels = (lab_I, found[1])
         try:
             res = evaluate_many([m.sae for m in members], loader, dense_frac=[m.run.dense_frac for m in members],
-                                max_tokens=run.eval_tokens)  # fmt: skip
+                                max_tokens=run.eval_tokens, labels=labels)  # fmt: skip
         finally:
             loader.close()
         return [{**where, "layer": self.layer, "patches": run.patches, **r} for r in res]

@@ -1,0 +1,145 @@
+"""Benchmark the held-out evaluation and the spliced-in pass against their floors.
+
+    python scripts/bench_eval.py [--size-gib 4] [--width 6144] [--images 256] [--out bench-out/eval] [--device cpu]
+
+1. eval: ``evaluate_many`` over the held-out split (a seeded random 5% of the images, read
+   image by image: actcache.sae.split.HeldoutBatches) against its floor, one OrderedLoader pass
+   over as many contiguous images plus the SAE's own forward (encode + decode) on each batch.
+   Target: eval <= 1.5x that floor. Cache: d=768, 197 tokens, 1 layer, synthetic activations.
+2. spliced: the ViT's final embedding with a layer's patch tokens replaced by an SAE's
+   reconstruction (actcache.spliced.final_embedding with the edit `actcache eval` uses) against
+   a plain forward over the same preprocessed images. Target: spliced <= 1.3x plain. The ViT is
+   a random-init CLIP vision model of ``--vit`` size (base: 12 blocks, d=768, 224 px, 16 px patches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import benchlib  # noqa: E402
+import torch  # noqa: E402
+
+from actcache.cache import ActivationCache  # noqa: E402
+from actcache.loaders import OrderedLoader  # noqa: E402
+from actcache.protocol import Metadata  # noqa: E402
+from actcache.sae.evaluate import evaluate_many  # noqa: E402
+from actcache.sae.modeling import SAE, SAEConfig  # noqa: E402
+from actcache.sae.split import HeldoutBatches, heldout_images  # noqa: E402
+from actcache.writer import write_cache  # noqa: E402
+
+D, T, EVAL_FRAC, BATCH = 768, 197, 0.05, 16384
+VITS = {"base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
+        "small": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=6, intermediate_size=1536)}  # fmt: skip
+
+
+def build_cache(out: str, size_gib: float) -> str:
+    n_imgs = int(size_gib * 2**30 // (T * D * 4))
+    md = Metadata(vit_family="clip", vit_ckpt="bench/none", layers=(-2,), n_patches_per_img=T - 1, cls_token=True,
+                  d_vit=D, n_imgs=n_imgs, max_patches_per_shard=2_400_000, data={"__class__": "Bench", "seed": 0})  # fmt: skip
+    path = os.path.join(out, "cache", md.hash)
+    if os.path.exists(os.path.join(path, "shards.json")):
+        return path
+    print(f"writing a {size_gib} GiB cache ({n_imgs} images) to {path} ...", flush=True)
+    return write_cache(os.path.join(out, "cache"), md, lambda s, e: np.random.default_rng(s).standard_normal(
+        (e - s, 1, T, D), dtype=np.float32))  # fmt: skip
+
+
+def bench_eval(cache_dir: str, width: int, dev) -> dict:
+    cache = ActivationCache.open(cache_dir)
+    held = heldout_images(cache.n_imgs, EVAL_FRAC)
+    sae = SAE(SAEConfig(d_vit=D, width=width, activation="topk", k=32, seed=0)).to(dev.name).eval()
+    a = int(cache.n_imgs - len(held))
+    t0 = time.perf_counter()
+    with OrderedLoader(cache, batch_size=BATCH, patches="image", layer=-2, start_img=a) as ld, torch.inference_mode():
+        for b in ld:
+            sae(b["act"].to(dev.name))
+    dev.sync()
+    t_floor = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    evaluate_many([sae], HeldoutBatches(cache, held, "image", -2, False, BATCH), dense_frac=[0.1])
+    dev.sync()
+    t_eval = time.perf_counter() - t0
+    return {"held-out images": len(held), "width": width, "floor s": t_floor, "eval s": t_eval,
+            "eval / floor": t_eval / t_floor}  # fmt: skip
+
+
+def bench_spliced(vit_size: str, n_images: int, dev) -> dict:
+    import transformers
+
+    from actcache.models import _find_blocks
+    from actcache.spliced import _Splice, final_embedding
+
+    cfg = transformers.CLIPVisionConfig(image_size=224, patch_size=16, **VITS[vit_size])
+    torch.manual_seed(0)
+    model = transformers.CLIPVisionModel(cfg).to(dev.name).eval()
+
+    class _Vit:  # the attributes final_embedding uses
+        device = torch.device(dev.name)
+        blocks = _find_blocks(model, cfg.num_hidden_layers)
+
+        @staticmethod
+        def _model_inputs(px):
+            return {"pixel_values": px}
+
+    _Vit.model = model
+    d = cfg.hidden_size
+    sae = SAE(SAEConfig(d_vit=d, width=16 * d, activation="topk", k=32, seed=0)).to(dev.name).eval()
+    splice = _Splice(torch.arange(1, 197, device=dev.name), 1.0, None)
+    px = torch.randn(n_images, 3, 224, 224)
+    block = cfg.num_hidden_layers - 2
+    times = {}
+    for name in ("plain", "spliced", "plain", "spliced"):  # the second round is timed (first: warm-up)
+        t0 = time.perf_counter()
+        for s in range(0, n_images, 32):
+            final_embedding(_Vit, px[s : s + 32], block, splice.sae(sae) if name == "spliced" else None)
+        dev.sync()
+        times[name] = time.perf_counter() - t0
+    return {"ViT": vit_size, "images": n_images, "plain s": times["plain"], "spliced s": times["spliced"],
+            "spliced / plain": times["spliced"] / times["plain"]}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size-gib", type=float, default=4.0)
+    ap.add_argument("--width", type=int, default=6144)
+    ap.add_argument("--vit", choices=tuple(VITS), default="base")
+    ap.add_argument("--images", type=int, default=256)
+    ap.add_argument("--out", default=os.path.join(benchlib.ROOT, "bench-out", "eval"))
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--no-record", action="store_true")
+    args = ap.parse_args()
+    dev = benchlib.Device(args.device)
+    cache = build_cache(args.out, args.size_gib)
+    ev = bench_eval(cache, args.width, dev)
+    print(json.dumps(ev), flush=True)
+    sp = bench_spliced(args.vit, args.images, dev)
+    print(json.dumps(sp), flush=True)
+    checks = [
+        benchlib.check("held-out eval <= 1.5 x (ordered pass + SAE forward)", ev["eval / floor"], 1.5, "x floor",
+                       at_least=False),
+        benchlib.check("spliced pass <= 1.3 x plain ViT forward", sp["spliced / plain"], 1.3, "x plain",
+                       at_least=False),
+    ]  # fmt: skip
+    setup = [
+        f"Cache: {args.size_gib} GiB synthetic (d={D}, {T} tokens, 1 layer); held-out split {EVAL_FRAC:.0%} of "
+        f"the images; a random-init TopK SAE (k=32) of width {args.width:,}; on {dev.words}.",
+        f"Spliced: random-init CLIP vision model ({args.vit}), {args.images} images of 224 px; the SAE "
+        "(16 x d, k=32) spliced in at the second-to-last block on the patch tokens.",
+    ]
+    body = benchlib.section_body(setup, [benchlib.table([ev]), benchlib.table([sp])], [c.bullet() for c in checks])
+    if not args.no_record:
+        benchlib.record(*dev.section("eval", "held-out eval and the spliced-in pass vs their floors"), body,
+                        checks=checks)  # fmt: skip
+    print(body)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,308 @@
+"""`actcache eval`: spliced-in downstream metrics, what an SAE's reconstruction does to the ViT's final embedding.
+
+    docs = spliced_eval(run_dirs, device="cpu")   # per run: the "spliced" section of eval.json
+
+For each group of runs that share a cache, the ViT is loaded with the dump's own code
+(actcache.models.load_vit) and run on the run's held-out images (run.json "split") four ways: clean;
+with the recorded layer's output replaced by the SAE's reconstruction on the tokens it was trained
+on (the other tokens untouched); and with those tokens zeroed, or set to their mean over the
+held-out images (zero- and mean-ablation). Each run is carried to the model's final embedding
+(``pooler_output``: CLS after the final norm, or the family's pooled head).
+- cos_spliced_clean: mean cosine between the spliced and the clean final embedding.
+- fraction_recovered_zero / _mean: (d_ablate - d_sae) / d_ablate, with d the mean L2 distance of
+  the final embedding from the clean one (1: as clean; 0: no better than the ablation).
+- probe_acc_clean / probe_acc_spliced (labelled caches): a linear probe fitted on the clean final
+  embeddings of half the held-out images, scored on the other half clean and spliced.
+A scale_norm SAE sees its activations scaled as in training; its reconstruction is scaled back.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from actcache.errors import ActCacheError
+
+log = logging.getLogger(__name__)
+
+
+class SplicedError(ActCacheError):
+    """A run cannot be spliced in (no held-out split recorded, images missing)."""
+
+
+def _output_tensor(output):
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def _with_tensor(output, h):
+    return (h, *output[1:]) if isinstance(output, (tuple, list)) else h
+
+
+def final_embedding(vit, pixels_B3HW, block: int | None = None, edit=None):
+    """The model's final embedding (B, D_out); ``edit(h_BTD) -> h_BTD`` replaces block ``block``'s output."""
+    import torch
+
+    handle = None
+    if edit is not None:
+        handle = vit.blocks[block].register_forward_hook(lambda m, a, out: _with_tensor(out, edit(_output_tensor(out))))
+    try:
+        with torch.inference_mode():
+            out = vit.model(**vit._model_inputs(pixels_B3HW.to(vit.device, torch.float32)))
+    finally:
+        if handle is not None:
+            handle.remove()
+    pooled = getattr(out, "pooler_output", None)
+    return (pooled if pooled is not None else out.last_hidden_state[:, 0]).float()
+
+
+def model_tokens(md, patches: str, n_registers: int) -> np.ndarray:
+    """Positions, in the model's token sequence, of the cache tokens ``patches`` selects."""
+    from actcache.loaders.common import Selection
+
+    sel = Selection(md, patches, md.layers[0])
+    cache_tok = np.arange(sel.token_start, sel.token_start + sel.n_tokens)
+    return np.where(cache_tok >= 1, cache_tok + n_registers, cache_tok) if md.cls_token else cache_tok
+
+
+class _Splice:
+    """The edits of one batch at one block: SAE reconstruction, zero or mean on the chosen tokens."""
+
+    def __init__(self, tokens, scale: float, mean_D):
+        self.tokens, self.scale, self.mean_D = tokens, scale, mean_D
+
+    def sae(self, sae):
+        def edit(h_BTD):
+            h = h_BTD.clone()
+            x = h[:, self.tokens].reshape(-1, h.shape[-1]) * self.scale
+            x_hat, _, _ = sae(x.to(sae.W_dec.dtype))
+            h[:, self.tokens] = (x_hat.float() / self.scale).reshape(h.shape[0], len(self.tokens), -1).to(h.dtype)
+            return h
+
+        return edit
+
+    def const(self, value_D):
+        def edit(h_BTD):
+            h = h_BTD.clone()
+            h[:, self.tokens] = value_D.to(h.dtype)
+            return h
+
+        return edit
+
+
+def _fraction(d_ablate: float, d_sae: float) -> float:
+    return (d_ablate - d_sae) / d_ablate if d_ablate > 0 else float("nan")
+
+
+def linear_probe_acc(train_ND, train_y, tests: list, steps: int = 200) -> list[float]:
+    """Multinomial logistic regression (standardised features, L2) fitted on ``train_ND``; its
+    accuracy on each (x_ND, y) of ``tests``."""
+    import torch
+
+    x = torch.as_tensor(train_ND, dtype=torch.float32)
+    y = torch.as_tensor(train_y, dtype=torch.int64)
+    mu, sd = x.mean(0), x.std(0).clamp_min(1e-6)
+    C = int(max(int(y.max()), *(int(t[1].max()) for t in tests))) + 1
+    lin = torch.nn.Linear(x.shape[1], C)
+    opt = torch.optim.LBFGS(lin.parameters(), max_iter=steps, line_search_fn="strong_wolfe")
+    xs = (x - mu) / sd
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(lin(xs), y) + 1e-3 * lin.weight.pow(2).sum()
+        loss.backward()
+        return loss
+
+    with torch.enable_grad():
+        opt.step(closure)
+    out = []
+    with torch.no_grad():
+        for tx, ty in tests:
+            pred = lin((torch.as_tensor(tx, dtype=torch.float32) - mu) / sd).argmax(1)
+            out.append(float((pred == torch.as_tensor(ty)).double().mean()))
+    return out
+
+
+def heldout_of(run, max_images: int | None) -> np.ndarray:
+    """The run's held-out images (run.json "split"), at most ``max_images`` (a seeded subset)."""
+    held = (run.info.get("split") or {}).get("heldout_images")
+    if not held:
+        raise SplicedError(
+            f"{run.dir}: run.json records no held-out images (trained with eval_cache or eval_frac 0, or "
+            "before the split was recorded); spliced metrics need held-out images of the cache. Retrain with eval_frac > 0."
+        )
+    held = np.asarray(held, np.int64)
+    if max_images is not None and len(held) > max_images:
+        held = np.sort(held[np.random.default_rng(0).permutation(len(held))[:max_images]])
+    return held
+
+
+class _CacheContext:
+    """What the runs of one cache share: the cache, its images, the ViT, clean embeddings per split."""
+
+    def __init__(self, run, device, batch_images: int):
+        from actcache.models import load_vit
+        from actcache.visuals import image_source, open_cache
+
+        self.cache = open_cache(run)
+        md = self.cache.metadata
+        src = image_source(md, no_images=False)
+        self.ds, self.batch_images = src.dataset, batch_images
+        self.vit = load_vit(md.vit_family, md.vit_ckpt, device)
+        self._clean: dict[bytes, object] = {}
+        self._ablated: dict[tuple, tuple] = {}  # (split, layer, patches) -> (zero, mean) embeddings
+
+    def batches(self, held: np.ndarray):
+        for s in range(0, len(held), self.batch_images):
+            yield s, self.vit.preprocess([self.ds[int(i)][0] for i in held[s : s + self.batch_images]])
+
+    def embeddings(self, held: np.ndarray, block: int | None = None, edit_for=None):
+        """Final embeddings of ``held`` (N, D_out); ``edit_for(pixels)`` -> the block's edit."""
+        import torch
+
+        out = []
+        for _, px in self.batches(held):
+            out.append(final_embedding(self.vit, px, block, None if edit_for is None else edit_for()).cpu())
+        return torch.cat(out)
+
+    def clean(self, held: np.ndarray):
+        key = held.tobytes()
+        if key not in self._clean:
+            self._clean[key] = self.embeddings(held)
+        return self._clean[key]
+
+
+def _mean_vector(cache, held, patches, layer):
+    import torch
+
+    from actcache.sae.split import HeldoutBatches
+
+    total, n = None, 0
+    for b in HeldoutBatches(cache, held, patches, layer, False, batch_size=1 << 16):
+        s = b["act"].double().sum(0)
+        total, n = (s if total is None else total + s), n + b["act"].shape[0]
+    return (total / n).float() if total is not None else torch.zeros(cache.metadata.d_vit)
+
+
+def spliced_run(ctx: _CacheContext, run, max_images: int | None = None) -> dict:
+    """The "spliced" section of one run's eval.json (see the module docstring)."""
+    import torch
+
+    from actcache.labels import read_labels
+    from actcache.loaders.common import Selection
+    from actcache.models import resolve_layers
+    from actcache.sae.modeling import SAE
+    from actcache.visuals import open_cache
+
+    open_cache(run)  # checks the hash, resolves run.layer
+    md, vit = ctx.cache.metadata, ctx.vit
+    held = heldout_of(run, max_images)
+    block = resolve_layers([run.layer], vit.dims.n_layers)[0]
+    tokens = torch.as_tensor(model_tokens(md, run.patches, vit.dims.n_registers), device=vit.device)
+    scale = 1.0
+    if run.scale_norm:
+        from actcache.stats import scale_factors
+
+        scale = scale_factors(ctx.cache, Selection(md, run.patches, run.layer))[0]
+    key = (held.tobytes(), run.layer, run.patches)
+    if key not in ctx._ablated:  # shared by every SAE of the same layer, tokens and split
+        mean_D = _mean_vector(ctx.cache, held, run.patches, run.layer).to(vit.device)
+        ablate = _Splice(tokens, 1.0, mean_D)
+        ctx._ablated[key] = (
+            ctx.embeddings(held, block, lambda: ablate.const(torch.zeros_like(mean_D))),
+            ctx.embeddings(held, block, lambda: ablate.const(mean_D)),
+        )
+    e_zero, e_mean = ctx._ablated[key]
+    splice = _Splice(tokens, scale, None)
+    sae = SAE.load(run.dir).to(vit.device).eval()
+    clean = ctx.clean(held)
+    with torch.inference_mode():
+        e_sae = ctx.embeddings(held, block, lambda: splice.sae(sae))
+    d = {k: float((e - clean).norm(dim=1).mean()) for k, e in (("sae", e_sae), ("zero", e_zero), ("mean", e_mean))}
+    doc = {
+        "n_images": int(len(held)), "layer": run.layer, "patches": run.patches,
+        "cos_spliced_clean": float(torch.nn.functional.cosine_similarity(e_sae, clean, dim=1).mean()),
+        "fraction_recovered_zero": _fraction(d["zero"], d["sae"]),
+        "fraction_recovered_mean": _fraction(d["mean"], d["sae"]),
+        "d_sae": d["sae"], "d_zero": d["zero"], "d_mean": d["mean"],
+    }  # fmt: skip
+    lab = read_labels(ctx.cache.path, md.n_imgs)
+    if lab is not None:
+        doc.update(_probe(lab[0][held], clean.numpy(), e_sae.numpy()))
+    doc["definitions"] = _definitions(len(held))
+    return doc
+
+
+def _probe(y: np.ndarray, clean: np.ndarray, spliced: np.ndarray) -> dict:
+    """Linear probe fitted on the clean embeddings of half the labelled images, scored on the rest."""
+    ok = np.flatnonzero(y >= 0)
+    perm = ok[np.random.default_rng(1).permutation(len(ok))]
+    fit, test = perm[: len(perm) // 2], perm[len(perm) // 2 :]
+    if len(test) == 0 or len(np.unique(y[fit])) < 2:
+        return {"probe_skipped": "fewer than two classes among the labelled held-out images"}
+    acc_clean, acc_spliced = linear_probe_acc(clean[fit], y[fit], [(clean[test], y[test]), (spliced[test], y[test])])
+    return {"probe_acc_clean": acc_clean, "probe_acc_spliced": acc_spliced, "probe_n_test": int(len(test))}
+
+
+def _definitions(n: int) -> dict[str, str]:
+    on = f"the {n:,} held-out images"
+    return {
+        "cos_spliced_clean": f"mean cosine between the final embedding with the SAE spliced in and the clean one, over {on}",
+        "fraction_recovered_zero": "(d_zero - d_sae) / d_zero, d = mean L2 distance of the final embedding from the "
+        f"clean one over {on}; d_zero with the SAE's tokens zeroed",
+        "fraction_recovered_mean": "as fraction_recovered_zero, the tokens set to their held-out mean instead",
+        "probe_acc_clean": f"linear probe on clean final embeddings of half of {on}, accuracy on the other half",
+        "probe_acc_spliced": "the same probe's accuracy on the spliced final embeddings of that half",
+    }
+
+
+def heldout_metrics(cache, run, device) -> dict:
+    """The run's held-out statistics (actcache.sae.evaluate, with label probes), recomputed on the
+    split in its run.json: the fields `actcache train` writes into eval.json."""
+    import os
+
+    from actcache.labels import read_labels
+    from actcache.sae.evaluate import evaluate_many
+    from actcache.sae.modeling import SAE
+    from actcache.sae.split import RULE, HeldoutBatches
+
+    held = heldout_of(run, None)
+    cfg = run.info.get("run", {})
+    sae = SAE.load(run.dir).to(device).eval()
+    tokens = cfg.get("eval_tokens")
+    batches = HeldoutBatches(cache, held, run.patches, run.layer, run.scale_norm, 16384, max_tokens=tokens)
+    labels, found = None, read_labels(cache.path, cache.n_imgs)
+    if found is not None:
+        lab_I = np.full(cache.n_imgs, -1, np.int64)
+        lab_I[held] = found[0][held]
+        labels = (lab_I, found[1])
+    (res,) = evaluate_many([sae], batches, dense_frac=[cfg.get("dense_frac", 0.1)], max_tokens=tokens, labels=labels)
+    where = {"cache": os.path.abspath(cache.path), "split": RULE, "n_heldout_images": int(len(held))}
+    return {**where, "layer": run.layer, "patches": run.patches, **res}
+
+
+def spliced_eval(run_dirs: list[str], device: str | None = None, batch_images: int = 32,
+                 max_images: int | None = None, report=print) -> dict[str, dict]:  # fmt: skip
+    """The spliced metrics of every run under ``run_dirs``, written into each eval.json under
+    "spliced" beside its held-out statistics, recomputed (:func:`heldout_metrics`); returns
+    {run dir: spliced section}. Runs sharing a cache share its ViT and clean pass."""
+    import torch
+
+    from actcache.rundir import find_runs, load_run
+    from actcache.sae.evaluate import write_eval
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    runs = [load_run(p) for p in find_runs(run_dirs)]
+    by_cache: dict[str, list] = {}
+    for r in runs:
+        by_cache.setdefault(r.cache or "", []).append(r)
+    out = {}
+    for members in by_cache.values():
+        ctx = _CacheContext(members[0], device, batch_images)
+        for r in members:
+            doc = spliced_run(ctx, r, max_images)
+            write_eval(r.dir, {**r.eval(), **heldout_metrics(ctx.cache, r, device), "spliced": doc})
+            out[r.dir] = doc
+            report(f"{r.dir}: spliced cos {doc['cos_spliced_clean']:.4f}, fraction recovered "
+                   f"{doc['fraction_recovered_zero']:.4f} (zero) {doc['fraction_recovered_mean']:.4f} (mean)")  # fmt: skip
+    return out

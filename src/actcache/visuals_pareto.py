@@ -1,0 +1,65 @@
+"""Pareto frontiers over every SAE of a cache: L0 against each quality a researcher ranks by.
+
+    points = pareto_points(runs)          # one dict per SAE from its eval.json
+    front = pareto_front(points, "fvu", higher=False)
+    # the plots: actcache.visuals_plots.write_pareto(points, out)
+
+Each view puts L0 (latents per token on the held-out split; fewer is better) on x and one
+quality on y: FVU (lower is better), the spliced fraction recovered against zero-ablation
+(higher is better) and the k-sparse label-probe accuracy at k = PROBE_K (higher is better). The
+frontier joins the SAEs that no other SAE beats on both axes; an SAE off it has a sibling that is
+at least as sparse and at least as good. CAPTIONS says the same under each plot.
+"""
+
+from __future__ import annotations
+
+from actcache.rundir import PARETO_FVU_PLOT, PARETO_PROBE_PLOT, PARETO_SPLICED_PLOT, Run
+
+PROBE_K = 5
+# plot file -> (point key, axis label, higher is better)
+VIEWS = {
+    PARETO_FVU_PLOT: ("fvu", "FVU (held-out, lower is better)", False),
+    PARETO_SPLICED_PLOT: ("spliced_recovered", "spliced fraction recovered vs zero-ablation (higher is better)", True),
+    PARETO_PROBE_PLOT: ("probe_acc", f"{PROBE_K}-sparse label-probe accuracy (higher is better)", True),
+}
+CAPTIONS = {
+    PARETO_FVU_PLOT: "Reconstruction against sparsity: each dot is one SAE (held-out FVU against L0); the line "
+    "joins the SAEs no other SAE beats on both. Pick from the line: down and left is better.",
+    PARETO_SPLICED_PLOT: "Downstream faithfulness against sparsity: the fraction of the final-embedding change "
+    "under zero-ablation that splicing the SAE's reconstruction in avoids (1 = as clean, 0 = no better than "
+    "zeroing), against L0. Up and left is better; the line is the frontier.",
+    PARETO_PROBE_PLOT: f"Concepts against sparsity: accuracy of a {PROBE_K}-latent probe for each class (mean "
+    "over classes, held-out images), against L0. Up and left is better; the line is the frontier.",
+}
+
+
+def _num(v) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v else None
+
+
+def pareto_points(runs: list[Run]) -> list[dict]:
+    """One point per SAE with a held-out evaluation: its label, l0 and whichever qualities it has."""
+    pts = []
+    for r in runs:
+        ev = r.eval()
+        l0 = _num(ev.get("l0"))
+        if l0 is None:
+            continue
+        spliced, probes = ev.get("spliced") or {}, ev.get("probes") or {}
+        pts.append({
+            "sae_id": r.name, "label": r.label(), "l0": l0, "fvu": _num(ev.get("fvu", ev.get("nmse"))),
+            "spliced_recovered": _num(spliced.get("fraction_recovered_zero")),
+            "probe_acc": _num((probes.get("sparse_probe_acc") or {}).get(str(PROBE_K))),
+        })  # fmt: skip
+    return pts
+
+
+def pareto_front(points: list[dict], key: str, higher: bool) -> list[dict]:
+    """The points no other point beats on both L0 (lower) and ``key``; sorted by L0."""
+    pts = sorted((p for p in points if p.get(key) is not None), key=lambda p: (p["l0"], -p[key] if higher else p[key]))
+    front, best = [], None
+    for p in pts:
+        if best is None or (p[key] > best if higher else p[key] < best):
+            front.append(p)
+            best = p[key]
+    return front

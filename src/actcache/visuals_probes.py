@@ -1,0 +1,54 @@
+"""The label-probe parts of an SAE's page (eval.json "probes", actcache.sae.probes): each latent's
+best class on its card, and a table of the best latent per class with the k-sparse probe accuracy.
+
+    page = annotate_page(page, ev.get("probes"))   # the rendered page, with both added
+
+Added to the rendered page (a section before the latent cards, a line in each card's head), so
+the page renderer (actcache.visuals_html) stays as it is for caches without labels.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+
+_MARK = "<h2>Latents</h2>"
+
+
+def _class_name(probes: dict, c: int) -> str:
+    names = probes.get("class_names") or []
+    return names[c] if 0 <= c < len(names) else str(c)
+
+
+def best_latent_table(probes: dict) -> str:
+    esc = html.escape
+    rows = "".join(
+        f'<tr><td>{esc(b["name"])}</td><td><a href="#latent-{b["latent"]}">latent {b["latent"]}</a></td>'
+        f"<td>{b['ap']:.3f}</td><td>{b['n_images']:,}</td></tr>"
+        for b in probes.get("best_latent_per_class", [])
+    )
+    acc = probes.get("sparse_probe_acc") or {}
+    accs = ", ".join(f"k={k}: {v:.3f}" for k, v in acc.items() if isinstance(v, (int, float)))
+    return (
+        '<h2>Best latent per class</h2><p class="note">On the held-out images: per class, the latent whose '
+        "per-image max activation ranks that class's images first (average precision, AP); k-sparse probe "
+        f"balanced accuracy (mean over classes): {esc(accs) or 'n/a'}.</p>"
+        f'<table class="info"><tr><td>class</td><td>best latent</td><td>AP</td><td>held-out images</td></tr>'
+        f"{rows}</table>"
+    )
+
+
+def annotate_page(page: str, probes: dict | None) -> str:
+    """``page`` with the probe table and each card's best class (unchanged without probes)."""
+    if not probes or "latent_best_class" not in probes:
+        return page
+    best = probes["latent_best_class"]
+
+    def card_head(m: re.Match) -> str:
+        s = int(m.group(1))
+        c = best[s] if s < len(best) else -1
+        extra = f'<span class="best-class">best class: {html.escape(_class_name(probes, c))}</span>' if c >= 0 else ""
+        return m.group(0) + extra
+
+    page = re.sub(r"<b>latent (\d+)</b>", card_head, page)
+    return page.replace(_MARK, best_latent_table(probes) + _MARK, 1)

@@ -1,0 +1,106 @@
+"""Spliced-in downstream metrics (actcache.spliced) on a real tiny ViT: known answers for an
+identity SAE and a zero SAE, the token positions per family, and `actcache eval`."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from actcache import cli
+from actcache.demo import make_image_folder
+from actcache.images import ImageFolder, metadata_data, open_dataset
+from actcache.protocol import Metadata
+from actcache.sae.modeling import SAE, SAEConfig
+from actcache.spliced import model_tokens, spliced_eval
+from actcache.writer import write_cache_from_array
+from fixtures_vit import D, make_checkpoint
+
+
+def jload(path):
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def write_sae(run_dir, md, cache, held, W_dec, b_dec, sae_id):
+    """An SAE run directory with the given decoder (encoder = identity, ReLU)."""
+    sae = SAE(SAEConfig(d_vit=D, width=D, activation="relu", normalize_decoder=False))
+    with torch.no_grad():
+        sae.W_enc.copy_(torch.eye(D))
+        sae.W_dec.copy_(W_dec)
+        sae.b_enc.zero_()
+        sae.b_dec.copy_(b_dec)
+    sae.save(run_dir)
+    doc = {"sae_id": sae_id, "cache": cache, "cache_hash": md.hash, "layer": -2, "d_vit": D, "width": D,
+           "run": {"patches": "image", "scale_norm": False, "activation": "relu"},
+           "split": {"rule": "test", "heldout_images": [int(i) for i in held]}}  # fmt: skip
+    with open(os.path.join(run_dir, "run.json"), "w") as fh:
+        json.dump(doc, fh)
+    with open(os.path.join(run_dir, "eval.json"), "w") as fh:
+        json.dump({"nmse": 0.0, "l0": float(D)}, fh)
+    return str(run_dir)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spliced")
+    ckpt = make_checkpoint(str(root / "ckpt"), "clip")
+    cfg = ImageFolder(make_image_folder(str(root / "images"), n_per_class=4))
+    ds = open_dataset(cfg)
+    labels = np.array([ds[i][1] for i in range(len(ds))])
+    md = Metadata(vit_family="clip", vit_ckpt=ckpt, layers=(-2,), n_patches_per_img=16, cls_token=True, d_vit=D,
+                  n_imgs=len(ds), max_patches_per_shard=8 * 17, data=metadata_data(cfg))  # fmt: skip
+    acts = np.random.default_rng(0).standard_normal((md.n_imgs, 1, 17, D)).astype(np.float32)
+    cache = write_cache_from_array(root / "cache", md, acts, labels=labels, class_names=["a", "b", "c"])
+    held = np.arange(len(ds))  # every image: both probe halves hold every class
+    runs = root / "runs" / md.hash
+    # identity: b_dec = -50 makes every pre-activation x + 50 > 0, so ReLU passes it and x_hat = x
+    ident = write_sae(runs / "identity0000", md, cache, held, torch.eye(D), torch.full((D,), -50.0), "identity0000")
+    zero = write_sae(runs / "zero00000000", md, cache, held, torch.zeros(D, D), torch.zeros(D), "zero00000000")
+    return {"identity": ident, "zero": zero, "runs": runs}
+
+
+def test_identity_sae_recovers_everything_and_zero_sae_nothing(world):
+    out = spliced_eval([world["identity"], world["zero"]], device="cpu", batch_images=5, report=lambda s: None)
+    ident, zero = out[world["identity"]], out[world["zero"]]
+    assert ident["fraction_recovered_zero"] == pytest.approx(1.0, abs=1e-5)
+    assert ident["fraction_recovered_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert ident["cos_spliced_clean"] == pytest.approx(1.0, abs=1e-5)
+    assert zero["fraction_recovered_zero"] == pytest.approx(0.0, abs=1e-6)
+    assert zero["d_zero"] > 0 and zero["cos_spliced_clean"] < ident["cos_spliced_clean"]
+    assert ident["probe_acc_spliced"] == pytest.approx(ident["probe_acc_clean"])  # the same embeddings
+    ev = jload(os.path.join(world["identity"], "eval.json"))
+    assert ev["spliced"]["n_images"] == 12  # beside the held-out statistics, recomputed on the split
+    assert ev["n_heldout_images"] == 12 and ev["fvu"] < 1e-6 and ev["n_dead"] == 0
+
+
+def test_eval_command_writes_every_run_of_a_sweep(world, capsys):
+    assert cli.main(["eval", str(world["runs"]), "--device", "cpu", "--max-images", "6"]) == 0
+    for d in (world["identity"], world["zero"]):
+        assert jload(os.path.join(d, "eval.json"))["spliced"]["n_images"] == 6
+    assert "fraction recovered" in capsys.readouterr().out
+
+
+def test_eval_of_a_run_without_a_heldout_split_is_one_clear_line(world, tmp_path, capsys):
+    d = tmp_path / "nosplit"
+    os.makedirs(d)
+    for name in ("config.json", "sae.safetensors", "eval.json"):
+        with open(os.path.join(world["zero"], name), "rb") as src, open(d / name, "wb") as dst:
+            dst.write(src.read())
+    info = jload(os.path.join(world["zero"], "run.json"))
+    info.pop("split")
+    (d / "run.json").write_text(json.dumps(info))
+    assert cli.main(["eval", str(d), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "records no held-out images" in err and "Traceback" not in err
+
+
+def test_model_tokens_skip_cls_and_registers():
+    md = Metadata(vit_family="dinov2", vit_ckpt="x", layers=(-1,), n_patches_per_img=4, cls_token=True, d_vit=8,
+                  n_imgs=1, max_patches_per_shard=5, data={"__class__": "T"})  # fmt: skip
+    assert model_tokens(md, "image", 4).tolist() == [5, 6, 7, 8]
+    assert model_tokens(md, "all", 4).tolist() == [0, 5, 6, 7, 8]
+    assert model_tokens(md, "cls", 0).tolist() == [0]
