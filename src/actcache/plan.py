@@ -16,8 +16,6 @@ from __future__ import annotations
 import dataclasses
 import os
 
-import yaml
-
 from actcache.config import Experiment, load_experiment
 from actcache.errors import ConfigError
 from actcache.protocol import METADATA_FILE, SHARDS_FILE, Metadata, shard_name
@@ -205,13 +203,9 @@ def marks_on_disk(cache_dir: str) -> list[str]:
 
 
 def load_workflow_config(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as fd:
-            doc = yaml.safe_load(fd) or {}
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: workflow config not found (default config/config.yaml).") from None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    from actcache.docfiles import load_yaml_file
+
+    doc = load_yaml_file(path, ConfigError, "workflow config (default config/config.yaml)") or {}
     if not isinstance(doc, dict):
         raise ConfigError(f"{path}: must be a YAML mapping with dump_to, runs_to and experiments.")
     allowed = {"dump_to", "runs_to", "experiments"}
