@@ -4,8 +4,9 @@ Every failure is the caller's ActCacheError subclass with one line that names th
 fix: an OS error (permission, symlink loop, name too long, not a regular file), a file larger
 than ``MAX_DOC_BYTES``, bytes that are not UTF-8, a parse error, or a document nested deeper
 than ``MAX_DEPTH`` or holding more than ``MAX_NODES`` values (YAML aliases can make a small file
-expand into a huge or self-referencing structure). JSON nesting is measured on the raw text
-before parsing; YAML's parser stopping at Python's recursion limit is reported the same way.
+expand into a huge or self-referencing structure). Bracket nesting is measured on the raw text
+before parsing (PyYAML takes quadratic time on it); YAML's block nesting stopping the parser at
+Python's recursion limit is reported the same way.
 
 A file that is not a regular file (a FIFO, a device) is refused before it is read, so a
 planted FIFO cannot make a command hang.
@@ -141,6 +142,8 @@ def parse_yaml(raw: bytes, path: str, error_cls: type[ActCacheError], what: str 
     import yaml
 
     text = decode_utf8(raw, path, error_cls, what)
+    if text_depth(text) > MAX_DEPTH:  # flow nesting costs PyYAML quadratic time: refuse it unparsed
+        raise _too_deep(path, error_cls)
     try:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as err:
