@@ -402,7 +402,7 @@ def check_experiment(path: str, dump_to: str, runs_to: str, commands=("plan",)) 
             argv = ["plan", "--experiment", path, "--dump-to", dump_to, "--runs-to", runs_to, "--json"]
         else:
             argv = ["dump", "--experiment", path, "--dump-to", dump_to, "--no-progress", "--device", "cpu",
-                    "--shards", "0:0"]  # fmt: skip
+                    "--shards", "0:1"]  # fmt: skip
         rc, _, err = run_cli(argv)
         bad = judge(argv, rc, err)
         if bad:
