@@ -126,3 +126,16 @@ def test_exit_status_is_0_for_a_valid_cache_1_for_an_invalid_one_2_for_a_usage_e
     assert fuzzlib.run_cli(["verify", str(tmp_path / "missing")])[0] == 1
     assert fuzzlib.run_cli(["plan", "--experiment", str(tmp_path / "missing.yaml")])[0] == 2
     assert fuzzlib.run_cli(["verify"])[0] == 2  # argparse: a usage error
+
+
+def test_files_past_the_size_bound_and_absurd_shard_counts_are_refused(ckpt, tmp_path):
+    from actcache.docfiles import MAX_DOC_BYTES
+    from actcache.protocol import MAX_SHARDS
+
+    path = tmp_path / "exp.yaml"
+    path.write_bytes(fuzzlib.EXPERIMENT.format(ckpt=ckpt).encode() + b"#" * MAX_DOC_BYTES)
+    rc, err = _plan(path, tmp_path)
+    assert rc == 2 and f"more than the {MAX_DOC_BYTES // 2**20} MiB allowed for the experiment file" in err
+    path.write_text(fuzzlib.EXPERIMENT.format(ckpt=ckpt).replace("n_imgs: 8", "n_imgs: 999999999999999999999"))
+    rc, err = _plan(path, tmp_path)
+    assert rc == 2 and f"more than the {MAX_SHARDS:,} actcache handles" in err

@@ -58,7 +58,7 @@ def read_doc_bytes(path: str, error_cls: type[ActCacheError], what: str = "file"
             raise error_cls(f"{path}: not a regular file; the {what} must be a plain file.")
         if st.st_size > MAX_DOC_BYTES:
             raise error_cls(
-                f"{path}: {st.st_size:,} bytes, more than the {MAX_DOC_BYTES // 2**20} MiB allowed for a {what}; "
+                f"{path}: {st.st_size:,} bytes, more than the {MAX_DOC_BYTES // 2**20} MiB allowed for the {what}; "
                 "check that it is the right file."
             )
         with os.fdopen(os.dup(fd), "rb") as fh:

@@ -30,7 +30,7 @@ DTYPES = {"float32": 4}
 METADATA_FILE = "metadata.json"
 SHARDS_FILE = "shards.json"
 DEFAULT_MAX_PATCHES_PER_SHARD = 2_400_000
-MAX_SHARDS = 1_000_000  # an implementation bound (10 PB at the default shard size): tables stay listable
+MAX_SHARDS = 100_000  # an implementation bound (1 PB at the default shard size): shards.json stays under 16 MiB
 
 
 class ProtocolWarning(UserWarning):
