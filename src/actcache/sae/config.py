@@ -336,9 +336,7 @@ def _objective_keys(d: dict, where: str) -> None:
     if p is not None and any(b <= a for a, b in zip(p, p[1:], strict=False)):
         raise ConfigError(f"{where}: key 'matryoshka_prefixes' = {list(p)} must be increasing sizes >= 1.")
     if p is not None and d["width"] is not None and p[-1] != d["width"]:
-        raise ConfigError(
-            f"{where}: key 'matryoshka_prefixes' = {list(p)} must end with the width {d['width']}; append it."
-        )
+        raise ConfigError(f"{where}: key 'matryoshka_prefixes' = {list(p)} must end with the width {d['width']}; append it.")
     n = 1 if p is None else len(p)
     if w is not None and len(w) != n:
         raise ConfigError(f"{where}: key 'matryoshka_weights' has {len(w)} values for {n} prefixes; give one each.")
@@ -426,3 +424,4 @@ def groups(runs: list[RunConfig]) -> dict[str, list[RunConfig]]:
     for run in runs:
         out.setdefault(run.group_id, []).append(run)
     return out
+

@@ -482,7 +482,6 @@ class SAE(nn.Module):
     def jumprelu_threshold(self) -> torch.Tensor:
         """theta (S,) = exp(log_threshold) of a jumprelu SAE (differentiable)."""
         return self.log_threshold.exp()
-
     @torch.no_grad()
     def _update_threshold(self, vals: torch.Tensor) -> None:
         """EMA of the smallest kept positive value of a train-mode batchtopk forward."""
