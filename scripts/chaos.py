@@ -186,6 +186,7 @@ def row_kill_train(work: str, n: int, rng: random.Random) -> Row:
 def row_fuzz_cache(work: str, n: int, rng: random.Random) -> Row:
     row = Row("fuzz-cache")
     pristine = fuzzlib.make_cache(os.path.join(work, "pristine"))
+    fuzzlib.warm_up(fuzzlib.make_checkpoint_config(os.path.join(work, "ckpt")), pristine, os.path.join(work, "warm"))
     for i in range(n):
         row.trials += 1
         kind, failures = fuzzlib.fuzz_cache_case(pristine, os.path.join(work, "w"), rng, loaders=True)
@@ -197,6 +198,7 @@ def row_fuzz_cache(work: str, n: int, rng: random.Random) -> Row:
 def row_fuzz_experiment(work: str, n: int, rng: random.Random) -> Row:
     row = Row("fuzz-experiment")
     ckpt = fuzzlib.make_checkpoint_config(os.path.join(work, "ckpt"))
+    fuzzlib.warm_up(ckpt, None, os.path.join(work, "warm"))
     for i in range(n):
         row.trials += 1
         commands = ("plan", "dump") if i % 10 == 9 else ("plan",)

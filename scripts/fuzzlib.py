@@ -394,8 +394,26 @@ YAML_DAMAGE = ("latin1-comment", "deep", "deep-block", "alias-bomb", "self-refer
                "big-file", "utf16")  # fmt: skip
 
 
+@contextlib.contextmanager
+def no_slurm():
+    """PATH without Slurm's commands: `plan` then skips its site queries (seconds each on a busy
+    cluster), which are not what the fuzzing tests."""
+    old = os.environ.get("PATH", "")
+    keep = [d for d in old.split(os.pathsep) if not os.path.exists(os.path.join(d, "sbatch"))]
+    os.environ["PATH"] = os.pathsep.join(keep)
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old
+
+
 def check_experiment(path: str, dump_to: str, runs_to: str, commands=("plan",)) -> list[str]:
     """`actcache plan` (and optionally `dump`) on an experiment file; the failures."""
+    with no_slurm():
+        return _check_experiment(path, dump_to, runs_to, commands)
+
+
+def _check_experiment(path: str, dump_to: str, runs_to: str, commands) -> list[str]:
     failures = []
     for cmd in commands:
         if cmd == "plan":
@@ -408,6 +426,19 @@ def check_experiment(path: str, dump_to: str, runs_to: str, commands=("plan",)) 
         if bad:
             failures.append(bad)
     return failures
+
+
+def warm_up(ckpt: str, pristine: str | None, work: str) -> None:
+    """Run the readers once on undamaged files, unjudged: the first import of torch can take longer
+    than HANG_S on a loaded machine, and that is no hang of the case."""
+    os.makedirs(work, exist_ok=True)
+    path = os.path.join(work, "warm.yaml")
+    with open(path, "w") as fh:
+        fh.write(EXPERIMENT.format(ckpt=ckpt))
+    check_experiment(path, os.path.join(work, "cache"), os.path.join(work, "runs"), ("plan",))
+    if pristine is not None:
+        check_cache(pristine, loaders=True)
+    shutil.rmtree(work, ignore_errors=True)
 
 
 def fuzz_experiment_case(ckpt: str, work: str, rng: random.Random, commands=("plan",)) -> tuple[str, list[str]]:
