@@ -95,13 +95,16 @@ def row_kill_dump(work: str, n: int, rng: random.Random) -> Row:
             return dirs[0] if dirs else None
 
         moment = rng.choice(["startup", "mid-shard", "after-shards"])
-        if moment == "startup":
-            time.sleep(rng.uniform(0.1, 3.0))
-        elif moment == "mid-shard":
-            wait_for(proc, lambda: hdir() and temp_files(hdir()), timeout=300)
-        else:
-            target = rng.randint(1, md.n_shards - 1)
-            wait_for(proc, lambda target=target: n_complete(hdir(), md) >= target, timeout=300)
+        try:
+            if moment == "startup":
+                time.sleep(rng.uniform(0.1, 3.0))
+            elif moment == "mid-shard":
+                wait_for(proc, lambda: hdir() and temp_files(hdir()), timeout=300)
+            else:
+                target = rng.randint(1, md.n_shards - 1)
+                wait_for(proc, lambda target=target: n_complete(hdir(), md) >= target, timeout=300)
+        except AssertionError:  # the dump never reached the moment: killed below all the same
+            row.notes.append(f"trial {i}: {moment} not reached in 300 s")
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         rc = proc.wait(timeout=60)
