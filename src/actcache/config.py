@@ -31,8 +31,6 @@ import dataclasses
 import os
 from typing import Any
 
-import yaml
-
 from actcache.errors import ConfigError
 from actcache.keys import check_fields, key, read_section
 from actcache.protocol import DEFAULT_MAX_PATCHES_PER_SHARD, DTYPES, FAMILIES
@@ -227,14 +225,8 @@ def experiment_from_dict(doc: object, source: str = "<dict>", base_dir: str | No
 
 
 def load_experiment(path: str | os.PathLike, base_dir: str | None = None) -> Experiment:
+    from actcache.docfiles import load_yaml_file
+
     path = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8") as fd:
-            doc = yaml.safe_load(fd)
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: experiment file not found.") from None
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{path}: not valid YAML{at}: {getattr(err, 'problem', err)}") from None
+    doc = load_yaml_file(path, ConfigError, "experiment file")
     return experiment_from_dict(doc, source=path, base_dir=base_dir)

@@ -21,7 +21,7 @@ import json
 import math
 import os
 
-from actcache.errors import ActCacheError, ConfigError
+from actcache.errors import ActCacheError, ConfigError, os_error_text
 from actcache.fsutil import atomic_write_bytes
 from actcache.rundir import DONE_FILE, EVAL_FILE, RUN_FILE
 
@@ -39,8 +39,10 @@ def _read_json(path: str, what: str) -> dict:
             return json.load(fh)
     except FileNotFoundError:
         raise ConfigError(f"{path}: missing; {what}") from None
-    except ValueError as err:
+    except (ValueError, RecursionError) as err:  # RecursionError: nested too deeply
         raise ConfigError(f"{path}: not valid JSON ({err}); re-run training for this SAE") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read it ({os_error_text(err)}); check its permissions") from None
 
 
 def _cache_metadata(cache_dir: str):

@@ -114,7 +114,7 @@ def data_config_from_dict(d: object, where: str) -> DataConfig:
     if not isinstance(d, dict):
         raise ConfigError(f"{where}: 'data' must be a mapping with a 'kind' key, got {d!r}")
     kind = d.get("kind")
-    if kind not in DATA_KINDS:
+    if not isinstance(kind, str) or kind not in DATA_KINDS:
         raise ConfigError(f"{where}: data.kind must be one of {sorted(DATA_KINDS)}, got {kind!r}")
     return _build(DATA_KINDS[kind], {k: v for k, v in d.items() if k != "kind"}, where, f"data (kind {kind})")
 
@@ -124,7 +124,7 @@ def data_config_from_metadata(d: object, where: str = "metadata.json") -> DataCo
     classes = {cls.__name__: cls for cls in DATA_KINDS.values()}
     if isinstance(d, str):  # a saev cache: base64 of a pickle, which actcache never decodes
         raise ConfigError(f"{where}: data is an opaque string (saev's pickled dataset config), not an image dataset")
-    if not isinstance(d, dict) or d.get("__class__") not in classes:
+    if not isinstance(d, dict) or not isinstance(d.get("__class__"), str) or d["__class__"] not in classes:
         got = d.get("__class__") if isinstance(d, dict) else d
         raise ConfigError(f"{where}: data.__class__ must be one of {sorted(classes)}, got {got!r}")
     return _build(classes[d["__class__"]], {k: v for k, v in d.items() if k != "__class__"}, where, "data")
@@ -132,7 +132,7 @@ def data_config_from_metadata(d: object, where: str = "metadata.json") -> DataCo
 
 def _build(cls: type, fields: dict, where: str, what: str) -> DataConfig:
     known = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(fields) - set(known))
+    unknown = sorted(map(str, set(fields) - set(known)))
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {unknown} in {what}; allowed: {sorted(known)}")
     required = [n for n, f in known.items() if f.default is dataclasses.MISSING]

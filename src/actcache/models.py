@@ -438,8 +438,11 @@ def load_vit(family: str, ckpt: str, device: str | torch.device = "cpu") -> Vit:
     try:
         with _quiet_transformers():
             model, info = cls.from_pretrained(path, output_loading_info=True, **dtype_kw)
-    except (OSError, ValueError, RuntimeError) as e:
-        raise DumpError(f"vit_ckpt {ckpt!r}: cannot load {cls.__name__} weights ({type(e).__name__}: {e})") from e
+    except Exception as e:  # transformers and huggingface_hub raise many types for a bad checkpoint
+        raise DumpError(
+            f"vit_ckpt {ckpt!r}: cannot load {cls.__name__} weights ({type(e).__name__}: {e}); fix its "
+            "config.json and weights, or point vit.ckpt at a directory written by save_pretrained"
+        ) from e
     missing = [
         k for k in info.get("missing_keys", ()) if k.removeprefix("vision_model.").split(".")[0] not in _UNUSED_TOP
     ]

@@ -16,8 +16,6 @@ from __future__ import annotations
 import dataclasses
 import os
 
-import yaml
-
 from actcache.config import Experiment, load_experiment
 from actcache.errors import ConfigError
 from actcache.preflight import COMMAND_LINE, Setting, check_inputs, check_listed_once, check_writable_dir
@@ -294,15 +292,9 @@ def marks_on_disk(cache_dir: str) -> list[str]:
 
 def load_workflow_config(path: str):
     """config/config.yaml, checked (a WorkflowConfig)."""
-    from actcache.config import workflow_config_from_dict
+    from actcache.docfiles import load_yaml_file
 
-    try:
-        with open(path, encoding="utf-8") as fd:
-            doc = yaml.safe_load(fd) or {}
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: workflow config not found (default config/config.yaml).") from None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    doc = load_yaml_file(path, ConfigError, "workflow config (default config/config.yaml)") or {}
     return checked_workflow_config(doc, path)
 
 

@@ -42,6 +42,7 @@ _MAJOR_OF_DTYPE = {"float32": 1, "float16": 2, "bfloat16": 2}
 METADATA_FILE = "metadata.json"
 SHARDS_FILE = "shards.json"
 DEFAULT_MAX_PATCHES_PER_SHARD = 2_400_000
+MAX_SHARDS = 100_000  # an implementation bound (1 PB at the default shard size): shards.json stays under 16 MiB
 
 
 class ProtocolWarning(UserWarning):
@@ -208,6 +209,11 @@ class Metadata:
                 f"({self.n_tokens_per_img} tokens x {len(self.layers)} layers = "
                 f"{self.n_tokens_per_img * len(self.layers)} vectors). Increase max_patches_per_shard "
                 f"to at least {self.n_tokens_per_img * len(self.layers)}."
+            )
+        if self.n_shards > MAX_SHARDS:
+            raise ProtocolError(
+                f"{where}: n_imgs={self.n_imgs:,} makes {self.n_shards:,} shards of {self.n_imgs_per_shard:,} images, "
+                f"more than the {MAX_SHARDS:,} actcache handles; check n_imgs or raise max_patches_per_shard."
             )
 
     # ---- (de)serialisation -------------------------------------------------------------------
@@ -401,20 +407,11 @@ class ShardInfo:
 
 
 def read_json(path: str) -> object:
-    """Parse a JSON file; a missing file or bad JSON is a ProtocolError naming the file."""
-    try:
-        with open(path, "rb") as fd:
-            raw = fd.read()
-    except FileNotFoundError:
-        raise ProtocolError(f"{path}: file not found.") from None
-    except IsADirectoryError:
-        raise ProtocolError(f"{path}: is a directory, expected a JSON file.") from None
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as err:
-        raise ProtocolError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}).") from None
-    except json.JSONDecodeError as err:
-        raise ProtocolError(f"{path}: not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}).") from None
+    """Parse a small JSON file; a missing, unreadable, oversized, too deeply nested or invalid file
+    is a ProtocolError naming the file (actcache.docfiles holds the bounds)."""
+    from actcache.docfiles import load_json_file
+
+    return load_json_file(path, ProtocolError, "file")
 
 
 def parse_shards(doc: object, where: str = SHARDS_FILE) -> list[ShardInfo]:

@@ -151,7 +151,7 @@ def read_json(path: str):
             return json.load(fh)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, RecursionError) as err:  # RecursionError: nested too deeply
         raise RunDirError(f"{path}: cannot read it as JSON ({err}); delete it or re-run actcache train") from None
 
 
@@ -163,7 +163,7 @@ def read_metrics(directory: str) -> list[dict]:
             for ln in fh:
                 try:
                     out.append(json.loads(ln))
-                except ValueError:
+                except (ValueError, RecursionError):
                     continue
     except FileNotFoundError:
         pass

@@ -21,7 +21,7 @@ import stat
 import warnings
 
 from actcache.deepscan import deep_scan
-from actcache.errors import CacheIncompleteError, ProtocolError
+from actcache.errors import CacheIncompleteError, ProtocolError, os_error_text
 from actcache.formats import load_metadata
 from actcache.protocol import (
     METADATA_FILE,
@@ -231,6 +231,13 @@ def _stat_shard(path: str, s: ShardInfo, expected: tuple[int, ...], rep: Report)
         rep.problems.append(
             f"{fpath}: missing (listed in shards.json with n_imgs={s.n_imgs}). Re-run the dump for "
             "this shard, then `actcache gather`."
+        )
+        return ShardStatus(s.name, s.n_imgs, None, expected)
+    except (OSError, ValueError) as err:  # a name too long, with a NUL byte, a symlink loop, no access
+        why = os_error_text(err) if isinstance(err, OSError) else str(err)
+        rep.problems.append(
+            f"{fpath!r}: cannot be read ({why}). The name in shards.json is wrong or the file is out of reach; "
+            f"re-run `actcache gather {path}` after re-dumping the shard."
         )
         return ShardStatus(s.name, s.n_imgs, None, expected)
     st = ShardStatus(s.name, s.n_imgs, size, expected, padded=len(expected) == 2 and size == expected[1] != expected[0])

@@ -203,7 +203,9 @@ def sweep_group_marks(hash):
 
 
 def spliced_mark(hash):
-    return os.path.join(RUNS_TO, hash, GROUPS_DIR, SPLICED_MARK)
+    """The spliced evaluation's mark, or none for a cache whose images and model actcache cannot
+    open (one of `caches:` written by saev): its Pareto view of spliced metrics stays empty."""
+    return os.path.join(RUNS_TO, hash, GROUPS_DIR, SPLICED_MARK) if has_images(hash) else []
 
 
 def sweep_run_dirs(hash):

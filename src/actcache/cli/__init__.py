@@ -16,7 +16,7 @@ import logging
 import sys
 import warnings
 
-from actcache.errors import ActCacheError
+from actcache.errors import ActCacheError, os_error_text
 
 # subcommand -> "module:function"; the function takes the parsed args and returns an exit code.
 HANDLERS = {
@@ -153,6 +153,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def one_line(text: str) -> str:
+    """A message on one line: its lines joined by spaces; other control characters (from a
+    damaged file's keys or names) escaped."""
+    joined = " ".join(part.strip() for part in text.splitlines() if part.strip())
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in joined)
+
+
+def os_error_line(err: OSError) -> str:
+    """One line for an OSError: the file(s), the cause and what to check."""
+    names = " -> ".join(str(f) for f in (err.filename, err.filename2) if f is not None) or "a file"
+    return f"{names}: {os_error_text(err)}; check that path, its permissions and the filesystem."
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -174,7 +187,10 @@ def main(argv: list[str] | None = None) -> int:
             raise
         return int(fn(args) or 0)
     except ActCacheError as err:
-        print(f"actcache {args.command}: error: {err}", file=sys.stderr)
+        print(f"actcache {args.command}: error: {one_line(str(err))}", file=sys.stderr)
+        return 2
+    except OSError as err:  # the filesystem refused something the library did not expect to fail
+        print(f"actcache {args.command}: error: {one_line(os_error_line(err))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"actcache {args.command}: interrupted", file=sys.stderr)

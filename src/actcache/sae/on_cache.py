@@ -14,21 +14,15 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-import yaml
-
 from actcache.errors import ConfigError
 
 
 def read_train_section(path: str | os.PathLike) -> tuple[dict, str | None]:
     """(the ``train:`` mapping, the file's ``runs_to`` or None) of a YAML file."""
     path = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8") as fh:
-            doc = yaml.safe_load(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: train file not found.") from None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML ({getattr(err, 'problem', err)}).") from None
+    from actcache.docfiles import load_yaml_file
+
+    doc = load_yaml_file(path, ConfigError, "train file")
     if not isinstance(doc, dict) or not isinstance(doc.get("train"), dict):
         raise ConfigError(f"{path}: needs a 'train:' mapping (an experiment YAML or a file holding only train:).")
     runs_to = doc.get("runs_to")

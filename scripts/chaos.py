@@ -1,0 +1,517 @@
+"""Chaos trials: killed processes, damaged files, shrinking shards; records BENCHMARKS.md's
+Reliability section (one row per trial kind; the target of every row is 0 failures).
+
+    python scripts/chaos.py [--only ROWS] [--trials N] [--work DIR] [--no-record]
+
+Rows (``--only kill-dump,fuzz-cache``; ``--trials`` replaces every row's default count):
+  kill-dump (20)       SIGKILL a real `actcache dump` at a random moment, rerun it: byte-identical shards
+  kill-train (20)      SIGKILL a deterministic CPU training run, rerun it: identical final weights
+  fuzz-cache (300)     damaged metadata.json/shards.json: the CLI, ActivationCache.open, the ordered loader
+  fuzz-experiment (250) damaged experiment YAML: `plan` (every 10th also `dump`)
+  checkpoint-corrupt (12) a damaged newest checkpoint: resume from the previous one, or one clear error
+  loader-shrink (10)   a shard truncated, replaced or made unreadable while the shuffled and the
+                       ordered loader read it: a LoaderError or right rows, never a crash or
+                       wrong rows (10 trials of each of the 6 combinations)
+  verify-corrupt (12)  flipped bytes, zeroed, duplicated, swapped shards: `verify --deep` exits 1
+  concurrent-dumps (4) two dumps of overlapping ranges: at most 1.05x the needed shard writes
+A row whose feature is not in this build (``keep_checkpoints``, ``actcache seal``) reports
+"not built". Fuzz cases are judged by scripts/fuzzlib.py (no traceback, no hang, exit 1 or 2
+with one error line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:0] = [HERE, os.path.join(ROOT, "tests")]
+import benchlib  # noqa: E402
+import fuzzlib  # noqa: E402
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+@dataclasses.dataclass
+class Row:
+    name: str
+    trials: int = 0
+    failures: int = 0
+    notes: list[str] = dataclasses.field(default_factory=list)
+    built: bool = True
+    seconds: float = 0.0
+
+    def fail(self, what: str) -> None:
+        self.failures += 1
+        if len(self.notes) < 5:
+            self.notes.append(what[:300])
+
+
+def not_built(name: str, what: str) -> Row:
+    return Row(name, built=False, notes=[f"not built: {what}"])
+
+
+# ---- kill -9 during a dump ---------------------------------------------------------------------
+
+
+def row_kill_dump(work: str, n: int, rng: random.Random) -> Row:
+    from actcache.protocol import SHARDS_FILE, Metadata
+    from actcache.writer import gather
+    from fixtures_vit import make_checkpoint
+    from test_dump import hash_dirs, make_images, shard_files, temp_files, write_experiment
+    from test_dump_kill import n_complete, start_dump, wait_for
+
+    row = Row("kill-dump")
+    ckpt = make_checkpoint(os.path.join(work, "ckpt"), "clip")
+    make_images(os.path.join(work, "imgs"), n=80, seed=1)
+    exp = write_experiment(os.path.join(work, "exp.yaml"), ckpt, os.path.join(work, "imgs"), batch_size=2, n_workers=1)
+    log = os.path.join(work, "dump.log")
+    ref_root = os.path.join(work, "ref")
+    if start_dump(exp, ref_root, log).wait(timeout=600) != 0:
+        row.fail("the reference dump failed")
+        return row
+    (ref,) = hash_dirs(ref_root)
+    gather(ref)
+    ref_shards, md = shard_files(ref), Metadata.load(ref)
+    ref_table = Path(ref, SHARDS_FILE).read_text()
+    for i in range(n):
+        row.trials += 1
+        dump_to = os.path.join(work, f"d{i}")
+        proc = start_dump(exp, dump_to, log)
+
+        def hdir(dump_to=dump_to):
+            dirs = hash_dirs(dump_to)
+            return dirs[0] if dirs else None
+
+        moment = rng.choice(["startup", "mid-shard", "after-shards"])
+        try:
+            if moment == "startup":
+                time.sleep(rng.uniform(0.1, 3.0))
+            elif moment == "mid-shard":
+                wait_for(proc, lambda: hdir() and temp_files(hdir()), timeout=300)
+            else:
+                target = rng.randint(1, md.n_shards - 1)
+                wait_for(proc, lambda target=target: n_complete(hdir(), md) >= target, timeout=300)
+        except AssertionError:  # the dump never reached the moment: killed below all the same
+            row.notes.append(f"trial {i}: {moment} not reached in 300 s")
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        rc = proc.wait(timeout=60)
+        if rc not in (0, -signal.SIGKILL):
+            row.fail(f"trial {i}: the dump exited {rc} before its kill")
+            continue
+        rerun = start_dump(exp, dump_to, log)
+        if rerun.wait(timeout=600) != 0:
+            row.fail(f"trial {i} ({moment}): the rerun failed")
+            continue
+        path = hdir()
+        gather(path)
+        same = shard_files(path) == ref_shards and Path(path, SHARDS_FILE).read_text() == ref_table
+        if not same or temp_files(path):
+            row.fail(f"trial {i} ({moment}): shards differ from the uninterrupted dump")
+        shutil.rmtree(dump_to, ignore_errors=True)
+    return row
+
+
+# ---- kill -9 during training -------------------------------------------------------------------
+
+TRAIN = {"batch_size": 128, "steps": 120, "width": 64, "log_every": 20, "ckpt_every": 20, "eval_frac": 0.1,
+         "dead_tokens": 500, "deterministic": True, "lr": 3e-3, "activation": "topk", "k": 4}  # fmt: skip
+TRAIN_SCRIPT = (
+    "import sys, json, torch\ntorch.set_num_threads(1)\nfrom actcache.sae.config import RunConfig\n"
+    "from actcache.sae.train import train_group\nruns = [RunConfig.from_dict(d) for d in json.loads(sys.argv[3])]\n"
+    "train_group(sys.argv[1], runs, sys.argv[2], device='cpu')\n"
+)
+
+
+def _train(cache: str, runs, out: str) -> subprocess.Popen:
+    argv = [sys.executable, "-c", TRAIN_SCRIPT, cache, out, json.dumps([r.to_dict() for r in runs])]
+    return subprocess.Popen(argv, env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _weights(cache: str, runs, out: str) -> bytes | None:
+    from actcache.rundir import WEIGHTS_FILE, run_dir
+
+    path = os.path.join(run_dir(out, os.path.basename(cache), runs[0]), WEIGHTS_FILE)
+    return Path(path).read_bytes() if os.path.exists(path) else None
+
+
+def row_kill_train(work: str, n: int, rng: random.Random) -> Row:
+    from actcache.rundir import run_dir
+    from actcache.sae import checkpoint as ckpt
+    from actcache.sae.config import expand_train_section
+    from test_sae_train import dictionary_cache
+
+    row = Row("kill-train")
+    cache, _ = dictionary_cache(os.path.join(work, "cache"), n_imgs=200, imgs_per_shard=64)
+    runs = expand_train_section(TRAIN, "chaos.yaml")
+    ref_out = os.path.join(work, "ref")
+    proc = _train(cache, runs, ref_out)
+    if proc.wait(timeout=600) != 0:
+        row.fail(f"the reference run failed: {proc.stderr.read().decode()[-300:]}")
+        return row
+    want = _weights(cache, runs, ref_out)
+    for i in range(n):
+        row.trials += 1
+        out = os.path.join(work, f"t{i}")
+        d = run_dir(out, os.path.basename(cache), runs[0])
+        at = rng.choice([20, 40, 60, 80, 100])
+        proc = _train(cache, runs, out)
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and not any(s >= at for s in ckpt.steps(d)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, 0.3))
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+        rerun = _train(cache, runs, out)
+        if rerun.wait(timeout=600) != 0:
+            row.fail(f"trial {i} (after step {at}): the rerun failed: {rerun.stderr.read().decode()[-200:]}")
+        elif _weights(cache, runs, out) != want:
+            row.fail(f"trial {i} (after step {at}): final weights differ from the uninterrupted run")
+        shutil.rmtree(out, ignore_errors=True)
+    return row
+
+
+# ---- fuzzed files ------------------------------------------------------------------------------
+
+
+def row_fuzz_cache(work: str, n: int, rng: random.Random) -> Row:
+    row = Row("fuzz-cache")
+    pristine = fuzzlib.make_cache(os.path.join(work, "pristine"))
+    fuzzlib.warm_up(fuzzlib.make_checkpoint_config(os.path.join(work, "ckpt")), pristine, os.path.join(work, "warm"))
+    for i in range(n):
+        row.trials += 1
+        kind, failures = fuzzlib.fuzz_cache_case(pristine, os.path.join(work, "w"), rng, loaders=True)
+        for f in failures:
+            row.fail(f"case {i} ({kind}): {f}")
+    return row
+
+
+def row_fuzz_experiment(work: str, n: int, rng: random.Random) -> Row:
+    row = Row("fuzz-experiment")
+    ckpt = fuzzlib.make_checkpoint_config(os.path.join(work, "ckpt"))
+    fuzzlib.warm_up(ckpt, None, os.path.join(work, "warm"))
+    for i in range(n):
+        row.trials += 1
+        commands = ("plan", "dump") if i % 10 == 9 else ("plan",)
+        kind, failures = fuzzlib.fuzz_experiment_case(ckpt, os.path.join(work, "w"), rng, commands)
+        for f in failures:
+            row.fail(f"case {i} ({kind}): {f}")
+    return row
+
+
+# ---- rows for features built on other branches (#44 items 1-3, 6) ----------------------------
+
+
+def _has_key(name: str) -> bool:
+    """Whether a config key is declared (the training keys live in actcache.sae.config)."""
+    import actcache.keys
+    import actcache.sae.config
+
+    return any(name in Path(m.__file__).read_text(encoding="utf-8") for m in (actcache.keys, actcache.sae.config))
+
+
+def _has_command(name: str) -> bool:
+    from actcache.cli import HANDLERS
+
+    return name in HANDLERS
+
+
+CORRUPTIONS = ("truncate", "flip", "empty", "delete", "garbage-json", "zero")
+
+
+def _corrupt_file(path: str, how: str, rng: random.Random) -> None:
+    with open(path, "rb") as fh:
+        data = fh.read()
+    if how == "truncate":
+        data = data[: rng.randrange(max(1, len(data)))]
+    elif how == "flip":
+        b = bytearray(data)
+        for _ in range(8):
+            b[rng.randrange(len(b))] ^= 0xFF
+        data = bytes(b)
+    elif how == "empty":
+        data = b""
+    elif how == "zero":
+        data = bytes(len(data))
+    elif how == "garbage-json":
+        data = b'{"step": [' + b"[" * 100
+    if how == "delete":
+        os.unlink(path)
+        return
+    with open(path, "wb") as fh:
+        fh.write(data)
+
+
+def row_checkpoint_corrupt(work: str, n: int, rng: random.Random) -> Row:
+    if not _has_key("keep_checkpoints"):
+        return not_built("checkpoint-corrupt", "keep_checkpoints (issue #44 item 3)")
+    from actcache.rundir import run_dir
+    from actcache.sae import checkpoint as ckpt
+    from actcache.sae.config import expand_train_section
+    from test_sae_train import dictionary_cache
+
+    row = Row("checkpoint-corrupt")
+    cache, _ = dictionary_cache(os.path.join(work, "cache"), n_imgs=200, imgs_per_shard=64)
+    for i in range(n):
+        row.trials += 1
+        out = os.path.join(work, f"c{i}")
+        runs = expand_train_section({**TRAIN, "steps": 60, "keep_checkpoints": 2}, "chaos.yaml")
+        d = run_dir(out, os.path.basename(cache), runs[0])
+        proc = _train(cache, runs, out)
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and len(ckpt.steps(d)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+        steps = ckpt.steps(d)
+        if not steps:
+            row.fail(f"trial {i}: no checkpoint before the kill")
+            continue
+        newest = ckpt.step_dir(d, steps[-1])
+        files = sorted(os.path.join(newest, f) for f in os.listdir(newest))
+        how = CORRUPTIONS[i % len(CORRUPTIONS)]
+        _corrupt_file(rng.choice(files), how, rng)
+        rerun = _train(cache, runs, out)
+        rc = rerun.wait(timeout=600)
+        err = rerun.stderr.read().decode()
+        if "Traceback" in err or rc not in (0, 2, 1):
+            row.fail(f"trial {i} ({how}): exit {rc}: {err.strip().splitlines()[-1:]!r}")
+        shutil.rmtree(out, ignore_errors=True)
+    return row
+
+
+LOADER_SCRIPT = """
+import os, sys, time
+from actcache.errors import LoaderError
+from actcache.loaders import OrderedLoader, ShuffledLoader
+path, kind, how = sys.argv[1], sys.argv[2], sys.argv[3]
+if kind == "shuffled":
+    loader = ShuffledLoader(path, batch_size=64, layer=-2, buffer_bytes=2**20, seed=1, n_epochs=50,
+                            batch_timeout_s=20)
+else:
+    loader = OrderedLoader(path, batch_size=64, layer=-2, batch_timeout_s=20)
+bad = 0  # rows no dictionary activation has: all zeros, non-finite or huge (random bytes)
+try:
+    for i, batch in enumerate(loader):
+        x = batch["act"]
+        bad += int(((x == 0).all(1) | ~x.isfinite().all(1) | (x.abs() > 1e3).any(1)).sum())
+        if i == 3:
+            victim = os.path.join(path, "acts000001.bin")
+            if how == "truncate":
+                os.truncate(victim, 1024)
+            elif how == "unreadable":
+                os.truncate(victim, 0)
+                os.unlink(victim)
+            else:
+                tmp = victim + ".new"
+                with open(tmp, "wb") as fh:
+                    fh.write(os.urandom(os.path.getsize(victim)))
+                os.replace(tmp, victim)
+    print("finished", bad)
+except LoaderError as err:
+    print("LoaderError", str(err).splitlines()[0])
+"""
+
+
+def row_loader_shrink(work: str, n: int, rng: random.Random) -> Row:
+    from test_sae_train import dictionary_cache
+
+    row = Row("loader-shrink")
+    pristine, _ = dictionary_cache(os.path.join(work, "pristine"), n_imgs=400, imgs_per_shard=64)
+    for _ in range(n):
+        for kind in ("shuffled", "ordered"):
+            for how in ("truncate", "replace", "unreadable"):
+                row.trials += 1
+                path = os.path.join(work, "c", os.path.basename(pristine))
+                shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+                shutil.copytree(pristine, path)
+                try:
+                    proc = subprocess.run([sys.executable, "-c", LOADER_SCRIPT, path, kind, how], env=ENV, cwd=ROOT,
+                                          capture_output=True, text=True, timeout=120)  # fmt: skip
+                except subprocess.TimeoutExpired:
+                    row.fail(f"{kind}/{how}: hang")
+                    continue
+                if proc.returncode != 0 or "Traceback" in proc.stderr:
+                    row.fail(f"{kind}/{how}: exit {proc.returncode} {proc.stderr.strip().splitlines()[-1:]!r}")
+                elif proc.stdout.startswith("finished") and proc.stdout.split()[1] != "0":
+                    row.fail(f"{kind}/{how}: {proc.stdout.split()[1]} wrong rows delivered without a LoaderError")
+    return row
+
+
+def row_verify_corrupt(work: str, n: int, rng: random.Random) -> Row:
+    if not _has_command("seal"):
+        return not_built("verify-corrupt", "per-shard checksums and `actcache seal` (issue #44 item 1)")
+    from test_sae_train import dictionary_cache
+
+    row = Row("verify-corrupt")
+    pristine, _ = dictionary_cache(os.path.join(work, "pristine"), n_imgs=256, imgs_per_shard=64)
+    rc, _, err = fuzzlib.run_cli(["seal", pristine])
+    if rc != 0:
+        row.fail(f"seal failed: {err.strip()}")
+        return row
+    kinds = ("flip", "zero", "duplicate", "swap", "symlink")
+    for i in range(n):
+        how = kinds[i % len(kinds)]
+        row.trials += 1
+        path = os.path.join(work, "c", os.path.basename(pristine))
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+        shutil.copytree(pristine, path)
+        a, b = (os.path.join(path, f"acts{j:06d}.bin") for j in rng.sample(range(4), 2))
+        if how in ("flip", "zero"):
+            _corrupt_file(a, how, rng)
+        elif how == "duplicate":
+            shutil.copyfile(b, a)
+        elif how == "swap":
+            os.rename(a, a + ".x")
+            os.rename(b, a)
+            os.rename(a + ".x", b)
+        else:
+            os.unlink(a)
+            os.symlink(os.path.basename(b), a)
+        rc, out, err = fuzzlib.run_cli(["verify", "--deep", path])
+        if rc != 1:
+            row.fail(f"{how}: verify --deep exited {rc}")
+    return row
+
+
+def row_concurrent_dumps(work: str, n: int, rng: random.Random) -> Row:
+    if not _has_command("seal"):
+        return not_built("concurrent-dumps", "per-shard dump locks (issue #44 item 6)")
+    from fixtures_vit import make_checkpoint
+    from test_dump import IMGS_PER_SHARD, make_images, write_experiment
+
+    row = Row("concurrent-dumps")
+    ckpt = make_checkpoint(os.path.join(work, "ckpt"), "clip")
+    make_images(os.path.join(work, "imgs"), n=80, seed=1)
+    exp = write_experiment(os.path.join(work, "exp.yaml"), ckpt, os.path.join(work, "imgs"), batch_size=2, n_workers=1)
+    writes = needed = 0
+    for i in range(n):
+        row.trials += 1
+        dump_to = os.path.join(work, f"d{i}")
+        logs = [os.path.join(work, f"dump{i}-{j}.log") for j in range(2)]
+        n_shards = -(-80 // IMGS_PER_SHARD)
+        ranges = [f"0:{n_shards * 3 // 4}", f"{n_shards // 4}:{n_shards}"]
+        procs = []
+        for log, shards in zip(logs, ranges, strict=True):
+            with open(log, "wb") as fh:
+                argv = [sys.executable, "-m", "actcache.cli", "dump", "--experiment", exp, "--dump-to", dump_to,
+                        "--shards", shards, "--no-progress"]  # fmt: skip
+                procs.append(subprocess.Popen(argv, stdout=fh, stderr=fh, env=ENV, cwd=ROOT))
+        if any(p.wait(timeout=600) != 0 for p in procs):
+            row.fail(f"trial {i}: a dump failed")
+            continue
+        writes += sum(Path(log).read_text().count(" wrote acts") for log in logs)
+        needed += n_shards
+    ratio = writes / needed if needed else 0.0
+    row.notes.append(f"{writes} shard writes for {needed} needed ({ratio:.3f}x)")
+    if ratio > 1.05:
+        row.fail(f"{ratio:.3f}x the needed shard writes")
+    return row
+
+
+ROWS = {
+    "kill-dump": (row_kill_dump, 20, "kill -9 during dump, rerun: byte-identical"),
+    "kill-train": (row_kill_train, 20, "kill -9 during train, rerun: identical weights"),
+    "fuzz-cache": (row_fuzz_cache, 300, "fuzzed metadata.json/shards.json: 0 tracebacks, 0 hangs"),
+    "fuzz-experiment": (row_fuzz_experiment, 250, "fuzzed experiment YAML: 0 tracebacks, 0 hangs"),
+    "checkpoint-corrupt": (row_checkpoint_corrupt, 12, "corrupt newest checkpoint: resume or one clear error"),
+    "loader-shrink": (
+        row_loader_shrink,
+        10,
+        "shard truncated/replaced/unreadable while loading: LoaderError, no crash, no wrong rows",
+    ),
+    "verify-corrupt": (row_verify_corrupt, 12, "flipped/zeroed/duplicated/swapped shards: verify --deep fails"),
+    "concurrent-dumps": (row_concurrent_dumps, 4, "overlapping concurrent dumps: <= 1.05x shard writes"),
+}
+
+
+def run(only: list[str], trials: int | None, work: str, seed: int = 44) -> list[Row]:
+    out = []
+    for name in only:
+        fn, default, _ = ROWS[name]
+        sub = os.path.join(work, name)
+        os.makedirs(sub, exist_ok=True)
+        t0 = time.monotonic()
+        row = fn(sub, trials if trials is not None else default, random.Random(f"{seed}-{name}"))
+        row.seconds = time.monotonic() - t0
+        out.append(row)
+        status = "not built" if not row.built else f"{row.failures} failures in {row.trials} trials"
+        print(f"{name:20s} {status} ({row.seconds:.0f} s) {'; '.join(row.notes)}", flush=True)
+    return out
+
+
+def record(rows: list[Row], path: str = benchlib.BENCH_MD) -> None:
+    table = benchlib.table(
+        [
+            {
+                "trial kind": r.name,
+                "what": ROWS[r.name][2],
+                "trials": r.trials if r.built else "not built",
+                "failures": r.failures if r.built else "-",
+                "seconds": round(r.seconds),
+                "notes": "; ".join(r.notes) or "-",
+            }
+            for r in rows
+        ]  # fmt: skip
+    )
+    checks = [
+        benchlib.Check(
+            f"{r.name}: 0 failures",
+            f"{r.failures} of {r.trials}" if r.built else "not built",
+            (r.failures == 0) if r.built else None,
+        )  # fmt: skip
+        for r in rows
+    ]
+    setup = [
+        "each row: real processes and files on this machine (scripts/fuzzlib.py damages the files)",
+        "a failure: a traceback, a hang, a wrong exit status, bytes that differ from the uninterrupted run",
+    ]
+    built = [r for r in rows if r.built]
+    conclusions = [f"{sum(r.failures == 0 for r in built)} of {len(built)} rows run have 0 failures "
+                   f"({sum(r.trials for r in built)} trials)"]  # fmt: skip
+    conclusions += [c.bullet() for c in checks if c.met is False][:3]
+    missing = [r.name for r in rows if not r.built]
+    if missing:
+        conclusions.append(f"not built on this branch: {', '.join(missing)}")
+    body = benchlib.section_body(setup, [table], conclusions)
+    benchlib.record("reliability", "Reliability (chaos trials)", body, path=path, checks=checks)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", default=",".join(ROWS), help="comma-separated rows (default: all)")
+    p.add_argument("--trials", type=int, default=None, help="trials per row (default: each row's own)")
+    p.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
+    p.add_argument("--no-record", action="store_true", help="print only; leave BENCHMARKS.md alone")
+    args = p.parse_args(argv)
+    only = [r.strip() for r in args.only.split(",") if r.strip()]
+    unknown = [r for r in only if r not in ROWS]
+    if unknown:
+        p.error(f"unknown row(s) {unknown}; rows: {', '.join(ROWS)}")
+    work = args.work or tempfile.mkdtemp(prefix="chaos-")
+    try:
+        rows = run(only, args.trials, work)
+    finally:
+        if args.work is None:
+            fuzzlib._unblock(work)
+    if not args.no_record:
+        record(rows)
+    return 1 if any(r.failures for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
