@@ -104,3 +104,19 @@ def test_model_tokens_skip_cls_and_registers():
     assert model_tokens(md, "image", 4).tolist() == [5, 6, 7, 8]
     assert model_tokens(md, "all", 4).tolist() == [0, 5, 6, 7, 8]
     assert model_tokens(md, "cls", 0).tolist() == [0]
+
+
+def test_a_run_from_before_the_split_was_recorded_holds_out_the_images_after_its_training_range(world, tmp_path):
+    d = tmp_path / "legacy"
+    os.makedirs(d)
+    for name in ("config.json", "sae.safetensors", "eval.json"):
+        with open(os.path.join(world["zero"], name), "rb") as src, open(d / name, "wb") as dst:
+            dst.write(src.read())
+    info = jload(os.path.join(world["zero"], "run.json"))
+    info.pop("split")
+    info["train_images"] = [0, 5]  # what run.json said before: the held-out images were the last ones
+    (d / "run.json").write_text(json.dumps(info))
+    from actcache.rundir import load_run
+    from actcache.spliced import heldout_of
+
+    assert list(heldout_of(load_run(str(d)), None, n_imgs=8)) == [5, 6, 7]

@@ -123,9 +123,14 @@ def linear_probe_acc(train_ND, train_y, tests: list, steps: int = 200) -> list[f
     return out
 
 
-def heldout_of(run, max_images: int | None) -> np.ndarray:
-    """The run's held-out images (run.json "split"), at most ``max_images`` (a seeded subset)."""
+def heldout_of(run, max_images: int | None, n_imgs: int | None = None) -> np.ndarray:
+    """The run's held-out images (run.json "split"), at most ``max_images`` (a seeded subset). A run
+    trained before the split was recorded held out the images after its ``train_images`` range
+    [0, t), up to ``n_imgs`` (the cache's count): that is its split."""
     held = (run.info.get("split") or {}).get("heldout_images")
+    legacy = run.info.get("train_images")
+    if not held and isinstance(legacy, list) and len(legacy) == 2 and legacy[0] == 0 and n_imgs:
+        held = list(range(int(legacy[1]), int(n_imgs)))
     if not held:
         raise SplicedError(
             f"{run.dir}: run.json records no held-out images (trained with eval_cache or eval_frac 0, or "
@@ -196,7 +201,7 @@ def spliced_run(ctx: _CacheContext, run, max_images: int | None = None) -> dict:
 
     open_cache(run)  # checks the hash, resolves run.layer
     md, vit = ctx.cache.metadata, ctx.vit
-    held = heldout_of(run, max_images)
+    held = heldout_of(run, max_images, md.n_imgs)
     block = resolve_layers([run.layer], vit.dims.n_layers)[0]
     tokens = torch.as_tensor(model_tokens(md, run.patches, vit.dims.n_registers), device=vit.device)
     scale = 1.0
@@ -266,7 +271,7 @@ def heldout_metrics(cache, run, device) -> dict:
     from actcache.sae.modeling import SAE
     from actcache.sae.split import RULE, HeldoutBatches
 
-    held = heldout_of(run, None)
+    held = heldout_of(run, None, cache.metadata.n_imgs)
     cfg = run.info.get("run", {})
     sae = SAE.load(run.dir).to(device).eval()
     tokens = cfg.get("eval_tokens")
