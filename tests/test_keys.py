@@ -89,8 +89,8 @@ def test_sections_are_checked_when_built_directly():
 
 
 def test_scopes_and_flags_give_the_identity_tables():
-    assert set(LOGISTICS) == {n for n, d in RUN_KEYS.items() if d.key.scope in ("logging", "loader")} | {"decode"}
-    assert set(LATE_GROUP_KEYS) == {"n_readers", "cold_read", "batch_timeout_s", "prefetch", "precision", "decode"}
+    assert set(LOGISTICS) == {n for n, d in RUN_KEYS.items() if d.key.scope in ("logging", "loader")} | {"decode", "batch_saes"}
+    assert set(LATE_GROUP_KEYS) == {"n_readers", "cold_read", "batch_timeout_s", "prefetch", "precision", "decode", "batch_saes"}
     assert set(GROUP_KEYS) >= {"layer", "patches", "batch_size", "steps", *LOGISTICS}
     assert not set(GROUP_KEYS) & {"lr", "k", "activation", "width"}
 
