@@ -43,8 +43,8 @@ def batch_key(sae: SAE, optimizer: torch.optim.Optimizer, schedule: object = Non
 
 def choose_batching(mode: str, device: str, n_saes: int) -> bool:
     """``batch_saes``: on | off | auto. auto stacks on CUDA, where one bmm replaces G kernel
-    launches of each matmul; on the CPU the G matmuls already fill the cores and stacking measured
-    no faster (BENCHMARKS.md, train), so auto leaves them separate there."""
+    launches of each matmul; on the CPU, where the G matmuls already fill the cores, stacking
+    measured within 6% of one by one (BENCHMARKS.md, train-stack), so auto leaves them separate."""
     if mode not in BATCH_MODES:
         raise ValueError(f"batch_saes must be one of {list(BATCH_MODES)}, got {mode!r}")
     if n_saes < 2 or mode == "off":
