@@ -10,6 +10,8 @@ that other jobs on the machine shift them alike (the best round is kept):
 - through the loader (``--loader-variants``): ``train_group`` fed by the ShuffledLoader from a
   synthetic cache (written once under --out), read back from metrics.jsonl without its first
   window (start-up): steps/s and the loader wait share (time the trainer waited for data / wall).
+Variant suffixes: ``+stack`` (passes of 2+ SAEs: stepped as one batched module, batch_saes: on;
+column "x one by one"), ``+compile`` (1 SAE: its forward under torch.compile; the warm-up compiles).
 SAE-steps/s = steps/s x SAEs per pass; tokens/s = steps/s x batch. ``--quick`` is the issue's
 configuration (d=768, width 12,288, k=32; batch 16,384 on a GPU, 4,096 on the CPU) sized for a
 few minutes. Records section "train" (or "train-cuda") of BENCHMARKS.md unless --no-record.
@@ -47,8 +49,8 @@ STACKED = "+stack"  # variant suffix: the SAEs of a pass step as one batched mod
 COMPILED = "+compile"  # variant suffix: each SAE's forward under torch.compile (the warm-up steps compile)
 SIZES = {  # (cuda?, quick?) -> defaults
     (True, True): dict(d=768, exp_factor=16, batch=16384, steps=20, loader_steps=60, n_imgs=1024, repeats=1,
-                       saes="1,8", variants=ALL_VARIANTS, loader_variants="hybrid-bf16,dense-fp32", warmup=3,
-                       stacked_variants="hybrid-bf16,dense-fp32"),
+                       saes="1,8", variants=ALL_VARIANTS + ",hybrid-bf16+compile,dense-fp32+compile",
+                       loader_variants="hybrid-bf16,dense-fp32", warmup=3, stacked_variants="hybrid-bf16,dense-fp32"),
     (True, False): dict(d=768, exp_factor=16, batch=16384, steps=50, loader_steps=200, n_imgs=2048, repeats=3,
                         saes="1,8", variants=ALL_VARIANTS, loader_variants=ALL_VARIANTS, warmup=3,
                         stacked_variants="hybrid-bf16,sparse-bf16,dense-fp32"),
@@ -147,9 +149,10 @@ def measure(cache: str, args, dev) -> list[dict]:
     rows = []
     for n in [int(s) for s in args.saes.split(",")]:
         stacked = [v + STACKED for v in args.stacked_variants.split(",") if v and n > 1]
-        mem = {v: [] for v in variants + stacked}
+        own = [v for v in variants if n == 1 or not v.endswith(COMPILED)]  # compile: 1 SAE per pass only
+        mem = {v: [] for v in own + stacked}
         for _ in range(args.repeats):  # every variant once per round
-            for v in variants + stacked:
+            for v in own + stacked:
                 try:  # one failing variant (say, an op missing on this build) leaves the others measured
                     mem[v].append(memory_rate(x_BD, args, n, v, dev))
                 except Exception as err:  # noqa: BLE001
@@ -158,7 +161,7 @@ def measure(cache: str, args, dev) -> list[dict]:
                 print(f"  {n} SAE(s) {v}: in memory {mem[v][-1]:.3g} steps/s", flush=True)
         fed = {v: [loader_run(cache, args, n, v) for _ in range(args.repeats)] for v in loader_variants}
         base = max(mem[variants[0]]) if variants else None
-        for v in dict.fromkeys(variants + stacked + loader_variants):
+        for v in dict.fromkeys(own + stacked + loader_variants):
             row = {"SAEs per pass": n, "variant": v}
             if v in mem:
                 r = max(mem[v])
@@ -224,7 +227,17 @@ def render(rows: list[dict], args, dev, load: tuple[float, float]) -> tuple[str,
     cks = checks(rows, args, dev)
     stacked = [f"{r['variant'].removesuffix(STACKED)} {benchlib.fmt(r['x one by one'])} x"
                for r in rows if "x one by one" in r]  # fmt: skip
-    notes = [f"{STACKED} (batch_saes: on) against the same SAEs stepped one by one: " + ", ".join(stacked)] if stacked else []
+    notes = []
+    if stacked:
+        notes.append(f"{STACKED} (batch_saes: on) against the same SAEs stepped one by one: " + ", ".join(stacked))
+    rate = {(r["SAEs per pass"], r["variant"]): r.get("SAE-steps/s") for r in rows}
+    compiled = [
+        f"{v.removesuffix(COMPILED)} {benchlib.fmt(r / rate[n, v.removesuffix(COMPILED)])} x"
+        for (n, v), r in rate.items()
+        if v.endswith(COMPILED) and r and rate.get((n, v.removesuffix(COMPILED)))
+    ]
+    if compiled:
+        notes.append(f"{COMPILED} (torch.compile of each SAE's forward) against eager, same SAEs: " + ", ".join(compiled))
     return benchlib.section_body(setup, [benchlib.table(rows, cols)], [c.bullet() for c in cks] + notes), cks
 
 

@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--precisions", default="fp32", help="e.g. fp32,bf16 (the train key 'precision')")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda: where the SAEs train")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
-                    help="override a train key of every recipe, e.g. --set preact_coeff=1e-3 (repeatable)")
+                    help="override a train key of every recipe, e.g. --set preact_coeff=1e-3 (repeatable)")  # fmt: skip
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
     overrides = dict(_parse_set(s) for s in args.set)

@@ -44,7 +44,8 @@ def _build(activation: str, decode: str, kws: list[dict], dtype: str, precision:
 
 
 def _run_both(activation, decode, kws, dtype, precision="fp32", steps=6):
-    x_BD = torch.randn(50, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(getattr(torch, dtype))
+    gen = torch.Generator().manual_seed(1)
+    x_BD = torch.randn(50, 16, generator=gen, dtype=torch.float64).to(getattr(torch, dtype))
     scales = [1.0, 0.5, 1.0]
     one = _build(activation, decode, kws, dtype, precision)
     many = _build(activation, decode, kws, dtype, precision)
