@@ -10,6 +10,8 @@ that other jobs on the machine shift them alike (the best round is kept):
 - through the loader (``--loader-variants``): ``train_group`` fed by the ShuffledLoader from a
   synthetic cache (written once under --out), read back from metrics.jsonl without its first
   window (start-up): steps/s and the loader wait share (time the trainer waited for data / wall).
+Variant suffixes: ``+stack`` (passes of 2+ SAEs: stepped as one batched module, batch_saes: on;
+column "x one by one"), ``+compile`` (1 SAE: its forward under torch.compile; the warm-up compiles).
 SAE-steps/s = steps/s x SAEs per pass; tokens/s = steps/s x batch. ``--quick`` is the issue's
 configuration (d=768, width 12,288, k=32; batch 16,384 on a GPU, 4,096 on the CPU) sized for a
 few minutes. Records section "train" (or "train-cuda") of BENCHMARKS.md unless --no-record.
@@ -33,6 +35,7 @@ import benchlib  # noqa: E402
 
 from actcache.rundir import run_dir  # noqa: E402
 from actcache.sae import make_objective, make_optimizer  # noqa: E402
+from actcache.sae.batched import BatchedSAEs  # noqa: E402
 from actcache.sae.config import expand_train_section  # noqa: E402
 from actcache.sae.modeling import SAE  # noqa: E402
 from actcache.sae.optim import train_step  # noqa: E402
@@ -42,15 +45,21 @@ from actcache.writer import synthetic_metadata, write_cache  # noqa: E402
 ALL_VARIANTS = "dense-fp32,sparse-fp32,sparse-tf32,sparse-bf16,hybrid-tf32,hybrid-bf16,dense-bf16"
 # Variants of sparse decoding: "hybrid" forms the weight gradients by dense matmuls (see choose_decode).
 SPARSE_FAMILY = ("sparse", "hybrid")
+STACKED = "+stack"  # variant suffix: the SAEs of a pass step as one batched module (batch_saes: on)
+COMPILED = "+compile"  # variant suffix: each SAE's forward under torch.compile (the warm-up steps compile)
 SIZES = {  # (cuda?, quick?) -> defaults
     (True, True): dict(d=768, exp_factor=16, batch=16384, steps=20, loader_steps=60, n_imgs=1024, repeats=1,
-                       saes="1,8", variants=ALL_VARIANTS, loader_variants="hybrid-bf16,dense-fp32", warmup=3),
+                       saes="1,8", variants=ALL_VARIANTS + ",hybrid-bf16+compile,dense-fp32+compile",
+                       loader_variants="hybrid-bf16,dense-fp32", warmup=3, stacked_variants="hybrid-bf16,dense-fp32"),
     (True, False): dict(d=768, exp_factor=16, batch=16384, steps=50, loader_steps=200, n_imgs=2048, repeats=3,
-                        saes="1,8", variants=ALL_VARIANTS, loader_variants=ALL_VARIANTS, warmup=3),
+                        saes="1,8", variants=ALL_VARIANTS, loader_variants=ALL_VARIANTS, warmup=3,
+                        stacked_variants="hybrid-bf16,sparse-bf16,dense-fp32"),
     (False, True): dict(d=768, exp_factor=16, batch=4096, steps=2, loader_steps=0, n_imgs=64, repeats=2,
-                        saes="1", variants="dense-fp32,sparse-fp32,sparse-bf16", loader_variants="", warmup=1),
+                        saes="1", variants="dense-fp32,sparse-fp32,sparse-bf16", loader_variants="", warmup=1,
+                        stacked_variants=""),
     (False, False): dict(d=128, exp_factor=8, batch=2048, steps=30, loader_steps=60, n_imgs=2048, repeats=3,
-                         saes="1,8", variants=ALL_VARIANTS, loader_variants="dense-fp32,sparse-fp32", warmup=2),
+                         saes="1,8", variants=ALL_VARIANTS, loader_variants="dense-fp32,sparse-fp32", warmup=2,
+                         stacked_variants="dense-fp32,sparse-fp32"),
 }  # fmt: skip
 
 
@@ -89,15 +98,26 @@ def loader_run(cache: str, args, n_saes: int, variant: str) -> dict:
 
 
 def memory_rate(x_BD: torch.Tensor, args, n_saes: int, variant: str, dev) -> float:
-    """Steps/s of ``n_saes`` SAEs stepping on ``x_BD`` (already on the device)."""
+    """Steps/s of ``n_saes`` SAEs stepping on ``x_BD`` (already on the device); a variant ending
+    in STACKED steps them as one batched module (actcache.sae.batched), otherwise one by one."""
+    compiled = variant.endswith(COMPILED)
+    variant = variant.removesuffix(COMPILED)
+    stacked = variant.endswith(STACKED)
+    variant = variant.removesuffix(STACKED)
     runs = expand_train_section(train_section(args, n_saes, variant, 1), "bench")
     saes = [SAE(r.sae_config(x_BD.shape[1])).to(x_BD.device).set_compute(r.decode, r.precision) for r in runs]
     objs = [make_objective(s, dead_tokens_threshold=r.dead_tokens) for s, r in zip(saes, runs, strict=True)]
     opts = [make_optimizer(s, lr=1e-3) for s in saes]
     for s in saes:
         s.init_b_dec(x_BD[:4096])
+        if compiled:
+            s.compile()  # torch.compile of the SAE's forward (the objective's bookkeeping stays eager)
+
+    stack = BatchedSAEs(saes, opts) if stacked else None
 
     def step():
+        if stack is not None:
+            return stack.step(objs, x_BD, lr=1e-3, sparsity_scales=[1.0] * n_saes, max_grad_norm=1.0)
         for s, o, opt in zip(saes, objs, opts, strict=True):
             train_step(s, o, opt, x_BD, max_grad_norm=1.0)
 
@@ -128,9 +148,11 @@ def measure(cache: str, args, dev) -> list[dict]:
     loader_variants = [v for v in args.loader_variants.split(",") if v and args.loader_steps > 0]
     rows = []
     for n in [int(s) for s in args.saes.split(",")]:
-        mem = {v: [] for v in variants}
+        stacked = [v + STACKED for v in args.stacked_variants.split(",") if v and n > 1]
+        own = [v for v in variants if n == 1 or not v.endswith(COMPILED)]  # compile: 1 SAE per pass only
+        mem = {v: [] for v in own + stacked}
         for _ in range(args.repeats):  # every variant once per round
-            for v in variants:
+            for v in own + stacked:
                 try:  # one failing variant (say, an op missing on this build) leaves the others measured
                     mem[v].append(memory_rate(x_BD, args, n, v, dev))
                 except Exception as err:  # noqa: BLE001
@@ -139,11 +161,13 @@ def measure(cache: str, args, dev) -> list[dict]:
                 print(f"  {n} SAE(s) {v}: in memory {mem[v][-1]:.3g} steps/s", flush=True)
         fed = {v: [loader_run(cache, args, n, v) for _ in range(args.repeats)] for v in loader_variants}
         base = max(mem[variants[0]]) if variants else None
-        for v in dict.fromkeys(variants + loader_variants):
+        for v in dict.fromkeys(own + stacked + loader_variants):
             row = {"SAEs per pass": n, "variant": v}
             if v in mem:
                 r = max(mem[v])
                 row.update({"SAE-steps/s": r * n, "tokens/s": r * args.batch, f"x {variants[0]}": r / base})
+            if v.endswith(STACKED) and v.removesuffix(STACKED) in mem:
+                row["x one by one"] = max(mem[v]) / max(mem[v.removesuffix(STACKED)])
             if v in fed:
                 best = max(fed[v], key=lambda t: t["steps_per_s"])
                 row.update({"loader SAE-steps/s": best["steps_per_s"] * n,
@@ -190,7 +214,7 @@ def checks(rows: list[dict], args, dev) -> list[benchlib.Check]:
 def render(rows: list[dict], args, dev, load: tuple[float, float]) -> tuple[str, list[benchlib.Check]]:
     width = int(args.d * args.exp_factor)
     ref = args.variants.split(",")[0]
-    cols = ["SAEs per pass", "variant", "SAE-steps/s", "tokens/s", f"x {ref}",
+    cols = ["SAEs per pass", "variant", "SAE-steps/s", "tokens/s", f"x {ref}", "x one by one",
             "loader SAE-steps/s", "loader wait share"]  # fmt: skip
     setup = [
         f"TopK SAEs (d={args.d}, width {width}, k={args.k}, AuxK) on {dev.words}, torch threads "
@@ -201,7 +225,20 @@ def render(rows: list[dict], args, dev, load: tuple[float, float]) -> tuple[str,
         f"Load average (1 min) at start / end: {load[0]:.1f} / {load[1]:.1f}.",
     ]
     cks = checks(rows, args, dev)
-    return benchlib.section_body(setup, [benchlib.table(rows, cols)], [c.bullet() for c in cks]), cks
+    stacked = [f"{r['variant'].removesuffix(STACKED)} {benchlib.fmt(r['x one by one'])} x"
+               for r in rows if "x one by one" in r]  # fmt: skip
+    notes = []
+    if stacked:
+        notes.append(f"{STACKED} (batch_saes: on) against the same SAEs stepped one by one: " + ", ".join(stacked))
+    rate = {(r["SAEs per pass"], r["variant"]): r.get("SAE-steps/s") for r in rows}
+    compiled = [
+        f"{v.removesuffix(COMPILED)} {benchlib.fmt(r / rate[n, v.removesuffix(COMPILED)])} x"
+        for (n, v), r in rate.items()
+        if v.endswith(COMPILED) and r and rate.get((n, v.removesuffix(COMPILED)))
+    ]
+    if compiled:
+        notes.append(f"{COMPILED} (torch.compile of each SAE's forward) against eager, same SAEs: " + ", ".join(compiled))
+    return benchlib.section_body(setup, [benchlib.table(rows, cols)], [c.bullet() for c in cks] + notes), cks
 
 
 def main() -> int:
@@ -216,9 +253,12 @@ def main() -> int:
     p.add_argument("--saes", default=None, help="SAEs per pass, e.g. 1,8")
     p.add_argument("--variants", default=None, help=f"in-memory variants (first: the reference), e.g. {ALL_VARIANTS}")
     p.add_argument("--loader-variants", default=None, help="variants also run through the loader ('' for none)")
+    p.add_argument("--stacked-variants", default=None,
+                   help=f"in-memory variants also run with the SAEs of a pass stacked ({STACKED}; passes of 2+ SAEs)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out", default=os.path.join(benchlib.ROOT, "bench-out", "train"))
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    p.add_argument("--section", default="train", help="BENCHMARKS.md section to record (CUDA: NAME-cuda)")
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args()
     dev = benchlib.Device(args.device)
@@ -237,7 +277,8 @@ def main() -> int:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump({"device": dev.words, "args": vars(args), "rows": rows}, fh, indent=1)
     if not args.no_record:
-        benchlib.record(*dev.section("train", "SAE training (scripts/bench_train.py)"), body, checks=cks)
+        title = "SAE training (scripts/bench_train.py)" + ("" if args.section == "train" else f", {args.section}")
+        benchlib.record(*dev.section(args.section, title), body, checks=cks)
     return 0
 
 

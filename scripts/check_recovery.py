@@ -53,6 +53,16 @@ SECTIONS = {  # the recipes of tests/test_sae_train.py, with --steps steps (relu
 LONG = ("relu", "jumprelu")
 
 
+def _parse_set(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise SystemExit(f"--set {text!r}: expected KEY=VALUE, e.g. --set preact_coeff=1e-3")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--activations", default="topk,batchtopk,relu,jumprelu,matryoshka")
@@ -64,8 +74,11 @@ def main() -> None:
     ap.add_argument("--precisions", default="fp32", help="e.g. fp32,bf16 (the train key 'precision')")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda: where the SAEs train")
     ap.add_argument("--cache-dtypes", default="float32", help="e.g. float32,bfloat16 (the key cache.dtype)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                    help="override a train key of every recipe, e.g. --set preact_coeff=1e-3 (repeatable)")  # fmt: skip
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
+    overrides = dict(_parse_set(s) for s in args.set)
     import torch
 
     rows = []
@@ -81,7 +94,7 @@ def main() -> None:
             train = {"batch_size": args.batch_size, "width": width, "lr": 1e-2, "warmup_steps": 50,
                      "lr_decay": "linear", "final_lr_frac": 0.1, "log_every": 100, "ckpt_every": 10_000,
                      "eval_frac": 0.05, "dead_tokens": 200_000, "steps": steps, "precision": precision,
-                     **SECTIONS[act], **extra}  # fmt: skip
+                     **SECTIONS[act], **extra, **overrides}  # fmt: skip
             exp = write_experiment(__import__("pathlib").Path(tmp), train, n_imgs=args.n_imgs, d=args.d,
                                    name=f"rec-{act}-{precision}-{cache_dtype}")  # fmt: skip
             with open(exp) as fh:

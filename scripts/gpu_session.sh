@@ -11,7 +11,8 @@
 #          and test_models.py: their experiments use device "auto", which picks the GPU there
 # dump     scripts/bench_dump.py --device cuda (I/O-bound: tiny model, cores - 2 image workers)
 # train    scripts/bench_train.py --device cuda --quick (d=768, width 12,288, k=32, batch 16,384; 1 and 8
-#          SAEs per pass, dense/sparse x fp32/tf32/bf16; a few minutes; rows also in $OUT/train.json)
+#          SAEs per pass, dense/sparse x fp32/tf32/bf16, 8 SAEs also stacked (batch_saes: on) against
+#          one by one; a few minutes; rows also in $OUT/train.json)
 # visuals  scripts/bench_visuals.py --device cuda (4 GiB cache; target visuals <= 1.5x one pass)
 # profile  scripts/profile_train_step.py --device cuda: steps/s and the top operators of one SAE's
 #          training step per variant (under a minute; not in the default list)

@@ -17,7 +17,7 @@ Each key is declared once, as a field of :class:`RunConfig` (or :class:`TrainSec
 ``logging`` and ``loader``: group keys that never change the weights, so not hashed), help and
 checks. To add a key, add one field; give it ``late=True`` so that it enters sae_id and group_id
 only when set to something other than its default, and no existing id changes. ``compute`` keys
-(precision, decode) set how a group's steps are computed. A list-valued key
+(precision, decode, batch_saes) set how a group's steps are computed. A list-valued key
 (``matryoshka_prefixes: [64, 256]``) is one value; in ``sweep:`` give a list of such lists.
 
 Identity
@@ -40,6 +40,7 @@ from typing import Any
 from actcache.errors import ConfigError
 from actcache.keys import Decl, ListOf, check_keys, coerce, declared, key
 from actcache.loaders.options import COLD_READS, PATCHES, PREFETCH_SCHEMES
+from actcache.sae.batched import BATCH_MODES
 from actcache.sae.modeling import (
     ACTIVATIONS,
     DECODES,
@@ -136,6 +137,8 @@ class RunConfig:
                               choices=PRECISIONS)  # fmt: skip
     decode: str = _compute("auto", "topk variants: sparse (gather the k chosen latents), hybrid (sparse forward, matmul weight gradients), dense",
                            choices=DECODES, hashed=False)  # fmt: skip
+    batch_saes: str = _compute("auto", "SAEs of equal shape step as one batched module (bmm): on | off | auto (where measured faster: nowhere yet)",
+                               choices=BATCH_MODES, hashed=False)  # fmt: skip
     log_every: int = _logging(100, "metrics every N steps", ge=1)
     ckpt_every: int = _logging(1000, "checkpoint every N steps (and at the end)", ge=1)
     keep_checkpoints: int = _logging(

@@ -546,11 +546,16 @@ class SAE(nn.Module):
         device = self.W_enc.device.type
         return torch.autocast(device, dtype=torch.bfloat16, enabled=self.precision == "bf16")
 
-    def _forward_sparse(self, x_BD: torch.Tensor, dense_f: bool = True) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    def _forward_sparse(
+        self, x_BD: torch.Tensor, dense_f: bool = True, pre_BS: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """``pre_BS``: the pre-activations for choosing the codes when already computed (detached;
+        the batched step of several SAEs computes them in one matmul)."""
         self._check_x(x_BD)
         x_BD = x_BD.to(self.W_enc.dtype)
-        with torch.no_grad():
-            pre_BS = self._sparse_pre_acts(x_BD)
+        if pre_BS is None:
+            with torch.no_grad():
+                pre_BS = self._sparse_pre_acts(x_BD)
         if self.cfg.activation == "topk":
             codes = self.topk_codes(pre_BS, self.cfg.k)
         else:

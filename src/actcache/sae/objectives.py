@@ -187,10 +187,12 @@ class Objective(abc.ABC):
     def __init__(self, sae: SAE, dead_tokens_threshold: int = 10_000_000, dense_frac: float = 0.1):
         self.stats = FiringStats(sae.cfg.width, dead_tokens_threshold, dense_frac)
 
-    def __call__(self, sae: SAE, x_BD: torch.Tensor, *, sparsity_scale: float = 1.0) -> LossOut:
+    def __call__(self, sae: SAE, x_BD: torch.Tensor, *, sparsity_scale: float = 1.0, fwd=None) -> LossOut:
+        """``fwd``: the SAE's forward output (x_hat_BD, f_BS, aux) when the caller computed it (the
+        batched step of several SAEs); otherwise ``sae(x_BD)`` is called here."""
         if x_BD.ndim != 2 or x_BD.shape[0] < 1:
             raise TrainError(f"objective: expected a non-empty batch shaped (B, d_vit), got {tuple(x_BD.shape)}")
-        x_hat_BD, f_BS, aux = sae(x_BD, dense_f=self.needs_f)
+        x_hat_BD, f_BS, aux = sae(x_BD, dense_f=self.needs_f) if fwd is None else fwd
         if f_BS is None:  # sparse forward: the metrics come from the codes
             self.stats.update_codes(aux["codes"].col_N, aux["val_N"], x_BD.shape[0])
             mse, var_x, _ = _base_metrics(sae, x_BD, x_hat_BD, None)
@@ -310,9 +312,9 @@ def _number(name: str, v: object, low: float = 0.0) -> float:
 class _ExtrasMixin:
     """Puts the metrics a subclass's ``_extra`` left in ``self._extras`` into ``LossOut.extras``."""
 
-    def __call__(self, sae: SAE, x_BD: torch.Tensor, *, sparsity_scale: float = 1.0) -> LossOut:
+    def __call__(self, sae: SAE, x_BD: torch.Tensor, *, sparsity_scale: float = 1.0, fwd=None) -> LossOut:
         self._extras: dict[str, torch.Tensor] = {}
-        out = super().__call__(sae, x_BD, sparsity_scale=sparsity_scale)
+        out = super().__call__(sae, x_BD, sparsity_scale=sparsity_scale, fwd=fwd)
         out.extras = self._extras
         return out
 

@@ -44,6 +44,7 @@ from actcache.fsutil import atomic_write_bytes
 from actcache.rundir import DONE_FILE, EVAL_FILE, METRICS_FILE, RUN_FILE, done_path, is_done, run_dir
 from actcache.sae import checkpoint as ckpt
 from actcache.sae import ddp
+from actcache.sae.batched import BatchedSAEs, batch_key, choose_batching
 from actcache.sae.config import RunConfig
 from actcache.sae.evaluate import check_finite, evaluate_many, write_eval
 from actcache.sae.modeling import SAE
@@ -88,10 +89,13 @@ class _Member:
         self.last = None  # the latest LossOut
         self.last_line: dict = {}
 
+    def sparsity_scale(self, step: int) -> float:
+        return sparsity_warmup(step, self.run.sparsity_warmup_steps)
+
     def step(self, x_BD: torch.Tensor, step: int, ctx: ddp.DistContext) -> None:
         run, sae = self.run, self.sae
         lr = self.sched.apply(self.opt, step)
-        scale = sparsity_warmup(step, run.sparsity_warmup_steps)
+        scale = self.sparsity_scale(step)
         if not ctx.enabled:
             out = train_step(sae, self.obj, self.opt, x_BD, max_grad_norm=run.max_grad_norm, sparsity_scale=scale)
         else:  # optim.train_step with the gradient average between backward and clipping
@@ -109,6 +113,10 @@ class _Member:
                 sae.normalize_decoder_()
             if sae.cfg.activation in ("batchtopk", "matryoshka"):
                 ddp.average_(sae.threshold, ctx)
+        self.record(out, lr)
+
+    def record(self, out, lr: float) -> None:
+        """Keep a step's LossOut and add its metrics to the window's sums."""
         self.lr = lr
         self.last = out
         values = [getattr(out, k) for k in _SCALARS] + [out.extras[k] for k in self.obj.extra_metrics]
@@ -358,6 +366,7 @@ class GroupTrainer:
         if start > 0:
             log.info("group %s: resuming %d SAE(s) at step %d (loader epoch %d, batch %d)", self.group_id,
                      len(members), start, *loader.start_at)  # fmt: skip
+        self._stacks: list[tuple[BatchedSAEs, list[_Member]]] = []
         step = start
         t_log, wait_log, step_log = time.perf_counter(), 0.0, start
         feed = PinnedFeed(loader, self.device) if self.sync_free else None
@@ -371,8 +380,9 @@ class GroupTrainer:
                 if step == 0:
                     self._check_deferred()  # (b_dec's init reads the batch anyway)
                     self._init_b_dec(members, x_BD)
-                for m in members:
-                    m.step(x_BD, step, self.ctx)
+                if step == start:
+                    self._stacks = self._stack(members)
+                self._step_all(members, x_BD, step)
                 step += 1
                 if step % run.log_every == 0 or step == run.steps:
                     self._check_deferred()
@@ -399,7 +409,7 @@ class GroupTrainer:
                 feed.close()
             loader.close()
         self._check_deferred()
-        self._save(members, run.steps)
+        self._save(members, run.steps)  # (copies the stacks back into the members)
         self.trained.update({m.run.sae_id: m.sae for m in members})
         ddp.on_main(self.ctx, self.device, "the final weights and evaluation", lambda: self._finish(cache, members))
 
@@ -433,7 +443,37 @@ class GroupTrainer:
                 m.sae.init_b_dec(x_BD, method=m.run.b_dec_init)
             ddp.broadcast_(m.sae.b_dec.data, self.ctx)
 
+    def _stack(self, members: list[_Member]) -> list[tuple[BatchedSAEs, list[_Member]]]:
+        """Stacks of the members that step as one batched module (``batch_saes``): members of equal
+        batch_key, two or more; not under DDP, whose gradient average is per SAE."""
+        mode = self.runs[0].batch_saes
+        if self.ctx.enabled or not choose_batching(mode, self.device.type, len(members)):
+            return []
+        by_key: dict[tuple, list[_Member]] = {}
+        for m in members:
+            by_key.setdefault(batch_key(m.sae, m.opt, (m.sched, m.run.max_grad_norm)), []).append(m)
+        stacks = [(BatchedSAEs([m.sae for m in ms], [m.opt for m in ms]), ms) for ms in by_key.values() if len(ms) > 1]
+        alone = len(members) - sum(len(ms) for _, ms in stacks)
+        log.info("group %s: %d stack(s) of SAEs stepped as one batched module, %d SAE(s) alone (batch_saes=%s)",
+                 self.group_id, len(stacks), alone, mode)  # fmt: skip
+        return stacks
+
+    def _step_all(self, members: list[_Member], x_BD: torch.Tensor, step: int) -> None:
+        stacked = {id(m) for _, ms in self._stacks for m in ms}
+        for st, ms in self._stacks:
+            lr = ms[0].sched(step)
+            outs = st.step([m.obj for m in ms], x_BD, lr=lr, max_grad_norm=ms[0].run.max_grad_norm,
+                           sparsity_scales=[m.sparsity_scale(step) for m in ms])  # fmt: skip
+            for m, out in zip(ms, outs, strict=True):
+                m.record(out, lr)
+        for m in members:
+            if id(m) not in stacked:
+                m.step(x_BD, step, self.ctx)
+
     def _save(self, members: list[_Member], step: int) -> None:
+        for st, _ in getattr(self, "_stacks", []):
+            st.scatter()  # the members' weights and Adam state, which the checkpoint holds
+
         def write():
             nb = len(self.loader)
             pos = {"loader": {"epoch": step // nb, "batch": step % nb}, "batches_per_epoch": nb,
