@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
-exec .venv/bin/python -m pytest -q --durations=10 "$@"
+exec .venv/bin/python -m pytest -q --durations=25 "$@"

@@ -75,8 +75,9 @@ def test_sigkill_at_many_moments_then_rerun(tmp_path, setup):
     log_path = tmp_path / "dump.log"
     seen = {"startup": 0, "model-load": 0, "mid-shard": 0, "after-shards": 0}
     kills = 0
-    # Moments: 4 while importing, 1 while the model loads, then alternately mid-shard/after shards.
-    plan = ["startup"] * 4 + ["model-load"] + ["mid-shard", "after-shards"] * 2 + ["mid-shard"]
+    # Moments: 2 while importing, 1 while the model loads, then alternately mid-shard/after shards
+    # (scripts/chaos.py's kill-dump row draws 20 moments the same way).
+    plan = ["startup"] * 2 + ["model-load"] + ["mid-shard", "after-shards"] * 2
     left_temp = 0
     retries = 4  # a moment the dump had already passed (it ran faster than the draw) is tried again
     while plan:
@@ -123,7 +124,7 @@ def test_sigkill_at_many_moments_then_rerun(tmp_path, setup):
             for name, data in shard_files(path).items():
                 assert data == ref_shards[name], f"{name} after a kill at {moment}"
             assert all(n.startswith(".") or n.endswith((".bin", ".json", ".npy")) for n in os.listdir(path))
-    assert kills >= 10 and seen["startup"] >= 2 and seen["mid-shard"] >= 2 and seen["after-shards"] >= 2, seen
+    assert kills >= 7 and seen["startup"] >= 2 and seen["mid-shard"] >= 2 and seen["after-shards"] >= 2, seen
     assert left_temp >= 1  # at least one kill really landed inside a shard
 
     print(f"kills: {kills} {seen}, {left_temp} left a temporary file, {len(chains)} cache(s)")

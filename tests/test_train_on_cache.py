@@ -109,7 +109,8 @@ def test_train_cache_command(tmp_path, capsys):
 
 def test_workflow_caches_entry_is_planned_trained_and_reported_without_dumping(tmp_path):
     """config.yaml's `caches:` names a saev cache: plan and the dry run list its training job and no
-    dump; the run trains, evaluates and renders its SAEs (no images: saev's dataset is opaque)."""
+    dump; the workflow trains, evaluates and renders its SAE (no images: saev's dataset is opaque)
+    and never writes into the cache."""
     from workflow_helpers import job_counts, snakemake
 
     cache, _, _ = write_saev_cache(tmp_path / "c", n=20, E=6, layers=(3, 7), P=4, D=8)
@@ -126,12 +127,13 @@ def test_workflow_caches_entry_is_planned_trained_and_reported_without_dumping(t
     assert dry.returncode == 0, dry.stderr[-2000:]
     assert job_counts(dry.stdout).get("train") == 1 and "dump" not in job_counts(dry.stdout)
     assert f"--cache {cache}" in dry.stdout or row["training"][0]["group"] in dry.stdout
-    run = snakemake(cfg, "--cores", "2")
-    assert run.returncode == 0, run.stderr[-3000:]
     sae_dir = row["training"][0]["dir"]
+    run = snakemake(cfg, "--cores", "2", os.path.join(sae_dir, "visuals.html"))  # train, then its page
+    assert run.returncode == 0, run.stderr[-3000:]
     assert json.load(open(os.path.join(sae_dir, "eval.json")))["nmse"] >= 0
     assert os.path.isfile(os.path.join(sae_dir, "visuals.html"))
-    assert job_counts(snakemake(cfg, "-n").stdout) == {}  # nothing left to do
+    left = job_counts(snakemake(cfg, "-n").stdout)  # only the sweep plots: no spliced eval (no images)
+    assert left == {"sweep_report": 1, "all": 1}, left
     assert tree_state(tmp_path / "c") == before and not os.path.exists(tmp_path / "dump")
 
 
