@@ -84,15 +84,20 @@ def test_eval_command_writes_every_run_of_a_sweep(world, capsys):
     assert "fraction recovered" in capsys.readouterr().out
 
 
-def test_eval_of_a_run_without_a_heldout_split_is_one_clear_line(world, tmp_path, capsys):
-    d = tmp_path / "nosplit"
+def run_without_split(world, d, **info_changes):
+    """A copy of the zero SAE's run directory whose run.json records no held-out split."""
     os.makedirs(d)
     for name in ("config.json", "sae.safetensors", "eval.json"):
         with open(os.path.join(world["zero"], name), "rb") as src, open(d / name, "wb") as dst:
             dst.write(src.read())
     info = jload(os.path.join(world["zero"], "run.json"))
     info.pop("split")
-    (d / "run.json").write_text(json.dumps(info))
+    (d / "run.json").write_text(json.dumps({**info, **info_changes}))
+    return d
+
+
+def test_eval_of_a_run_without_a_heldout_split_is_one_clear_line(world, tmp_path, capsys):
+    d = run_without_split(world, tmp_path / "nosplit")
     assert cli.main(["eval", str(d), "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "records no held-out images" in err and "Traceback" not in err
@@ -107,15 +112,8 @@ def test_model_tokens_skip_cls_and_registers():
 
 
 def test_a_run_from_before_the_split_was_recorded_holds_out_the_images_after_its_training_range(world, tmp_path):
-    d = tmp_path / "legacy"
-    os.makedirs(d)
-    for name in ("config.json", "sae.safetensors", "eval.json"):
-        with open(os.path.join(world["zero"], name), "rb") as src, open(d / name, "wb") as dst:
-            dst.write(src.read())
-    info = jload(os.path.join(world["zero"], "run.json"))
-    info.pop("split")
-    info["train_images"] = [0, 5]  # what run.json said before: the held-out images were the last ones
-    (d / "run.json").write_text(json.dumps(info))
+    # what run.json said before the split was recorded: the held-out images were the last ones
+    d = run_without_split(world, tmp_path / "legacy", train_images=[0, 5])
     from actcache.rundir import load_run
     from actcache.spliced import heldout_of
 
