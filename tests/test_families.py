@@ -20,7 +20,9 @@ from actcache.config import load_experiment
 from actcache.demo import DEMO_FAMILIES, make_demo_assets, make_tiny_vit
 from actcache.dump import dump_shards
 from actcache.models import describe_checkpoint, load_vit, transform_from_preprocessor_config
+from actcache.rundir import load_run
 from actcache.sae.on_cache import train_on_cache
+from actcache.spliced import _CacheContext, _Member, capture, heldout_of
 from actcache.validate import validate_dir
 from actcache.writer import gather
 from fixtures_vit import mixed_images, pil_processor_class
@@ -139,6 +141,20 @@ def test_dump_gather_train_and_visuals(tmp_path, demo, family):
     with open(os.path.join(run_dir, "visuals", "index.html"), encoding="utf-8") as fh:
         page = fh.read()
     assert family in page and ".jpg" in page
+
+    # ... and `actcache eval` splices it in at the tokens the cache holds: the block output it
+    # captures, at the SAE's positions (registers and CLS skipped), equals the cache's vectors.
+    run = load_run(run_dir)
+    ctx = _CacheContext(run, "cpu", batch_images=8)
+    member, held = _Member(ctx, run), heldout_of(run, None, 6)
+    got, _ = capture(ctx.vit, next(ctx.batches(held)), [member.block])
+    with ActivationCache.open(path) as cache:
+        stored = np.stack([cache[int(i)][0, T - N_PATCHES :] for i in held])  # layer 1's image patches
+    np.testing.assert_allclose(got[member.block][0][:, member.tokens].numpy(), stored, atol=1e-5, rtol=1e-5)
+    assert cli.main(["eval", run_dir, "--device", "cpu"]) == 0
+    with open(os.path.join(run_dir, "eval.json"), encoding="utf-8") as fh:
+        spliced = json.load(fh)["spliced"]
+    assert spliced["n_images"] == len(held) and spliced["d_zero"] > 0
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,10 @@ from actcache.demo import make_image_folder
 from actcache.images import ImageFolder, metadata_data, open_dataset
 from actcache.protocol import Metadata
 from actcache.sae.modeling import SAE, SAEConfig
-from actcache.spliced import model_tokens, spliced_eval
+from actcache.models import load_vit
+from actcache.spliced import capture, final_embedding, model_tokens, resume_embedding, spliced_eval
 from actcache.writer import write_cache_from_array
-from fixtures_vit import D, make_checkpoint
+from fixtures_vit import D, FAMILY, make_checkpoint
 
 
 def jload(path):
@@ -101,6 +102,28 @@ def test_eval_of_a_run_without_a_heldout_split_is_one_clear_line(world, tmp_path
     assert cli.main(["eval", str(d), "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "records no held-out images" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("kind", ["clip", "siglip", "dinov2", "dinov2_reg"])
+def test_resuming_after_the_spliced_block_equals_a_full_forward_with_the_edit(tmp_path, kind):
+    vit = load_vit(FAMILY[kind], make_checkpoint(str(tmp_path / kind), kind, preprocessor=False))
+    px = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+
+    def edit(h_BTD):  # the patch tokens moved by a fixed random offset (not undone by a LayerNorm)
+        noise = torch.randn(h_BTD[:, 1:].shape, generator=torch.Generator().manual_seed(1))
+        return torch.cat([h_BTD[:, :1], h_BTD[:, 1:] + noise], dim=1)
+
+    got, clean = capture(vit, px, [0, 1])
+    assert torch.equal(clean, final_embedding(vit, px))
+    for block in (0, 1):
+        h, form = got[block]
+        assert torch.equal(resume_embedding(vit, px, block, h, form), clean)
+        full = final_embedding(vit, px, block, edit)
+        torch.testing.assert_close(resume_embedding(vit, px, block, h, form, edit), full, rtol=1e-5, atol=1e-5)
+        assert (full - clean).abs().max() > 1e-3  # the edit changes the embedding
+    assert torch.equal(final_embedding(vit, px), clean)  # every block has its own forward back
+    partial, none = capture(vit, px, [1], full=False)
+    assert none is None and torch.equal(partial[1][0], got[1][0])
 
 
 def test_model_tokens_skip_cls_and_registers():

@@ -7,7 +7,9 @@ For each group of runs that share a cache, the ViT is loaded with the dump's own
 with the recorded layer's output replaced by the SAE's reconstruction on the tokens it was trained
 on (the other tokens untouched); and with those tokens zeroed, or set to their mean over the
 held-out images (zero- and mean-ablation). Each run is carried to the model's final embedding
-(``pooler_output``: CLS after the final norm, or the family's pooled head).
+(``pooler_output``: CLS after the final norm, or the family's pooled head). The clean pass runs
+once per batch of images and keeps the spliced block's output; the ablations and every SAE resume
+from it, so each SAE costs only the blocks after its own (:func:`spliced_group`).
 - cos_spliced_clean: mean cosine between the spliced and the clean final embedding.
 - fraction_recovered_zero / _mean: (d_ablate - d_sae) / d_ablate, with d the mean L2 distance of
   the final embedding from the clean one (1: as clean; 0: no better than the ablation).
@@ -39,21 +41,79 @@ def _with_tensor(output, h):
     return (h, *output[1:]) if isinstance(output, (tuple, list)) else h
 
 
-def final_embedding(vit, pixels_B3HW, block: int | None = None, edit=None):
-    """The model's final embedding (B, D_out); ``edit(h_BTD) -> h_BTD`` replaces block ``block``'s output."""
+class _Stop(Exception):
+    """Raised by a hook to end a forward pass once the blocks it needs have run."""
+
+
+def _embedding(vit, pixels_B3HW):
     import torch
 
-    handle = None
-    if edit is not None:
-        handle = vit.blocks[block].register_forward_hook(lambda m, a, out: _with_tensor(out, edit(_output_tensor(out))))
-    try:
-        with torch.inference_mode():
-            out = vit.model(**vit._model_inputs(pixels_B3HW.to(vit.device, torch.float32)))
-    finally:
-        if handle is not None:
-            handle.remove()
+    with torch.inference_mode():
+        out = vit.model(**vit._model_inputs(pixels_B3HW.to(vit.device, torch.float32)))
     pooled = getattr(out, "pooler_output", None)
     return (pooled if pooled is not None else out.last_hidden_state[:, 0]).float()
+
+
+def final_embedding(vit, pixels_B3HW, block: int | None = None, edit=None):
+    """The model's final embedding (B, D_out); ``edit(h_BTD) -> h_BTD`` replaces block ``block``'s output."""
+    if edit is None:
+        return _embedding(vit, pixels_B3HW)
+    hook = vit.blocks[block].register_forward_hook(lambda m, a, out: _with_tensor(out, edit(_output_tensor(out))))
+    try:
+        return _embedding(vit, pixels_B3HW)
+    finally:
+        hook.remove()
+
+
+def capture(vit, pixels_B3HW, blocks, full: bool = True):
+    """Run the ViT once, keeping the output of each block in ``blocks``: returns ({block: (h_BTD,
+    form)}, final embedding or None). ``full=False`` stops after the deepest of them. ``form`` is
+    the block's output with its tensor left out, for :func:`resume_embedding`."""
+    got: dict[int, tuple] = {}
+    last = max(blocks)
+
+    def hook_for(i):
+        def hook(module, args, out):
+            form = tuple(None for _ in out) if isinstance(out, (tuple, list)) else None
+            got[i] = (_output_tensor(out).detach().clone(), form)
+            if i == last and not full:
+                raise _Stop
+
+        return hook
+
+    hooks = [vit.blocks[i].register_forward_hook(hook_for(i)) for i in set(blocks)]
+    try:
+        emb = _embedding(vit, pixels_B3HW)
+    except _Stop:
+        emb = None
+    finally:
+        for h in hooks:
+            h.remove()
+    return got, emb
+
+
+def resume_embedding(vit, pixels_B3HW, block: int, h_BTD, form, edit=None):
+    """The final embedding with block ``block``'s output set to ``edit(h_BTD)`` (its output as
+    captured by :func:`capture`), without running blocks 0..block again: each is swapped for a
+    pass-through for the call. The embedding layer still runs on the pixels (cheap)."""
+    out = _with_tensor(form, edit(h_BTD) if edit is not None else h_BTD)
+
+    def passthrough(*args, **kwargs):
+        h = args[0] if args else kwargs["hidden_states"]
+        return _with_tensor(form, h)
+
+    saved = []
+    for i in range(block + 1):
+        m = vit.blocks[i]
+        saved.append((m, m.__dict__.get("forward")))
+        m.forward = passthrough if i < block else (lambda *a, **k: out)
+    try:
+        return _embedding(vit, pixels_B3HW)
+    finally:
+        for m, fwd in saved:
+            del m.forward
+            if fwd is not None:
+                m.forward = fwd
 
 
 def model_tokens(md, patches: str, n_registers: int) -> np.ndarray:
@@ -143,7 +203,7 @@ def heldout_of(run, max_images: int | None, n_imgs: int | None = None) -> np.nda
 
 
 class _CacheContext:
-    """What the runs of one cache share: the cache, its images, the ViT, clean embeddings per split."""
+    """What the runs of one cache share: the cache, its images and the ViT."""
 
     def __init__(self, run, device, batch_images: int):
         from actcache.models import load_vit
@@ -154,27 +214,10 @@ class _CacheContext:
         src = image_source(md, no_images=False)
         self.ds, self.batch_images = src.dataset, batch_images
         self.vit = load_vit(md.vit_family, md.vit_ckpt, device)
-        self._clean: dict[bytes, object] = {}
-        self._ablated: dict[tuple, tuple] = {}  # (split, layer, patches) -> (zero, mean) embeddings
 
     def batches(self, held: np.ndarray):
         for s in range(0, len(held), self.batch_images):
-            yield s, self.vit.preprocess([self.ds[int(i)][0] for i in held[s : s + self.batch_images]])
-
-    def embeddings(self, held: np.ndarray, block: int | None = None, edit_for=None):
-        """Final embeddings of ``held`` (N, D_out); ``edit_for(pixels)`` -> the block's edit."""
-        import torch
-
-        out = []
-        for _, px in self.batches(held):
-            out.append(final_embedding(self.vit, px, block, None if edit_for is None else edit_for()).cpu())
-        return torch.cat(out)
-
-    def clean(self, held: np.ndarray):
-        key = held.tobytes()
-        if key not in self._clean:
-            self._clean[key] = self.embeddings(held)
-        return self._clean[key]
+            yield self.vit.preprocess([self.ds[int(i)][0] for i in held[s : s + self.batch_images]])
 
 
 def _mean_vector(cache, held, patches, layer):
@@ -189,53 +232,93 @@ def _mean_vector(cache, held, patches, layer):
     return (total / n).float() if total is not None else torch.zeros(cache.metadata.d_vit)
 
 
-def spliced_run(ctx: _CacheContext, run, max_images: int | None = None) -> dict:
-    """The "spliced" section of one run's eval.json (see the module docstring)."""
+class _Member:
+    """One run in a group's pass: where its SAE goes in (block, token positions, scale_norm factor)
+    and the final embeddings with its reconstruction spliced in."""
+
+    def __init__(self, ctx: _CacheContext, run):
+        import torch
+
+        from actcache.loaders.common import Selection
+        from actcache.models import resolve_layers
+        from actcache.visuals import open_cache
+
+        open_cache(run)  # checks the hash, resolves run.layer
+        md, vit = ctx.cache.metadata, ctx.vit
+        self.run, self.key = run, (run.layer, run.patches)
+        self.block = resolve_layers([run.layer], vit.dims.n_layers)[0]
+        self.tokens = torch.as_tensor(model_tokens(md, run.patches, vit.dims.n_registers), device=vit.device)
+        self.scale = 1.0
+        if run.scale_norm:
+            from actcache.stats import scale_factors
+
+            self.scale = scale_factors(ctx.cache, Selection(md, run.patches, run.layer))[0]
+        self.n_bytes = 4 * (2 * run.info.get("d_vit", md.d_vit) + 1) * run.info.get("width", 0)
+        self.out: list = []
+
+
+def _chunks(members: list[_Member], budget_bytes: int) -> list[list[_Member]]:
+    """Consecutive members whose SAEs together fit ``budget_bytes`` (at least one per chunk)."""
+    out, used = [[]], 0
+    for m in members:
+        if out[-1] and used + m.n_bytes > budget_bytes:
+            out, used = [*out, []], 0
+        out[-1].append(m)
+        used += m.n_bytes
+    return out
+
+
+def spliced_group(ctx: _CacheContext, runs: list, held: np.ndarray, sae_budget_bytes: int = 4 << 30) -> dict:
+    """The "spliced" section of eval.json for each of ``runs`` (one cache, one held-out split).
+
+    Per batch of images, one clean pass keeps the output of every block an SAE reads; the
+    ablations and each SAE's splice restart from there (:func:`resume_embedding`), so a sweep of
+    n SAEs costs one forward plus n passes through the blocks after the spliced one. SAEs are
+    loaded in chunks of at most ``sae_budget_bytes``; each further chunk reruns the prefix only."""
     import torch
 
     from actcache.labels import read_labels
-    from actcache.loaders.common import Selection
-    from actcache.models import resolve_layers
     from actcache.sae.modeling import SAE
-    from actcache.visuals import open_cache
 
-    open_cache(run)  # checks the hash, resolves run.layer
-    md, vit = ctx.cache.metadata, ctx.vit
-    held = heldout_of(run, max_images, md.n_imgs)
-    block = resolve_layers([run.layer], vit.dims.n_layers)[0]
-    tokens = torch.as_tensor(model_tokens(md, run.patches, vit.dims.n_registers), device=vit.device)
-    scale = 1.0
-    if run.scale_norm:
-        from actcache.stats import scale_factors
-
-        scale = scale_factors(ctx.cache, Selection(md, run.patches, run.layer))[0]
-    key = (held.tobytes(), run.layer, run.patches)
-    if key not in ctx._ablated:  # shared by every SAE of the same layer, tokens and split
-        mean_D = _mean_vector(ctx.cache, held, run.patches, run.layer).to(vit.device)
-        ablate = _Splice(tokens, 1.0, mean_D)
-        ctx._ablated[key] = (
-            ctx.embeddings(held, block, lambda: ablate.const(torch.zeros_like(mean_D))),
-            ctx.embeddings(held, block, lambda: ablate.const(mean_D)),
-        )
-    e_zero, e_mean = ctx._ablated[key]
-    splice = _Splice(tokens, scale, None)
-    sae = SAE.load(run.dir).to(vit.device).eval()
-    clean = ctx.clean(held)
-    with torch.inference_mode():
-        e_sae = ctx.embeddings(held, block, lambda: splice.sae(sae))
-    d = {k: float((e - clean).norm(dim=1).mean()) for k, e in (("sae", e_sae), ("zero", e_zero), ("mean", e_mean))}
-    doc = {
-        "n_images": int(len(held)), "layer": run.layer, "patches": run.patches,
-        "cos_spliced_clean": float(torch.nn.functional.cosine_similarity(e_sae, clean, dim=1).mean()),
-        "fraction_recovered_zero": _fraction(d["zero"], d["sae"]),
-        "fraction_recovered_mean": _fraction(d["mean"], d["sae"]),
-        "d_sae": d["sae"], "d_zero": d["zero"], "d_mean": d["mean"],
-    }  # fmt: skip
+    vit, md = ctx.vit, ctx.cache.metadata
+    members = [_Member(ctx, r) for r in runs]
+    sites = {m.key: m for m in members}  # one member per (layer, patches) stands for its ablations
+    means = {(layer, patches): _mean_vector(ctx.cache, held, patches, layer).to(vit.device) for layer, patches in sites}
+    blocks = sorted({m.block for m in members})
+    clean, zero, mean = [], {k: [] for k in sites}, {k: [] for k in sites}
+    for ci, chunk in enumerate(_chunks(members, sae_budget_bytes)):
+        saes = [SAE.load(m.run.dir).to(vit.device).eval() for m in chunk]
+        with torch.inference_mode():
+            for px in ctx.batches(held):
+                got, emb = capture(vit, px, blocks, full=ci == 0)
+                if ci == 0:
+                    clean.append(emb.cpu())
+                    for k, m in sites.items():
+                        ablate = _Splice(m.tokens, 1.0, None)
+                        for value_D, into in ((torch.zeros_like(means[k]), zero[k]), (means[k], mean[k])):
+                            into.append(resume_embedding(vit, px, m.block, *got[m.block], ablate.const(value_D)).cpu())
+                for m, sae in zip(chunk, saes, strict=True):
+                    edit = _Splice(m.tokens, m.scale, None).sae(sae)
+                    m.out.append(resume_embedding(vit, px, m.block, *got[m.block], edit).cpu())
+        del saes
+    clean = torch.cat(clean)
     lab = read_labels(ctx.cache.path, md.n_imgs)
-    if lab is not None:
-        doc.update(_probe(lab[0][held], clean.numpy(), e_sae.numpy()))
-    doc["definitions"] = _definitions(len(held))
-    return doc
+    docs = {}
+    for m in members:
+        e_sae, e_zero, e_mean = torch.cat(m.out), torch.cat(zero[m.key]), torch.cat(mean[m.key])
+        d = {k: float((e - clean).norm(dim=1).mean()) for k, e in (("sae", e_sae), ("zero", e_zero), ("mean", e_mean))}
+        doc = {
+            "n_images": int(len(held)), "layer": m.run.layer, "patches": m.run.patches,
+            "cos_spliced_clean": float(torch.nn.functional.cosine_similarity(e_sae, clean, dim=1).mean()),
+            "fraction_recovered_zero": _fraction(d["zero"], d["sae"]),
+            "fraction_recovered_mean": _fraction(d["mean"], d["sae"]),
+            "d_sae": d["sae"], "d_zero": d["zero"], "d_mean": d["mean"],
+        }  # fmt: skip
+        if lab is not None:
+            doc.update(_probe(lab[0][held], clean.numpy(), e_sae.numpy()))
+        doc["definitions"] = _definitions(len(held))
+        docs[m.run.dir] = doc
+    return docs
 
 
 def _probe(y: np.ndarray, clean: np.ndarray, spliced: np.ndarray) -> dict:
@@ -304,10 +387,16 @@ def spliced_eval(run_dirs: list[str], device: str | None = None, batch_images: i
     out = {}
     for members in by_cache.values():
         ctx = _CacheContext(members[0], device, batch_images)
+        splits: dict[bytes, tuple] = {}  # every run of a cache shares one split, unless trained before it
         for r in members:
-            doc = spliced_run(ctx, r, max_images)
-            write_eval(r.dir, {**r.eval(), **heldout_metrics(ctx.cache, r, device), "spliced": doc})
-            out[r.dir] = doc
-            report(f"{r.dir}: spliced cos {doc['cos_spliced_clean']:.4f}, fraction recovered "
-                   f"{doc['fraction_recovered_zero']:.4f} (zero) {doc['fraction_recovered_mean']:.4f} (mean)")  # fmt: skip
+            held = heldout_of(r, max_images, ctx.cache.metadata.n_imgs)
+            splits.setdefault(held.tobytes(), (held, []))[1].append(r)
+        for held, group in splits.values():
+            docs = spliced_group(ctx, group, held)
+            for r in group:
+                doc = docs[r.dir]
+                write_eval(r.dir, {**r.eval(), **heldout_metrics(ctx.cache, r, device), "spliced": doc})
+                out[r.dir] = doc
+                report(f"{r.dir}: spliced cos {doc['cos_spliced_clean']:.4f}, fraction recovered "
+                       f"{doc['fraction_recovered_zero']:.4f} (zero) {doc['fraction_recovered_mean']:.4f} (mean)")  # fmt: skip
     return out

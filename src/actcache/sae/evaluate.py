@@ -65,16 +65,21 @@ class EvalAccumulator:
         x, xh = x_BD.float(), x_hat_BD.float()
         x_norm_B, xh_norm_B = x.norm(dim=1), xh.norm(dim=1)
         dot_B = (xh * x).sum(1)
-        dec_norm_S = sae.W_dec.norm(dim=1).to(f_BS.dtype)
+        # every activation gives f >= 0 (ReLU, top-k of ReLU'd values, JumpReLU and BatchTopK with
+        # thresholds > 0), so |f| = f and sign(f) marks the firings: each reduces over the batch as
+        # one matrix-vector product (a column count_nonzero is several times slower)
+        fired_BS = torch.sign(f_BS).float()
+        f_BS = f_BS.float()
+        dec_norm_S = sae.W_dec.norm(dim=1).float()
         d64 = torch.float64
         parts = [
             (xh - x).pow(2).sum(1).sum(dtype=d64), x.sum(0, dtype=d64), x.pow(2).sum(0, dtype=d64),
-            (f_BS.abs() @ dec_norm_S).sum(dtype=d64),
+            (f_BS @ dec_norm_S).sum(dtype=d64),
             (dot_B / (x_norm_B * xh_norm_B).clamp_min(1e-30)).sum(dtype=d64),
             (xh_norm_B / x_norm_B.clamp_min(1e-30)).sum(dtype=d64), xh_norm_B.pow(2).sum(dtype=d64), dot_B.sum(dtype=d64),
         ]  # fmt: skip
         self.sums = parts if self.sums is None else [a + b for a, b in zip(self.sums, parts, strict=True)]
-        self.fires_S += torch.count_nonzero(f_BS, dim=0)
+        self.fires_S += (torch.ones(len(f_BS), device=f_BS.device) @ fired_BS).round().long()  # exact: B < 2^24
         self.n += x_BD.shape[0]
         if self.probe is not None and image_i_B is not None:
             self.probe.update(f_BS, image_i_B)
