@@ -321,9 +321,14 @@ static void guard_install(void) {
     sigaction(SIGBUS, &sa, NULL);
 }
 
-/* run_job with the guard: 0, or 1 with *fault set when a read faulted (the copy stopped there). */
-static void run_job(job_t *j, int stream);
-static int run_job_guarded(job_t *j, int stream, uintptr_t *fault) {
+/* One copy to run under the guard: a gather (run_job) or a widening gather (widen_run). */
+typedef struct {
+    job_t *j;
+    int kind, stream;
+} copy_t;
+
+/* copy(c) with the guard: 0, or 1 with *fault set when a read faulted (the copy stopped there). */
+static int run_guarded(void (*copy)(const copy_t *), const copy_t *c, uintptr_t *fault) {
     sigjmp_buf jb;
     /* The signal mask is not saved (a system call per copy): the jump leaves the handler with
      * SIGBUS blocked (its only change to the mask), so that is undone here, on the error path. */
@@ -336,7 +341,7 @@ static int run_job_guarded(job_t *j, int stream, uintptr_t *fault) {
         return 1;
     }
     guard_jmp = &jb;
-    run_job(j, stream);
+    copy(c);
     guard_jmp = NULL;
     return 0;
 }
@@ -409,6 +414,8 @@ static int check_job(job_t *j, const char *who, Py_buffer *rows, PyObject *scale
     return 1;
 }
 
+static void copy_gather(const copy_t *c) { run_job(c->j, c->stream); }
+
 /* gather_multi(bases, n_src, srcs, rows, stride, piece, dst, stream=False, scales=None, scale=1.0,
  *              prefetch=0):
  * as gather, but row i comes from source srcs[i]: bases (int64 addresses) and n_src (int64 row counts)
@@ -459,7 +466,7 @@ static PyObject *gather_multi(PyObject *self, PyObject *args, PyObject *kw) {
     int faulted;
     guard_install();
     Py_BEGIN_ALLOW_THREADS;
-    faulted = run_job_guarded(&j, stream, &fault);
+    faulted = run_guarded(copy_gather, &(copy_t){&j, 0, stream}, &fault);
     Py_END_ALLOW_THREADS;
     if (faulted) {
         raise_bus_error("gather_multi", fault);
@@ -842,22 +849,7 @@ static void widen_run(const job_t *j, int kind, int stream) {
 #endif
 }
 
-/* widen_run under the SIGBUS guard (as run_job_guarded): 0, or 1 with *fault set. */
-static int widen_guarded(const job_t *j, int kind, int stream, uintptr_t *fault) {
-    sigjmp_buf jb;
-    if (sigsetjmp(jb, 0)) {
-        sigset_t bus;
-        sigemptyset(&bus);
-        sigaddset(&bus, SIGBUS);
-        pthread_sigmask(SIG_UNBLOCK, &bus, NULL);
-        *fault = guard_fault;
-        return 1;
-    }
-    guard_jmp = &jb;
-    widen_run(j, kind, stream);
-    guard_jmp = NULL;
-    return 0;
-}
+static void copy_widen(const copy_t *c) { widen_run(c->j, c->kind, c->stream); }
 
 static PyObject *gather_widen(PyObject *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"bases", "n_src",  "srcs",   "rows",  "stride",   "piece", "dst",
@@ -903,7 +895,7 @@ static PyObject *gather_widen(PyObject *self, PyObject *args, PyObject *kw) {
     int faulted;
     guard_install();
     Py_BEGIN_ALLOW_THREADS;
-    faulted = widen_guarded(&j, kind, stream, &fault);
+    faulted = run_guarded(copy_widen, &(copy_t){&j, kind, stream}, &fault);
     Py_END_ALLOW_THREADS;
     if (faulted) {
         raise_bus_error("gather_widen", fault);
