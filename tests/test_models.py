@@ -223,6 +223,9 @@ def test_bad_family_and_checkpoints(ckpts, tmp_path):
     os.makedirs(tmp_path / "empty")
     with pytest.raises(ConfigError, match="no config.json"):
         describe_checkpoint("clip", str(tmp_path / "empty"))
+    # a relative folder that is not there reads as a Hub id (offline here): the error says how to write a local one
+    with pytest.raises(ConfigError, match=r"(?s)as a Hub id .*write it as \./models/nope or an absolute path"):
+        describe_checkpoint("clip", "models/nope")
 
 
 def test_bad_pixels_shape(ckpts):

@@ -202,9 +202,10 @@ def _read_vision_config(family: str, ckpt: str):
     try:
         config = transformers.AutoConfig.from_pretrained(ckpt)
     except (OSError, ValueError, KeyError) as e:
+        local = f" A local folder named {ckpt!r} was not found: write it as ./{ckpt} or an absolute path." if ckpt.count("/") == 1 else ""
         raise ConfigError(
-            f"vit_ckpt {ckpt!r}: cannot read its config.json ({type(e).__name__}: {e}). Use a local checkpoint "
-            "directory or a Hugging Face Hub id (reachable, or already in the HF cache when HF_HUB_OFFLINE=1)"
+            f"vit_ckpt {ckpt!r}: cannot read its config.json as a Hub id ({type(e).__name__}: {e}). Use a local checkpoint "
+            f"directory or a Hugging Face Hub id (reachable, or already in the HF cache when HF_HUB_OFFLINE=1).{local}"
         ) from e
     model_type = getattr(config, "model_type", None)
     if model_type not in FAMILY_MODEL_TYPES[family]:
