@@ -24,7 +24,7 @@ from typing import ClassVar
 
 from actcache import protocol
 from actcache.errors import ProtocolError
-from actcache.protocol import METADATA_FILE, SHARDS_FILE, Metadata, ShardInfo, _is_int, read_json
+from actcache.protocol import METADATA_FILE, SHARDS_FILE, Metadata, ShardInfo, _is_int
 
 PROTOCOLS = ("2.1", "1.1", "1.0.0")  # saev's reader treats these alike
 FAMILIES = ("bird-mae", "clip", "dinov2", "dinov3", "fake-clip", "pe-core", "pe-spatial", "siglip")
@@ -123,13 +123,6 @@ class SaevMetadata(Metadata):
             return cls(**{name: doc[key] for key, name in KEYS.items()})
         except ProtocolError as err:
             raise ProtocolError(str(err).replace(METADATA_FILE, where, 1)) from None
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> SaevMetadata:
-        path = os.fspath(path)
-        if os.path.isdir(path):
-            path = os.path.join(path, METADATA_FILE)
-        return cls.from_dict(read_json(path), where=path)
 
     def dump(self, directory: str | os.PathLike) -> str:
         raise ProtocolError(f"{directory}: a saev cache is read-only here; actcache never writes into it.")
