@@ -79,22 +79,6 @@ rule sweep:
 """
 
 
-def checkpoint(out: str) -> str:
-    """A local CLIP-224 checkpoint as far as preprocessing goes (the display crop)."""
-    ckpt = os.path.join(out, "ckpt-clip224")
-    os.makedirs(ckpt, exist_ok=True)
-    docs = {
-        "config.json": {"model_type": "clip_vision_model", "hidden_size": D, "num_hidden_layers": 12,
-                        "image_size": 224, "patch_size": 16},
-        "preprocessor_config.json": {"image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": 224},
-                                     "crop_size": {"height": 224, "width": 224}},
-    }  # fmt: skip
-    for name, doc in docs.items():
-        with open(os.path.join(ckpt, name), "w") as fh:
-            json.dump(doc, fh)
-    return os.path.abspath(ckpt)
-
-
 def summary(width: int, n_imgs: int, seed: int, opts: VisualsOptions) -> LatentSummary:
     """Statistics shaped like a trained SAE's: a third of the latents dead, frequencies
     log-uniform over 1e-5 .. 0.2; the shown latents' top images distinct, their per-patch
@@ -146,7 +130,7 @@ def pages(args, out: str) -> tuple[Metadata, list[str], list[dict]]:
         n_imgs = 3 * n_per_class
     else:
         cfg, n_imgs = SyntheticImages(n_imgs=args.n_images, seed=0, size=64), args.n_images
-    md = Metadata(vit_family="clip", vit_ckpt=checkpoint(out), layers=(-2,), n_patches_per_img=T - 1, cls_token=True,
+    md = Metadata(vit_family="clip", vit_ckpt=benchlib.clip224_checkpoint(out, D), layers=(-2,), n_patches_per_img=T - 1, cls_token=True,
                   d_vit=D, n_imgs=n_imgs, max_patches_per_shard=2_400_000, data=metadata_data(cfg))  # fmt: skip
     src, opts = image_source(md, False), VisualsOptions()
     runs, rows = [], []

@@ -48,19 +48,9 @@ D, T, K = 768, 197, 32
 
 
 def build_cache(out: str, size_gib: float) -> str:
-    ckpt = os.path.join(out, "ckpt-clip224")
-    os.makedirs(ckpt, exist_ok=True)
-    docs = {
-        "config.json": {"model_type": "clip_vision_model", "hidden_size": D, "num_hidden_layers": 12,
-                        "image_size": 224, "patch_size": 16},
-        "preprocessor_config.json": {"image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": 224},
-                                     "crop_size": {"height": 224, "width": 224}},
-    }  # fmt: skip
-    for name, doc in docs.items():
-        with open(os.path.join(ckpt, name), "w") as fh:
-            json.dump(doc, fh)
+    ckpt = benchlib.clip224_checkpoint(out, D)
     n_imgs = int(size_gib * 2**30 // (T * D * 4))
-    md = Metadata(vit_family="clip", vit_ckpt=os.path.abspath(ckpt), layers=(-2,), n_patches_per_img=T - 1,
+    md = Metadata(vit_family="clip", vit_ckpt=ckpt, layers=(-2,), n_patches_per_img=T - 1,
                   cls_token=True, d_vit=D, n_imgs=n_imgs, max_patches_per_shard=2_400_000,
                   data=metadata_data(SyntheticImages(n_imgs=n_imgs, seed=0, size=64)))  # fmt: skip
     path = os.path.join(out, "cache", md.hash)

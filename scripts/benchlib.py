@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import fcntl
+import json
 import os
 import platform
 import re
@@ -140,6 +141,23 @@ def command_line(argv: list[str] | None = None) -> str:
     argv = sys.argv if argv is None else argv
     script = os.path.relpath(os.path.abspath(argv[0]), ROOT)
     return " ".join(shlex.quote(a) for a in ["python", script, *argv[1:]])
+
+
+def clip224_checkpoint(out: str, d: int) -> str:
+    """A local CLIP-224 checkpoint under ``out`` with hidden size ``d``, as far as preprocessing
+    goes (the display crop): enough for a cache's metadata and a visuals page; its absolute path."""
+    ckpt = os.path.join(out, "ckpt-clip224")
+    os.makedirs(ckpt, exist_ok=True)
+    docs = {
+        "config.json": {"model_type": "clip_vision_model", "hidden_size": d, "num_hidden_layers": 12,
+                        "image_size": 224, "patch_size": 16},
+        "preprocessor_config.json": {"image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": 224},
+                                     "crop_size": {"height": 224, "width": 224}},
+    }  # fmt: skip
+    for name, doc in docs.items():
+        with open(os.path.join(ckpt, name), "w") as fh:
+            json.dump(doc, fh)
+    return os.path.abspath(ckpt)
 
 
 class Device:

@@ -92,6 +92,19 @@ def sigint_raises():
     signal.signal(signal.SIGINT, old)
 
 
+@pytest.fixture
+def one_torch_thread():
+    """torch on one thread for the test, then as before: small matrices gain nothing from more, the
+    float results do not depend on the machine's core count, and it degrades gracefully when other
+    jobs share the CPU. Modules ask for it with ``pytestmark``."""
+    import torch  # here, not at the top: most test modules never import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 @pytest.fixture(scope="session")
 def chromium():
     """Chromium's executable: Debian's package, installed with apt-get when missing (as CI does on

@@ -19,20 +19,11 @@ from actcache.sae.checkpoint_faults import CORRUPTIONS, corrupt, resume_trial
 from actcache.sae.config import expand_train_section
 from actcache.sae.modeling import SAE
 from actcache.sae.train import Preempted, train_group
+from test_sae_resume import stop_after
 from test_sae_train import dictionary_cache
 
 TRAIN = {"batch_size": 64, "steps": 20, "width": 64, "k": 4, "log_every": 5, "ckpt_every": 5, "eval_frac": 0.1,
          "eval_tokens": 256, "deterministic": True, "lr": 3e-3}  # fmt: skip
-
-
-def stop_after(n: int):
-    calls = {"n": 0}
-
-    def stop() -> bool:
-        calls["n"] += 1
-        return calls["n"] >= n
-
-    return stop
 
 
 @pytest.fixture(scope="module")

@@ -18,13 +18,7 @@ from test_sae_modeling import K_TRUE, N_TRUE, D, recovery, synthetic
 from test_sae_resume import assert_same, collect, stop_after
 from test_sae_train import dictionary_cache
 
-
-@pytest.fixture(autouse=True)
-def _threads():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py: one torch thread per test
 
 
 def mat(width=32, d=8, k=3, prefixes=(4, 16, 32), **kw) -> SAE:

@@ -29,14 +29,7 @@ from actcache.sae import (
 N_TRUE, D, K_TRUE = 256, 64, 8
 
 
-@pytest.fixture(autouse=True)
-def _threads():
-    # One thread: these matrices are too small to gain from more, the float results do not depend
-    # on the machine's core count, and it degrades gracefully when other jobs share the CPU.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py: one torch thread per test
 
 
 def synthetic(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -69,6 +69,8 @@ def assert_same(got: dict, want: dict) -> None:
 
 
 def stop_after(n: int):
+    """A train_group ``stop`` callback, true from its n-th call on: train_group asks after each
+    step, so a fresh run is preempted at step n."""
     calls = {"n": 0}
 
     def stop() -> bool:

@@ -138,34 +138,31 @@ class Experiment:
         return metadata_data(self.data)
 
 
+def _workflow(help: str, **kw):
+    # a required key of config/config.yaml (its paths and roots have no default)
+    return key(help=help, scope="workflow", required=True, **kw)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CacheEntry:
     """One item of config/config.yaml's ``caches:``: an existing cache and the SAEs to train on it."""
 
-    dir: str = key(
-        help="an existing, gathered cache directory (protocol v1 or saev 2.1), relative to the project root; "
-        "never written to",
-        scope="workflow",
-        required=True,
+    dir: str = _workflow(
+        "an existing, gathered cache directory (protocol v1 or saev 2.1), relative to the project root; "
+        "never written to"
     )
-    train: str = key(
-        help="an experiment YAML or a file holding only `train:`, relative to the project root",
-        scope="workflow",
-        required=True,
-    )
+    train: str = _workflow("an experiment YAML or a file holding only `train:`, relative to the project root")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WorkflowConfig:
     """config/config.yaml: the workflow's roots, experiments and existing caches."""
 
-    dump_to: str = key(
-        help="root of the activation caches: each lives in `<dump_to>/<HASH>/` (protocol v1); on a "
-        "cluster, a shared scratch filesystem",
-        scope="workflow",
-        required=True,
+    dump_to: str = _workflow(
+        "root of the activation caches: each lives in `<dump_to>/<HASH>/` (protocol v1); on a "
+        "cluster, a shared scratch filesystem"
     )
-    runs_to: str = key(help="root of SAE training runs: `<runs_to>/<HASH>/<sae-id>/`", scope="workflow", required=True)
+    runs_to: str = _workflow("root of SAE training runs: `<runs_to>/<HASH>/<sae-id>/`")
     experiments: tuple[str, ...] = key(
         (),
         help="experiment files, relative to the project root; two experiments may not share a `name`",

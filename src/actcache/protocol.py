@@ -414,24 +414,26 @@ def read_json(path: str) -> object:
     return load_json_file(path, ProtocolError, "file")
 
 
-def parse_shards(doc: object, where: str = SHARDS_FILE) -> list[ShardInfo]:
+def parse_shards(doc: object, where: str = SHARDS_FILE, count: str = "n_imgs") -> list[ShardInfo]:
+    """shards.json ([{name, <count>}, ...]) as ShardInfo rows. ``count`` names the images key:
+    ``n_imgs`` in v1; saev 2.x's table is the same but for its ``n_examples``."""
     if not isinstance(doc, list):
-        raise ProtocolError(f"{where}: expected a JSON array of {{name, n_imgs}} objects, got {type(doc).__name__}.")
+        raise ProtocolError(f"{where}: expected a JSON array of {{name, {count}}} objects, got {type(doc).__name__}.")
     shards = []
     for i, entry in enumerate(doc):
-        if not isinstance(entry, dict) or "name" not in entry or "n_imgs" not in entry:
-            raise ProtocolError(f"{where}: entry {i} must be an object with 'name' and 'n_imgs', got {entry!r}.")
-        if not isinstance(entry["name"], str) or not _is_int(entry["n_imgs"]) or entry["n_imgs"] < 0:
+        if not isinstance(entry, dict) or "name" not in entry or count not in entry:
+            raise ProtocolError(f"{where}: entry {i} must be an object with 'name' and '{count}', got {entry!r}.")
+        if not isinstance(entry["name"], str) or not _is_int(entry[count]) or entry[count] < 0:
             raise ProtocolError(
-                f"{where}: entry {i} needs a string 'name' and an integer 'n_imgs' >= 0, got {entry!r}."
+                f"{where}: entry {i} needs a string 'name' and an integer '{count}' >= 0, got {entry!r}."
             )
-        shards.append(ShardInfo(entry["name"], entry["n_imgs"]))
+        shards.append(ShardInfo(entry["name"], entry[count]))
     return shards
 
 
-def read_shards(directory: str | os.PathLike) -> list[ShardInfo]:
+def read_shards(directory: str | os.PathLike, count: str = "n_imgs") -> list[ShardInfo]:
     path = os.path.join(os.fspath(directory), SHARDS_FILE)
-    return parse_shards(read_json(path), where=path)
+    return parse_shards(read_json(path), where=path, count=count)
 
 
 def write_shards(directory: str | os.PathLike, shards: list[ShardInfo]) -> str:

@@ -22,8 +22,9 @@ import json
 import os
 from typing import ClassVar
 
+from actcache import protocol
 from actcache.errors import ProtocolError
-from actcache.protocol import METADATA_FILE, SHARDS_FILE, Metadata, ShardInfo, _is_int, read_json
+from actcache.protocol import METADATA_FILE, SHARDS_FILE, Metadata, ShardInfo, _is_int
 
 PROTOCOLS = ("2.1", "1.1", "1.0.0")  # saev's reader treats these alike
 FAMILIES = ("bird-mae", "clip", "dinov2", "dinov3", "fake-clip", "pe-core", "pe-spatial", "siglip")
@@ -123,13 +124,6 @@ class SaevMetadata(Metadata):
         except ProtocolError as err:
             raise ProtocolError(str(err).replace(METADATA_FILE, where, 1)) from None
 
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> SaevMetadata:
-        path = os.fspath(path)
-        if os.path.isdir(path):
-            path = os.path.join(path, METADATA_FILE)
-        return cls.from_dict(read_json(path), where=path)
-
     def dump(self, directory: str | os.PathLike) -> str:
         raise ProtocolError(f"{directory}: a saev cache is read-only here; actcache never writes into it.")
 
@@ -144,22 +138,9 @@ class SaevMetadata(Metadata):
 
 
 def parse_shards(doc: object, where: str = SHARDS_FILE) -> list[ShardInfo]:
-    """saev's shards.json ([{name, n_examples}, ...]) as ShardInfo rows."""
-    if not isinstance(doc, list):
-        raise ProtocolError(
-            f"{where}: expected a JSON array of {{name, n_examples}} objects, got {type(doc).__name__}."
-        )
-    out = []
-    for i, entry in enumerate(doc):
-        ok = isinstance(entry, dict) and isinstance(entry.get("name"), str)
-        if not ok or not _is_int(entry.get("n_examples")) or entry["n_examples"] < 0:
-            raise ProtocolError(
-                f"{where}: entry {i} needs a string 'name' and an integer 'n_examples' >= 0, got {entry!r}."
-            )
-        out.append(ShardInfo(entry["name"], entry["n_examples"]))
-    return out
+    """saev's shards.json ([{name, n_examples}, ...]) as ShardInfo rows: v1's table, saev's count key."""
+    return protocol.parse_shards(doc, where, count="n_examples")
 
 
 def read_shards(directory: str | os.PathLike) -> list[ShardInfo]:
-    path = os.path.join(os.fspath(directory), SHARDS_FILE)
-    return parse_shards(read_json(path), where=path)
+    return protocol.read_shards(directory, count="n_examples")

@@ -91,21 +91,32 @@ def plot_sweep(points: list[dict], path: str) -> bool:
         if p:
             ax.scatter([x["l0"] for x in p], [x["nmse"] for x in p], marker=marker,
                        label="held-out eval" if src == "eval" else "last training metrics")  # fmt: skip
-    for x in points:
-        ax.annotate(x["label"], (x["l0"], x["nmse"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    l0 = [x["l0"] for x in points if x["l0"] > 0]
+    _l0_axis(ax, points, "nmse", "L0 (latents per token)")
+    ax.set_ylabel("NMSE")
+    ax.set_title("NMSE against L0")
+    _save_with_legend(plt, fig, ax, path)
+    return True
+
+
+def _l0_axis(ax, points: list[dict], key: str, xlabel: str) -> None:
+    """An L0 scatter's labels and x axis: each SAE's label beside its point (L0, ``key``); a log
+    axis when L0 spans over 20x (a sweep of k), so the small-L0 SAEs do not crowd together."""
+    for p in points:
+        ax.annotate(p["label"], (p["l0"], p[key]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    l0 = [p["l0"] for p in points if p["l0"] > 0]
     if l0 and max(l0) / min(l0) > 20:
         ax.set_xscale("log")
     ax.margins(x=0.2, y=0.15)
-    ax.set_xlabel("L0 (latents per token)")
-    ax.set_ylabel("NMSE")
-    ax.set_title("NMSE against L0")
+    ax.set_xlabel(xlabel)
+
+
+def _save_with_legend(plt, fig, ax, path: str) -> None:
+    """Grid and legend on ``ax``, then ``fig`` saved to ``path`` and closed (the sweep plots' look)."""
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
-    return True
 
 
 def _placeholder(path: str, text: str) -> None:
@@ -189,19 +200,9 @@ def plot_pareto(points: list[dict], key: str, ylabel: str, higher: bool, path: s
     front = pareto_front(have, key, higher)
     ax.scatter([p["l0"] for p in have], [p[key] for p in have], color="#9aa9bf", label="SAE")
     ax.plot([p["l0"] for p in front], [p[key] for p in front], "o-", color="#c0392b", label="Pareto frontier")
-    for p in have:
-        ax.annotate(p["label"], (p["l0"], p[key]), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    l0 = [p["l0"] for p in have if p["l0"] > 0]
-    if l0 and max(l0) / min(l0) > 20:
-        ax.set_xscale("log")
-    ax.margins(x=0.2, y=0.15)
-    ax.set_xlabel("L0 (held-out latents per token, lower is better)")
+    _l0_axis(ax, have, key, "L0 (held-out latents per token, lower is better)")
     ax.set_ylabel(ylabel, fontsize=8)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    _save_with_legend(plt, fig, ax, path)
     return True
 
 
