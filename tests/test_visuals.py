@@ -232,6 +232,11 @@ def test_one_file_page_keeps_to_its_byte_budget_with_a_spread_of_the_cards(page,
             "FULL-PAGE-PATH")  # fmt: skip
     whole, all_cards = one_file_page(*args)
     assert list(all_cards) == list(shown) and "FULL-PAGE-PATH" not in whole
+    probes = {"latent_best_class": [1] * res.width, "class_names": ["circles", "squares"],
+              "best_latent_per_class": [{"name": "squares", "latent": int(shown[0]), "ap": 0.9, "n_images": 4}]}  # fmt: skip
+    with_probes, _ = one_file_page(*args, probes=probes)  # each card's best class and the table, as on the full page
+    assert with_probes.count('<span class="best-class">best class: squares</span>') == len(shown)
+    assert "Best latent per class" in with_probes and "best-class" not in whole
     bare, none = one_file_page(*args, budget=1)  # no card fits: the header and plots alone
     assert len(none) == 0 and "shows 0 of its" in bare
     budget = (len(whole.encode()) + len(bare.encode())) // 2

@@ -372,7 +372,8 @@ def write_visuals(run: Run, cache, res: LatentSummary, src, opts, timings: dict)
         page = annotate_page(page, ev.get("probes"))
         vh.write_page(os.path.join(tmp, PAGE_FILE), page)
         standalone, one_file = one_file_page(res, latents, info, labels, pot, heat, src.dataset is not None, plots,
-                                             notes, tmp, os.path.abspath(os.path.join(final, PAGE_FILE)))  # fmt: skip
+                                             notes, tmp, os.path.abspath(os.path.join(final, PAGE_FILE)),
+                                             probes=ev.get("probes"))  # fmt: skip
         summary = {
             "version": 1, "sae_id": run.name, "run_dir": os.path.abspath(run.dir), "cache": run.cache,
             "cache_hash": md.hash, "layer": run.layer, "patches": run.patches, "scale_norm": run.scale_norm,

@@ -21,6 +21,7 @@ import PIL.Image
 
 from actcache.topk import LatentSummary
 from actcache.visuals_html import render_page
+from actcache.visuals_probes import annotate_page
 
 PAGE_BUDGET = 1_250_000  # bytes of one page; its data: URL (base64) stays under Chromium's 2 MiB
 THUMB_SIDE = 64  # top images are inlined at most this large
@@ -100,10 +101,12 @@ def spread(latents: np.ndarray, m: int) -> np.ndarray:
 
 def one_file_page(res: LatentSummary, latents: np.ndarray, info: dict, labels: dict[int, str],
                   patch_of_token: np.ndarray, heat: bool, images: bool, plots: list[str], notes: list[str],
-                  base_dir: str, full_page: str, budget: int | None = None) -> tuple[str, np.ndarray]:  # fmt: skip
+                  base_dir: str, full_page: str, budget: int | None = None,
+                  probes: dict | None = None) -> tuple[str, np.ndarray]:  # fmt: skip
     """(page, latents shown): the page of ``base_dir`` (a visuals folder) in one file of at most
     ``budget`` bytes (default PAGE_BUDGET) where that is possible, with as many of ``latents`` as
-    fit (the page's size grows with the count of cards)."""
+    fit (the page's size grows with the count of cards). ``probes`` (eval.json "probes") adds each
+    card's best class and the best-latent table, as on the full page."""
     budget = PAGE_BUDGET if budget is None else budget
     assets = InlineAssets(base_dir)
 
@@ -116,7 +119,7 @@ def one_file_page(res: LatentSummary, latents: np.ndarray, info: dict, labels: d
                 f"small images, so that a browser can open it inside a report; the full page is {full_page}."
             )
         page = render_page(res, shown, info, labels, patch_of_token, heat, images, plots, [*notes, *extra], lazy=False)
-        return assets.inline(page), shown
+        return assets.inline(annotate_page(page, probes)), shown
 
     def fits(got: tuple[str, np.ndarray]) -> bool:
         return len(got[0].encode("utf-8")) <= budget

@@ -63,7 +63,8 @@ class EvalAccumulator:
             sae.train(was_training)
         # per-example sums in the input's precision (D terms each), totals over examples in float64
         x, xh = x_BD.float(), x_hat_BD.float()
-        x_norm_B, xh_norm_B = x.norm(dim=1), xh.norm(dim=1)
+        x2_BD = x * x
+        x_norm_B, xh_norm_B = x2_BD.sum(1).sqrt(), xh.norm(dim=1)
         dot_B = (xh * x).sum(1)
         # every activation gives f >= 0 (ReLU, top-k of ReLU'd values, JumpReLU and BatchTopK with
         # thresholds > 0), so |f| = f and sign(f) marks the firings: each reduces over the batch as
@@ -73,7 +74,7 @@ class EvalAccumulator:
         dec_norm_S = sae.W_dec.norm(dim=1).float()
         d64 = torch.float64
         parts = [
-            (xh - x).pow(2).sum(1).sum(dtype=d64), x.sum(0, dtype=d64), x.pow(2).sum(0, dtype=d64),
+            (xh - x).pow(2).sum(1).sum(dtype=d64), x.sum(0, dtype=d64), x2_BD.sum(0, dtype=d64),
             (f_BS @ dec_norm_S).sum(dtype=d64),
             (dot_B / (x_norm_B * xh_norm_B).clamp_min(1e-30)).sum(dtype=d64),
             (xh_norm_B / x_norm_B.clamp_min(1e-30)).sum(dtype=d64), xh_norm_B.pow(2).sum(dtype=d64), dot_B.sum(dtype=d64),
@@ -165,8 +166,8 @@ def max_decoder_cos(W_dec_SD: torch.Tensor, chunk: int = 4096) -> float:
 
 def check_finite(x_BD: torch.Tensor, batch: dict | None, what: str) -> None:
     """Raise TrainError naming the first example with NaN/Inf (image_i, patch_i when known)."""
-    if bool(torch.isfinite(x_BD).all()):
-        return
+    if bool(torch.isfinite(x_BD.sum())) or bool(torch.isfinite(x_BD).all()):
+        return  # a NaN or Inf makes the sum NaN or Inf (one fast reduction); a large sum may overflow alone
     row = int((~torch.isfinite(x_BD)).any(1).nonzero()[0, 0])
     where = f"example {row} of the batch"
     if batch is not None and "image_i" in batch:
