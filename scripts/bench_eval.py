@@ -1,6 +1,7 @@
 """Benchmark the held-out evaluation and the spliced-in pass against their floors.
 
-    python scripts/bench_eval.py [--size-gib 4] [--width 6144] [--images 256] [--out bench-out/eval] [--device cpu]
+    python scripts/bench_eval.py [--size-gib 4] [--width 6144] [--vit base] [--images 256] [--rounds 3]
+                                 [--out bench-out/eval] [--device cpu]
 
 1. eval: ``evaluate_many`` over the held-out split (a seeded random 5% of the images, read
    image by image: actcache.sae.split.HeldoutBatches) against its floor, one OrderedLoader pass
@@ -53,23 +54,27 @@ def build_cache(out: str, size_gib: float) -> str:
         (e - s, 1, T, D), dtype=np.float32))  # fmt: skip
 
 
-def bench_eval(cache_dir: str, width: int, dev) -> dict:
+def bench_eval(cache_dir: str, width: int, dev, rounds: int) -> dict:
     cache = ActivationCache.open(cache_dir)
     held = heldout_images(cache.n_imgs, EVAL_FRAC)
     sae = SAE(SAEConfig(d_vit=D, width=width, activation="topk", k=32, seed=0)).to(dev.name).eval()
     a = int(cache.n_imgs - len(held))
-    t0 = time.perf_counter()
-    with OrderedLoader(cache, batch_size=BATCH, patches="image", layer=-2, start_img=a) as ld, torch.inference_mode():
-        for b in ld:
-            sae(b["act"].to(dev.name))
-    dev.sync()
-    t_floor = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    evaluate_many([sae], HeldoutBatches(cache, held, "image", -2, False, BATCH), dense_frac=[0.1])
-    dev.sync()
-    t_eval = time.perf_counter() - t0
-    return {"held-out images": len(held), "width": width, "floor s": t_floor, "eval s": t_eval,
-            "eval / floor": t_eval / t_floor}  # fmt: skip
+
+    def floor():
+        with OrderedLoader(cache, batch_size=BATCH, patches="image", layer=-2, start_img=a) as ld, torch.inference_mode():
+            for b in ld:
+                sae(b["act"].to(dev.name))
+
+    def heldout_eval():
+        evaluate_many([sae], HeldoutBatches(cache, held, "image", -2, False, BATCH), dense_frac=[0.1])
+
+    t = [{"floor": _timed(dev, floor), "eval": _timed(dev, heldout_eval)} for _ in range(rounds)]
+    return {"held-out images": len(held), "width": width, "rounds": rounds, "floor s": _median(t, "floor"),
+            "eval s": _median(t, "eval"), "eval / floor": float(np.median([r["eval"] / r["floor"] for r in t]))}  # fmt: skip
+
+
+def _median(rounds: list[dict], key: str) -> float:
+    return float(np.median([r[key] for r in rounds]))
 
 
 def _timed(dev, fn) -> float:
@@ -79,9 +84,10 @@ def _timed(dev, fn) -> float:
     return time.perf_counter() - t0
 
 
-def bench_spliced(vit_size: str, n_images: int, dev, sweep: int = 8) -> list[dict]:
+def bench_spliced(vit_size: str, n_images: int, dev, rounds: int, sweep: int = 8) -> list[dict]:
     """Per spliced layer: a plain forward, the old full forward with the edit, and `actcache eval`'s
-    passes (one clean capture, two ablations and one resumed pass per SAE), as ratios to plain."""
+    passes (one clean capture, two ablations and one resumed pass per SAE), as ratios to plain
+    (medians over ``rounds`` rounds, each timing every pass once, after one warm-up batch of each)."""
     import transformers
 
     from actcache.models import _find_blocks
@@ -104,7 +110,7 @@ def bench_spliced(vit_size: str, n_images: int, dev, sweep: int = 8) -> list[dic
     sae = SAE(SAEConfig(d_vit=d, width=16 * d, activation="topk", k=32, seed=0)).to(dev.name).eval()
     splice = _Splice(torch.arange(1, 197, device=dev.name), 1.0, None)
     mean_D = torch.zeros(d, device=dev.name)
-    batches = torch.randn(n_images, 3, 224, 224).split(32)
+    batches = list(torch.randn(n_images, 3, 224, 224).split(32))
     rows = []
     for block in (n - 2, n // 2 - 1):
         got = []
@@ -129,15 +135,21 @@ def bench_spliced(vit_size: str, n_images: int, dev, sweep: int = 8) -> list[dic
             for px, (h, form) in zip(batches, got, strict=True):
                 resume_embedding(_Vit, px, block, h, form, splice.sae(sae))
 
-        t = {}
-        for _ in range(2):  # the second round is timed (first: warm-up)
-            t = {name: _timed(dev, fn) for name, fn in
-                 (("plain", plain), ("full", full_edit), ("clean", clean), ("abl", ablations), ("sae", per_sae))}  # fmt: skip
-        shared = t["clean"] + t["abl"]
-        rows.append({"ViT": vit_size, "layer": f"block {block} of {n}", "images": n_images, "plain s": t["plain"],
-                     "spliced / plain": t["sae"] / t["plain"], "full-forward splice / plain": t["full"] / t["plain"],
-                     "eval of 1 SAE / plain": (shared + t["sae"]) / t["plain"],
-                     f"per SAE of {sweep} / plain": (shared / sweep + t["sae"]) / t["plain"]})  # fmt: skip
+        warm, batches[:] = batches[:], batches[:1]
+        for fn in (plain, full_edit, clean, ablations, per_sae):
+            fn()
+        batches[:] = warm
+        t = [{name: _timed(dev, fn) for name, fn in
+              (("plain", plain), ("full", full_edit), ("clean", clean), ("abl", ablations), ("sae", per_sae))}
+             for _ in range(rounds)]  # fmt: skip
+
+        def ratio(f):
+            return float(np.median([f(r) / r["plain"] for r in t]))
+
+        rows.append({"ViT": vit_size, "layer": f"block {block} of {n}", "images": n_images, "plain s": _median(t, "plain"),
+                     "spliced / plain": ratio(lambda r: r["sae"]), "full-forward splice / plain": ratio(lambda r: r["full"]),
+                     "eval of 1 SAE / plain": ratio(lambda r: r["clean"] + r["abl"] + r["sae"]),
+                     f"per SAE of {sweep} / plain": ratio(lambda r: (r["clean"] + r["abl"]) / sweep + r["sae"])})  # fmt: skip
     return rows
 
 
@@ -149,13 +161,14 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=256)
     ap.add_argument("--out", default=os.path.join(benchlib.ROOT, "bench-out", "eval"))
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds; figures are medians")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
     dev = benchlib.Device(args.device)
     cache = build_cache(args.out, args.size_gib)
-    ev = bench_eval(cache, args.width, dev)
+    ev = bench_eval(cache, args.width, dev, args.rounds)
     print(json.dumps(ev), flush=True)
-    sp = bench_spliced(args.vit, args.images, dev)
+    sp = bench_spliced(args.vit, args.images, dev, args.rounds)
     print(json.dumps(sp), flush=True)
     checks = [
         benchlib.check("held-out eval <= 1.5 x (ordered pass + SAE forward)", ev["eval / floor"], 1.5, "x floor",

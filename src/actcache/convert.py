@@ -5,9 +5,10 @@ float32 <-> float16 / bfloat16, i.e. protocol 1.0 <-> 2.0. Written the way a dum
 shard to a temporary sibling renamed when complete (writer.open_shard_writer), shards.json last
 (gather), then checked with a deep verify. A killed convert leaves no complete-looking shard;
 running it again skips the complete shards and writes the same bytes (the conversion is a pure
-function of the stored values: dtypes.py). A 16-bit cache converted back to float32 has the hash
-of the float32 cache it came from (same metadata) but rounded values: write it under another root
-than that cache.
+function of the stored values: dtypes.py). A cache's hash promises the model's values stored as
+its dtype; converted from a 16-bit cache, the values are already rounded (and back at float32 the
+hash is the original float32 cache's), so that needs ``allow_rounded`` (``--allow-rounded``), and
+the result belongs under another root than the workflow's dump_to.
 """
 
 from __future__ import annotations
@@ -43,10 +44,16 @@ def converted_metadata(md: Metadata, dtype: str, where: str = "the cache") -> Me
     return dataclasses.replace(md, dtype=dtype, protocol=None, extra={})
 
 
-def convert(src_dir: str | os.PathLike, dtype: str, to_root: str | os.PathLike) -> str:
+def convert(src_dir: str | os.PathLike, dtype: str, to_root: str | os.PathLike, allow_rounded: bool = False) -> str:
     """Write the cache ``src_dir`` with ``dtype`` values under ``to_root``; returns its directory."""
     src = ActivationCache.open(src_dir, out_dtype="stored")
     md = converted_metadata(src.metadata, dtype, src.path)
+    if src.metadata.dtype != "float32" and not allow_rounded:
+        raise ConfigError(
+            f"{src.path}: its values are rounded to {src.metadata.dtype}; as {dtype} they would sit under the hash "
+            f"of a cache of the model's own values{' (the float32 cache they came from)' if dtype == 'float32' else ''}. "
+            "Re-dump for exact values, or pass --allow-rounded and write under a root other than dump_to"
+        )
     dest = os.path.join(os.fspath(to_root), md.hash)
     if os.path.abspath(dest) == os.path.abspath(src.path):
         raise ConfigError(f"--to {to_root}: the converted cache would replace its source; pick another root")

@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("dir", help="the cache to convert")
     s.add_argument("--dtype", required=True, choices=DTYPES, help="float32 (protocol 1) or float16 / bfloat16 (2.0)")
     s.add_argument("--to", required=True, metavar="ROOT", help="root the new <HASH>/ directory is written under")
+    s.add_argument("--allow-rounded", action="store_true",
+                   help="convert a 16-bit cache (its rounded values get the hash of a cache of exact ones)")  # fmt: skip
 
     s = sub.add_parser("plan", help="per experiment: hash, directory, cache status, training outputs")
     s.add_argument("--config", default="config/config.yaml", help="workflow config (default: %(default)s)")

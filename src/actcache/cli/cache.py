@@ -138,7 +138,7 @@ def cmd_gather(args) -> int:
 def cmd_convert(args) -> int:
     from actcache.convert import convert
 
-    print(convert(args.dir, args.dtype, args.to))
+    print(convert(args.dir, args.dtype, args.to, allow_rounded=args.allow_rounded))
     return 0
 
 
