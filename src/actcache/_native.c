@@ -414,6 +414,18 @@ static int check_job(job_t *j, const char *who, Py_buffer *rows, PyObject *scale
     return 1;
 }
 
+/* copy(c) under the guard with the GIL released: 1, or 0 with BusError set (``who`` names the call). */
+static int run_copy(void (*copy)(const copy_t *), const copy_t *c, const char *who) {
+    uintptr_t fault = 0;
+    int faulted;
+    guard_install();
+    Py_BEGIN_ALLOW_THREADS;
+    faulted = run_guarded(copy, c, &fault);
+    Py_END_ALLOW_THREADS;
+    if (faulted) raise_bus_error(who, fault);
+    return !faulted;
+}
+
 static void copy_gather(const copy_t *c) { run_job(c->j, c->stream); }
 
 /* gather_multi(bases, n_src, srcs, rows, stride, piece, dst, stream=False, scales=None, scale=1.0,
@@ -462,16 +474,7 @@ static PyObject *gather_multi(PyObject *self, PyObject *args, PyObject *kw) {
     j.bases = (const char *const *)bases.buf;
     j.srcs = S;
     j.dst = (char *)(uintptr_t)dst_addr;
-    uintptr_t fault = 0;
-    int faulted;
-    guard_install();
-    Py_BEGIN_ALLOW_THREADS;
-    faulted = run_guarded(copy_gather, &(copy_t){&j, 0, stream}, &fault);
-    Py_END_ALLOW_THREADS;
-    if (faulted) {
-        raise_bus_error("gather_multi", fault);
-        goto done;
-    }
+    if (!run_copy(copy_gather, &(copy_t){&j, 0, stream}, "gather_multi")) goto done;
     result = Py_None;
     Py_INCREF(result);
 done:
@@ -891,16 +894,7 @@ static PyObject *gather_widen(PyObject *self, PyObject *args, PyObject *kw) {
     j.srcs = S;
     j.dst = (char *)(uintptr_t)dst_addr;
     set_prefetch(&j);
-    uintptr_t fault = 0;
-    int faulted;
-    guard_install();
-    Py_BEGIN_ALLOW_THREADS;
-    faulted = run_guarded(copy_widen, &(copy_t){&j, kind, stream}, &fault);
-    Py_END_ALLOW_THREADS;
-    if (faulted) {
-        raise_bus_error("gather_widen", fault);
-        goto done;
-    }
+    if (!run_copy(copy_widen, &(copy_t){&j, kind, stream}, "gather_widen")) goto done;
     result = Py_None;
     Py_INCREF(result);
 done:
