@@ -25,6 +25,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 
 import numpy as np
 
@@ -107,20 +108,21 @@ def _trial(cache: str, workdir: str, i: int, kind: str, damage: str) -> dict:
     ref = _collect(_loader(kind, path))
     ld = _loader(kind, path)
     names = [s.name for s in ld.cache.shards]
-    done = []
+    done, once = [], threading.Lock()  # copy threads call the hook at once: exactly one shard is damaged
 
     def hook(stage, info):
-        if done:
-            return
-        if damage == "unreadable" and stage == "read":  # the first read: a shard not opened yet
-            opened = set(ld._it.maps._fds) | {info["shard"]}
-            shard = max(s for s in range(len(names)) if s not in opened)
-        elif damage != "unreadable" and stage == "gather" and info["batch"] >= 1:
-            shard = (info["shards"] or [0])[0]  # one the copy is about to read
-        else:
-            return
-        damage_shard(os.path.join(path, names[shard]), damage)
-        done.append(names[shard])
+        with once:
+            if done:
+                return
+            if damage == "unreadable" and stage == "read":  # the first read: a shard not opened yet
+                opened = set(ld._it.maps._fds) | {info["shard"]}
+                shard = max(s for s in range(len(names)) if s not in opened)
+            elif damage != "unreadable" and stage == "gather" and info["batch"] >= 1:
+                shard = (info["shards"] or [0])[0]  # one the copy is about to read
+            else:
+                return
+            damage_shard(os.path.join(path, names[shard]), damage)
+            done.append(names[shard])
 
     ld.debug_hook = hook
     res = {"loader": kind, "damage": damage, "shard": None, "message": ""}
