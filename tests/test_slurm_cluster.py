@@ -84,14 +84,15 @@ SNAKEFILE = textwrap.dedent(
 def test_snakemake_slurm_executor_runs_gpu_and_cpu_rules(slurm_cluster, tmp_path):
     (tmp_path / "Snakefile").write_text(SNAKEFILE)
     prefix = "actcachetest" + uuid.uuid4().hex[:8]
-    snakemake = slurm_cluster.venv_bin / "snakemake"
+    fast_polls = slurm_cluster.repo / "tests" / "slurm_polls.py"  # snakemake, polling Slurm every few seconds
     proc = slurm_cluster.run(
         [
             "timeout",
             "-s",
             "KILL",
             str(SNAKEMAKE_TIMEOUT_S),
-            snakemake,
+            sys.executable,
+            fast_polls,
             "--executor",
             "slurm",
             "--jobs",

@@ -15,7 +15,7 @@ import time
 
 import pytest
 from tests.fixtures_vit import make_checkpoint
-from tests.workflow_helpers import REPO, SNAKEMAKE, job_counts, write_project
+from tests.workflow_helpers import REPO, job_counts, write_project
 
 import slurm_fixture
 from actcache import ActivationCache
@@ -24,6 +24,7 @@ slurm_cluster = slurm_fixture.slurm_cluster
 pytestmark = pytest.mark.slurm
 
 SITE_FILE = os.path.join(REPO, "profiles", "sites", "local-slurm.env")
+FAST_POLLS = os.path.join(REPO, "tests", "slurm_polls.py")  # snakemake, polling Slurm every few seconds
 RUN_TIMEOUT_S = 420  # a kill switch only: jobs take seconds each on an idle machine
 
 
@@ -39,9 +40,9 @@ def site_env() -> dict[str, str]:
 
 
 def osc_cmd(cfg: str, *args: str, timeout: int = RUN_TIMEOUT_S) -> list[str]:
-    # Only command-line flags on top of the profile: fast status checks for a private cluster.
+    # Only command-line flags on top of the profile (and polls capped, FAST_POLLS): fast status checks for a private cluster.
     return [
-        "timeout", "-s", "KILL", str(timeout), SNAKEMAKE, "-s", os.path.join(REPO, "Snakefile"),
+        "timeout", "-s", "KILL", str(timeout), sys.executable, FAST_POLLS, "-s", os.path.join(REPO, "Snakefile"),
         "--configfile", cfg, "-d", os.path.dirname(cfg), "--profile", os.path.join(REPO, "profiles", "osc"),
         "--slurm-init-seconds-before-status-checks", "2", "--latency-wait", "5", *args,
     ]  # fmt: skip
@@ -240,7 +241,7 @@ def test_scancel_of_a_train_job_checkpoints_and_the_retry_resumes(slurm_cluster,
     with open(exp_file) as fd:
         doc = yaml.safe_load(fd)
     doc["train"] = {
-        "layer": -2, "batch_size": 64, "steps": 3000, "buffer_bytes": 1 << 20, "eval_frac": 0.1,
+        "layer": -2, "batch_size": 64, "steps": 1000, "buffer_bytes": 1 << 20, "eval_frac": 0.1,
         "eval_tokens": 256, "exp_factor": 2, "dead_tokens": 512, "log_every": 25, "ckpt_every": 100000,
         "sweep": {"k": [4]},
     }  # fmt: skip
@@ -258,7 +259,7 @@ def test_scancel_of_a_train_job_checkpoints_and_the_retry_resumes(slurm_cluster,
         logs = sorted(log_dir.glob("*.attempt1.*.log")) if log_dir.is_dir() else []
         text = logs[0].read_text() if logs else ""
         m = re.search(r"Slurm job (\d+)", text)
-        return m.group(1) if m and re.search(r"step \d+/3000", text) else None
+        return m.group(1) if m and re.search(r"step \d+/1000", text) else None
 
     try:
         job = wait_until("training to log a step", training_job, timeout_s=240, proc=proc, cfg=cfg)
