@@ -108,7 +108,7 @@ def bench_spliced(vit_size: str, n_images: int, dev, rounds: int, sweep: int = 8
     _Vit.model = model
     d, n = cfg.hidden_size, cfg.num_hidden_layers
     sae = SAE(SAEConfig(d_vit=d, width=16 * d, activation="topk", k=32, seed=0)).to(dev.name).eval()
-    splice = _Splice(torch.arange(1, 197, device=dev.name), 1.0, None)
+    splice = _Splice(torch.arange(1, 197, device=dev.name))
     mean_D = torch.zeros(d, device=dev.name)
     batches = list(torch.randn(n_images, 3, 224, 224).split(32))
     rows = []

@@ -327,6 +327,14 @@ except LoaderError as err:
 """
 
 
+def fresh_copy(pristine: str, work: str) -> str:
+    """A new copy of the cache ``pristine`` under work/c/ (its hash name kept) for one trial."""
+    path = os.path.join(work, "c", os.path.basename(pristine))
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    shutil.copytree(pristine, path)
+    return path
+
+
 def row_loader_shrink(work: str, n: int, rng: random.Random) -> Row:
     from test_sae_train import dictionary_cache
 
@@ -336,9 +344,7 @@ def row_loader_shrink(work: str, n: int, rng: random.Random) -> Row:
         for kind in ("shuffled", "ordered"):
             for how in ("truncate", "replace", "unreadable"):
                 row.trials += 1
-                path = os.path.join(work, "c", os.path.basename(pristine))
-                shutil.rmtree(os.path.dirname(path), ignore_errors=True)
-                shutil.copytree(pristine, path)
+                path = fresh_copy(pristine, work)
                 try:
                     proc = subprocess.run([sys.executable, "-c", LOADER_SCRIPT, path, kind, how], env=ENV, cwd=ROOT,
                                           capture_output=True, text=True, timeout=120)  # fmt: skip
@@ -367,9 +373,7 @@ def row_verify_corrupt(work: str, n: int, rng: random.Random) -> Row:
     for i in range(n):
         how = kinds[i % len(kinds)]
         row.trials += 1
-        path = os.path.join(work, "c", os.path.basename(pristine))
-        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
-        shutil.copytree(pristine, path)
+        path = fresh_copy(pristine, work)
         a, b = (os.path.join(path, f"acts{j:06d}.bin") for j in rng.sample(range(4), 2))
         if how in ("flip", "zero"):
             _corrupt_file(a, how, rng)

@@ -426,6 +426,33 @@ static int run_copy(void (*copy)(const copy_t *), const copy_t *c, const char *w
     return !faulted;
 }
 
+/* Check a multi-source job's sources (one int64 address and row count per source, one source per
+ * row, every row inside its source) and point j at them: 1, or 0 with an exception set. */
+static int check_sources(job_t *j, const char *who, Py_buffer *bases, Py_buffer *nsrc, Py_buffer *srcs,
+                         Py_buffer *rows) {
+    Py_ssize_t k = bases->len / 8;
+    if (bases->len % 8 != 0 || nsrc->len != bases->len || srcs->len != rows->len) {
+        PyErr_Format(PyExc_ValueError, "%s: bases and n_src need one int64 per source, srcs one per row", who);
+        return 0;
+    }
+    const int64_t *S = srcs->buf, *N = nsrc->buf;
+    for (Py_ssize_t i = 0; i < j->n; i++) {
+        if (S[i] < 0 || S[i] >= k) {
+            PyErr_Format(PyExc_IndexError, "%s: source %lld at position %zd is outside [0, %zd)", who, (long long)S[i],
+                         i, k);
+            return 0;
+        }
+        if (j->rows[i] < 0 || j->rows[i] >= N[S[i]]) {
+            PyErr_Format(PyExc_IndexError, "%s: row %lld of source %lld at position %zd is outside [0, %lld)", who,
+                         (long long)j->rows[i], (long long)S[i], i, (long long)N[S[i]]);
+            return 0;
+        }
+    }
+    j->bases = (const char *const *)bases->buf;
+    j->srcs = S;
+    return 1;
+}
+
 static void copy_gather(const copy_t *c) { run_job(c->j, c->stream); }
 
 /* gather_multi(bases, n_src, srcs, rows, stride, piece, dst, stream=False, scales=None, scale=1.0,
@@ -453,26 +480,7 @@ static PyObject *gather_multi(PyObject *self, PyObject *args, PyObject *kw) {
         goto done;
     }
     if (!check_job(&j, "gather_multi", &rows, scales_obj, &scales, scale)) goto done;
-    Py_ssize_t k = bases.len / 8;
-    if (bases.len % 8 != 0 || nsrc.len != bases.len || srcs.len != rows.len) {
-        PyErr_SetString(PyExc_ValueError, "gather_multi: bases and n_src need one int64 per source, srcs one per row");
-        goto done;
-    }
-    const int64_t *S = srcs.buf, *N = nsrc.buf;
-    for (Py_ssize_t i = 0; i < j.n; i++) {
-        if (S[i] < 0 || S[i] >= k) {
-            PyErr_Format(PyExc_IndexError, "gather_multi: source %lld at position %zd is outside [0, %zd)",
-                         (long long)S[i], i, k);
-            goto done;
-        }
-        if (j.rows[i] < 0 || j.rows[i] >= N[S[i]]) {
-            PyErr_Format(PyExc_IndexError, "gather_multi: row %lld of source %lld at position %zd is outside [0, %lld)",
-                         (long long)j.rows[i], (long long)S[i], i, (long long)N[S[i]]);
-            goto done;
-        }
-    }
-    j.bases = (const char *const *)bases.buf;
-    j.srcs = S;
+    if (!check_sources(&j, "gather_multi", &bases, &nsrc, &srcs, &rows)) goto done;
     j.dst = (char *)(uintptr_t)dst_addr;
     if (!run_copy(copy_gather, &(copy_t){&j, 0, stream}, "gather_multi")) goto done;
     result = Py_None;
@@ -877,21 +885,7 @@ static PyObject *gather_widen(PyObject *self, PyObject *args, PyObject *kw) {
     j.piece = 2 * piece; /* check_job checks the float32 side */
     if (!check_job(&j, "gather_widen", &rows, scales_obj, &scales, scale)) goto done;
     j.piece = piece;
-    Py_ssize_t k = bases.len / 8;
-    if (bases.len % 8 != 0 || nsrc.len != bases.len || srcs.len != rows.len) {
-        PyErr_SetString(PyExc_ValueError, "gather_widen: bases and n_src need one int64 per source, srcs one per row");
-        goto done;
-    }
-    const int64_t *S = srcs.buf, *N = nsrc.buf;
-    for (Py_ssize_t i = 0; i < j.n; i++) {
-        if (S[i] < 0 || S[i] >= k || j.rows[i] < 0 || j.rows[i] >= N[S[i]]) {
-            PyErr_Format(PyExc_IndexError, "gather_widen: row %lld of source %lld at position %zd is out of range",
-                         (long long)j.rows[i], (long long)S[i], i);
-            goto done;
-        }
-    }
-    j.bases = (const char *const *)bases.buf;
-    j.srcs = S;
+    if (!check_sources(&j, "gather_widen", &bases, &nsrc, &srcs, &rows)) goto done;
     j.dst = (char *)(uintptr_t)dst_addr;
     set_prefetch(&j);
     if (!run_copy(copy_widen, &(copy_t){&j, kind, stream}, "gather_widen")) goto done;

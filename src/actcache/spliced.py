@@ -128,8 +128,8 @@ def model_tokens(md, patches: str, n_registers: int) -> np.ndarray:
 class _Splice:
     """The edits of one batch at one block: SAE reconstruction, zero or mean on the chosen tokens."""
 
-    def __init__(self, tokens, scale: float, mean_D):
-        self.tokens, self.scale, self.mean_D = tokens, scale, mean_D
+    def __init__(self, tokens, scale: float = 1.0):
+        self.tokens, self.scale = tokens, scale
 
     def sae(self, sae):
         def edit(h_BTD):
@@ -294,11 +294,11 @@ def spliced_group(ctx: _CacheContext, runs: list, held: np.ndarray, sae_budget_b
                 if ci == 0:
                     clean.append(emb.cpu())
                     for k, m in sites.items():
-                        ablate = _Splice(m.tokens, 1.0, None)
+                        ablate = _Splice(m.tokens)
                         for value_D, into in ((torch.zeros_like(means[k]), zero[k]), (means[k], mean[k])):
                             into.append(resume_embedding(vit, px, m.block, *got[m.block], ablate.const(value_D)).cpu())
                 for m, sae in zip(chunk, saes, strict=True):
-                    edit = _Splice(m.tokens, m.scale, None).sae(sae)
+                    edit = _Splice(m.tokens, m.scale).sae(sae)
                     m.out.append(resume_embedding(vit, px, m.block, *got[m.block], edit).cpu())
         del saes
     clean = torch.cat(clean)
