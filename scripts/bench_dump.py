@@ -169,13 +169,19 @@ def hash_alone(md, acts_NLTD: np.ndarray, batch: int) -> float:
     return time.perf_counter() - t0
 
 
-def checksum_cost(root: str, n_imgs: int, rounds: int, workers: int, batch: int) -> tuple[list[dict], tuple]:
+def tiny_setup(root: str, n_imgs: int, workers: int, batch: int) -> tuple:
+    """The I/O-bound scenarios' tiny ViT (4 layers recorded, d=32), its experiment, metadata, byte
+    count and 2048 images' worth of random activations: (ckpt, exp, md, total bytes, acts)."""
     ckpt = make_ckpt(root, "tiny", hidden_size=32, intermediate_size=32, num_hidden_layers=4, num_attention_heads=1,
                      image_size=32, patch_size=4)  # fmt: skip
     exp = make_exp(ckpt, n_imgs, 32, [0, 1, 2, 3], max_patches=4096 * 65 * 4, batch=batch, workers=workers)
     md = experiment_metadata(exp)
-    total = md.n_imgs * md.bytes_per_img
     acts = np.random.default_rng(0).standard_normal((2048, *md.shard_shape[1:]), dtype=np.float32)
+    return ckpt, exp, md, md.n_imgs * md.bytes_per_img, acts
+
+
+def checksum_cost(root: str, n_imgs: int, rounds: int, workers: int, batch: int) -> tuple[list[dict], tuple]:
+    ckpt, exp, md, total, acts = tiny_setup(root, n_imgs, workers, batch)
     write_path(os.path.join(root, "warm"), md, acts, batch)
     dump(make_exp(ckpt, 512, 32, [0, 1, 2, 3], 4096 * 65 * 4, batch, workers), os.path.join(root, "warm-dump"))
     res: dict[str, list[float]] = {"off": [], "on": [], "dump off": [], "dump on": []}
@@ -255,13 +261,8 @@ def dump(exp, directory: str) -> tuple[float, float]:
 
 
 def io_bound(root: str, n_imgs: int, rounds: int, workers: int, batch: int) -> tuple[list[dict], tuple]:
-    ckpt = make_ckpt(root, "tiny", hidden_size=32, intermediate_size=32, num_hidden_layers=4, num_attention_heads=1,
-                     image_size=32, patch_size=4)  # fmt: skip
-    exp = make_exp(ckpt, n_imgs, 32, [0, 1, 2, 3], max_patches=4096 * 65 * 4, batch=batch, workers=workers)
-    md = experiment_metadata(exp)
-    total = md.n_imgs * md.bytes_per_img
+    ckpt, exp, md, total, acts = tiny_setup(root, n_imgs, workers, batch)
     pixels = preprocessed(exp, min(n_imgs, 2048))
-    acts = np.random.default_rng(0).standard_normal((2048, *md.shard_shape[1:]), dtype=np.float32)
     dump(make_exp(ckpt, 512, 32, [0, 1, 2, 3], 4096 * 65 * 4, batch, workers), os.path.join(root, "warm"))
     seq_write(os.path.join(root, "seq"), md.n_shards, md.shard_nbytes)  # page cache pages backed by the host
     res: dict[str, list[float]] = {"seq": [], "sink": [], "fwd": [], "dump": []}
