@@ -338,7 +338,8 @@ def test_prefetch_asks_only_for_ranges_not_cached(tmp_path, monkeypatch, native)
     assert asked == []
     os.fsync(fd)  # clean pages first: DONTNEED leaves dirty ones (a fresh file's writeback may lag)
     real(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # evicted (nothing maps it)
-    assert kernels.probe(fd, starts, ends, advise=False) in (None, 2)
+    # No probe of our own here to check the eviction: a RWF_NOWAIT read of an evicted page fails
+    # but starts the kernel's read-ahead, which could bring the ranges back before prefetch looks.
     assert maps.prefetch(0, starts, ends) is False
     if not native:
         assert asked == [(0, 2**14), (2**16, 2**14)]

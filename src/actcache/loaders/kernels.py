@@ -257,7 +257,9 @@ def probe(fd: int, starts: np.ndarray, ends: np.ndarray, advise: bool) -> int | 
     """How many of the byte ranges ``[starts[i], ends[i])`` of open file ``fd`` are not cached
     (their first or last byte is not in the page cache); with ``advise``, each of those is asked
     for (posix_fadvise WILLNEED). None where it cannot tell: no C kernel, or no RWF_NOWAIT here
-    (the caller then probes from Python, or not at all). One call, without the GIL."""
+    (the caller then probes from Python, or not at all). One call, without the GIL. A probe that
+    misses starts the kernel's read-ahead of that page as well (Linux does so for a RWF_NOWAIT
+    read), so a second probe soon after may find it cached."""
     if _native is None:
         return None
     starts = np.ascontiguousarray(starts, np.int64)
