@@ -141,7 +141,9 @@ def test_hash_command_does_not_import_torch(tmp_path):
     assert len(digest) == 64 and torch_loaded == "False"
 
 
-def test_planning_the_workflow_does_not_load_the_c_kernel(tmp_path):
+def test_planning_the_workflow_loads_neither_torch_nor_the_c_kernel(tmp_path):
+    """Snakemake plans again for every dry run and every cluster job: importing torch would cost
+    each of them seconds."""
     from tests.fixtures_vit import make_checkpoint
     from tests.workflow_helpers import write_project
 
@@ -158,10 +160,10 @@ def test_planning_the_workflow_does_not_load_the_c_kernel(tmp_path):
     code = (
         "import sys; from actcache.plan import plan_from_config, train_jobs; "
         "planned = plan_from_config(sys.argv[1]); jobs = train_jobs(planned, sys.argv[2]); "
-        "print(len(jobs), 'actcache._native' in sys.modules)"
+        "print(len(jobs), 'actcache._native' in sys.modules, 'torch' in sys.modules)"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code, cfg, str(tmp_path / "runs")], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["1", "False"]
+    assert proc.stdout.split() == ["1", "False", "False"]

@@ -28,8 +28,7 @@ from torch import nn
 
 from actcache.sae.modeling import SAE
 from actcache.sae.optim import matmul_precision
-
-BATCH_MODES = ("auto", "on", "off")
+from actcache.sae.spec import BATCH_MODES
 
 
 def batch_key(sae: SAE, optimizer: torch.optim.Optimizer, schedule: object = None) -> tuple:

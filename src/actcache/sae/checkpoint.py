@@ -170,7 +170,7 @@ def _load_problem(d: str) -> str | None:
     """A checkpoint without a manifest: whether each file loads."""
     from safetensors import safe_open
 
-    from actcache.sae.modeling import SAEConfig
+    from actcache.sae.spec import SAEConfig
 
     try:
         with open(os.path.join(d, CONFIG_FILE), encoding="utf-8") as fh:
@@ -238,7 +238,7 @@ def load(run_dir: str, step: int, sae, optimizer, objective) -> tuple[dict, dict
     the checkpoint (verify first with :func:`valid_steps` to fall back instead)."""
     from safetensors.torch import load_file
 
-    from actcache.sae.modeling import SAEConfig
+    from actcache.sae.spec import SAEConfig
 
     d = step_dir(run_dir, step)
     try:

@@ -40,9 +40,10 @@ from typing import Any
 from actcache.errors import ConfigError
 from actcache.keys import Decl, ListOf, check_keys, coerce, declared, key
 from actcache.loaders.options import COLD_READS, PATCHES, PREFETCH_SCHEMES
-from actcache.sae.batched import BATCH_MODES
-from actcache.sae.modeling import (
+from actcache.sae.spec import (
     ACTIVATIONS,
+    BATCH_MODES,
+    DECAYS,
     DECODES,
     DTYPES,
     JUMPRELU_BANDWIDTH,
@@ -51,7 +52,6 @@ from actcache.sae.modeling import (
     PRECISIONS,
     SAEConfig,
 )  # fmt: skip
-from actcache.sae.optim import DECAYS
 
 ID_VERSION = 1
 B_DEC_INITS = ("geometric_median", "mean", "zero")
@@ -104,7 +104,7 @@ class RunConfig:
     k: int | None = _sae(32, "latents per example (topk, batchtopk, matryoshka; null for relu, jumprelu)", ge=1)
     normalize_decoder: bool | None = _sae(None, "unit-norm decoder rows (null: true for topk variants)", example=True)
     seed: int = _sae(0, "SAE init seed", ge=0)
-    dtype: str = _sae("float32", "parameter dtype", choices=tuple(DTYPES))
+    dtype: str = _sae("float32", "parameter dtype", choices=DTYPES)
     threshold_decay: float = _sae(0.99, "batchtopk, matryoshka: inference threshold EMA decay", ge=0, lt=1)
     jumprelu_bandwidth: float = _objective(JUMPRELU_BANDWIDTH, "jumprelu: straight-through kernel width", gt=0)
     jumprelu_init_threshold: float = _objective(JUMPRELU_INIT, "jumprelu: initial threshold of every latent", gt=0)

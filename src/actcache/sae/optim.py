@@ -18,8 +18,7 @@ import torch
 
 from actcache.errors import ConfigError
 from actcache.sae.modeling import SAE
-
-DECAYS = ("linear", "cosine", "constant")
+from actcache.sae.spec import DECAYS
 
 
 def _num(v: object) -> bool:
