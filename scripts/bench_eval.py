@@ -91,7 +91,7 @@ def bench_spliced(vit_size: str, n_images: int, dev, rounds: int, sweep: int = 8
     import transformers
 
     from actcache.models import _find_blocks
-    from actcache.spliced import _Splice, capture, final_embedding, resume_embedding
+    from actcache.spliced import _Splice
 
     cfg = transformers.CLIPVisionConfig(image_size=224, patch_size=16, **VITS[vit_size])
     torch.manual_seed(0)
@@ -113,37 +113,9 @@ def bench_spliced(vit_size: str, n_images: int, dev, rounds: int, sweep: int = 8
     batches = list(torch.randn(n_images, 3, 224, 224).split(32))
     rows = []
     for block in (n - 2, n // 2 - 1):
-        got = []
+        t = _time_block(dev, _Vit, batches, block, splice, sae, mean_D, rounds)
 
-        def plain():
-            for px in batches:
-                final_embedding(_Vit, px)
-
-        def full_edit():
-            for px in batches:
-                final_embedding(_Vit, px, block, splice.sae(sae))
-
-        def clean():
-            got[:] = [capture(_Vit, px, [block])[0][block] for px in batches]
-
-        def ablations():
-            for px, (h, form) in zip(batches, got, strict=True):
-                for v in (mean_D, mean_D + 1):
-                    resume_embedding(_Vit, px, block, h, form, splice.const(v))
-
-        def per_sae():
-            for px, (h, form) in zip(batches, got, strict=True):
-                resume_embedding(_Vit, px, block, h, form, splice.sae(sae))
-
-        warm, batches[:] = batches[:], batches[:1]
-        for fn in (plain, full_edit, clean, ablations, per_sae):
-            fn()
-        batches[:] = warm
-        t = [{name: _timed(dev, fn) for name, fn in
-              (("plain", plain), ("full", full_edit), ("clean", clean), ("abl", ablations), ("sae", per_sae))}
-             for _ in range(rounds)]  # fmt: skip
-
-        def ratio(f):
+        def ratio(f, t=t):
             return float(np.median([f(r) / r["plain"] for r in t]))
 
         rows.append({"ViT": vit_size, "layer": f"block {block} of {n}", "images": n_images, "plain s": _median(t, "plain"),
@@ -151,6 +123,42 @@ def bench_spliced(vit_size: str, n_images: int, dev, rounds: int, sweep: int = 8
                      "eval of 1 SAE / plain": ratio(lambda r: r["clean"] + r["abl"] + r["sae"]),
                      f"per SAE of {sweep} / plain": ratio(lambda r: (r["clean"] + r["abl"]) / sweep + r["sae"])})  # fmt: skip
     return rows
+
+
+def _time_block(dev, vit, batches, block, splice, sae, mean_D, rounds) -> list[dict]:
+    """Per round, the seconds of: a plain forward, the old full forward with the edit, the clean
+    pass keeping the block's output, the two ablation tails and one SAE's tail (after one warm-up
+    on a single batch)."""
+    from actcache.spliced import capture, final_embedding, resume_embedding
+
+    got = []
+
+    def plain():
+        for px in batches:
+            final_embedding(vit, px)
+
+    def full_edit():
+        for px in batches:
+            final_embedding(vit, px, block, splice.sae(sae))
+
+    def clean():
+        got[:] = [capture(vit, px, [block])[0][block] for px in batches]
+
+    def ablations():
+        for px, (h, form) in zip(batches, got, strict=True):
+            for v in (mean_D, mean_D + 1):
+                resume_embedding(vit, px, block, h, form, splice.const(v))
+
+    def per_sae():
+        for px, (h, form) in zip(batches, got, strict=True):
+            resume_embedding(vit, px, block, h, form, splice.sae(sae))
+
+    steps = (("plain", plain), ("full", full_edit), ("clean", clean), ("abl", ablations), ("sae", per_sae))
+    warm, batches[:] = batches[:], batches[:1]
+    for _, fn in steps:
+        fn()
+    batches[:] = warm
+    return [{name: _timed(dev, fn) for name, fn in steps} for _ in range(rounds)]
 
 
 def main() -> None:

@@ -13,12 +13,12 @@ import torch
 from actcache import cli
 from actcache.demo import make_image_folder
 from actcache.images import ImageFolder, metadata_data, open_dataset
+from actcache.models import load_vit
 from actcache.protocol import Metadata
 from actcache.sae.modeling import SAE, SAEConfig
-from actcache.models import load_vit
 from actcache.spliced import capture, final_embedding, model_tokens, resume_embedding, spliced_eval
 from actcache.writer import write_cache_from_array
-from fixtures_vit import D, FAMILY, make_checkpoint
+from fixtures_vit import FAMILY, D, make_checkpoint
 
 
 def jload(path):
