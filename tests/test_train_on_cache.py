@@ -111,7 +111,7 @@ def test_workflow_caches_entry_is_planned_trained_and_reported_without_dumping(t
     """config.yaml's `caches:` names a saev cache: plan and the dry run list its training job and no
     dump; the workflow trains, evaluates and renders its SAE (no images: saev's dataset is opaque)
     and never writes into the cache."""
-    from workflow_helpers import job_counts, snakemake
+    from workflow_helpers import TWO_AT_A_TIME, job_counts, snakemake
 
     cache, _, _ = write_saev_cache(tmp_path / "c", n=20, E=6, layers=(3, 7), P=4, D=8)
     before = tree_state(tmp_path / "c")
@@ -128,7 +128,7 @@ def test_workflow_caches_entry_is_planned_trained_and_reported_without_dumping(t
     assert job_counts(dry.stdout).get("train") == 1 and "dump" not in job_counts(dry.stdout)
     assert f"--cache {cache}" in dry.stdout or row["training"][0]["group"] in dry.stdout
     sae_dir = row["training"][0]["dir"]
-    run = snakemake(cfg, "--cores", "2", os.path.join(sae_dir, "visuals.html"))  # train, then its page
+    run = snakemake(cfg, os.path.join(sae_dir, "visuals.html"), *TWO_AT_A_TIME)  # train, then its page
     assert run.returncode == 0, run.stderr[-3000:]
     assert json.load(open(os.path.join(sae_dir, "eval.json")))["nmse"] >= 0
     assert os.path.isfile(os.path.join(sae_dir, "visuals.html"))

@@ -13,7 +13,7 @@ import sys
 import pytest
 from tests.browser import DevTools
 from tests.fixtures_vit import make_checkpoint
-from tests.workflow_helpers import REPO, dump_ranges, job_counts, snakemake, write_project
+from tests.workflow_helpers import REPO, TWO_AT_A_TIME, dump_ranges, job_counts, snakemake, write_project
 
 from actcache import ActivationCache
 from actcache.protocol import shard_name
@@ -57,7 +57,7 @@ def done_project(tmp_path_factory, ckpt):
     """A project whose workflow ran to the end once (profiles/local)."""
     root = str(tmp_path_factory.mktemp("proj"))
     cfg = write_project(root, {"wf": experiment(ckpt)})
-    proc = snakemake(cfg, "--cores", "2")
+    proc = snakemake(cfg, *TWO_AT_A_TIME)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return root, cfg
 
@@ -121,7 +121,7 @@ def test_deleted_shard_brings_back_exactly_its_job(done_project):
     assert proc.returncode == 0, out
     assert job_counts(out) == {"dump": 1, "gather": 1, "all": 1}  # the SAEs stay: the data is the same
     assert dump_ranges(out) == ["000002-000003"]
-    proc = snakemake(cfg, "--cores", "2")
+    proc = snakemake(cfg, *TWO_AT_A_TIME)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert plan_json(cfg)[0]["cache"]["state"] == "complete"
     assert job_counts(snakemake(cfg, "-n").stdout) == {}
@@ -183,6 +183,21 @@ def test_changed_layers_give_a_new_hash(done_project, tmp_path, ckpt):
     out = proc.stdout + proc.stderr
     assert after["hash"] in out and before["hash"] not in out
     assert job_counts(out)["dump"] == 2  # 1 layer: 20 images per shard -> 2 shards
+
+
+def test_changed_shards_per_job_on_a_complete_cache_is_nothing_to_do(done_project, tmp_path, ckpt):
+    """How shards are grouped into jobs is not part of the cache: a finished project stays done."""
+    root, cfg = done_project
+    doc = experiment(ckpt)
+    doc["cache"]["shards_per_job"] = 3
+    cfg2 = write_project(
+        str(tmp_path), {"wf": doc}, dump_to=os.path.join(root, "cache"), runs_to=os.path.join(root, "runs")
+    )
+    assert plan_json(cfg2)[0]["hash"] == plan_json(cfg)[0]["hash"]
+    dry = snakemake(cfg2, "-n")
+    out = dry.stdout + dry.stderr
+    assert dry.returncode == 0, out
+    assert "Nothing to be done" in out and job_counts(out) == {}, out[-3000:]
 
 
 def test_changed_sae_hyperparameter_gives_only_training_jobs(done_project, tmp_path, ckpt):

@@ -67,14 +67,14 @@ def output_of(cfg: str) -> str:
         return fd.read()
 
 
-def dump_project(tmp_path, n_imgs: int = 40, name: str = "onslurm", shards_per_job: int = 1) -> str:
+def dump_project(tmp_path, n_imgs: int = 40, name: str = "onslurm") -> str:
     ckpt = make_checkpoint(str(tmp_path / "tiny-clip"), "clip")
     exp = {
         "name": name,
         "vit": {"family": "clip", "ckpt": ckpt, "layers": [-2]},
         "data": {"kind": "synthetic", "n_imgs": n_imgs, "seed": 2, "size": 40},
         "cache": {
-            "max_patches_per_shard": 10 * 17, "batch_size": 10, "n_workers": 0, "shards_per_job": shards_per_job,
+            "max_patches_per_shard": 10 * 17, "batch_size": 10, "n_workers": 0, "shards_per_job": 1,
         },
     }  # fmt: skip
     return write_project(str(tmp_path / "proj"), {name: exp})
@@ -135,36 +135,15 @@ def dump_jobs_in_sacct(slurm_cluster, start: str) -> list[dict]:
     return [r for r in rows if r["Comment"].startswith("rule_dump")]
 
 
-def test_workflow_runs_dump_jobs_on_slurm_with_the_osc_profile(slurm_cluster, tmp_path):
-    cfg = dump_project(tmp_path, n_imgs=30, shards_per_job=2)
+def test_dump_jobs_run_on_slurm_with_the_osc_profile_and_cancelled_ones_are_retried(slurm_cluster, tmp_path):
+    """The osc profile's dump jobs reach Slurm with the site's account, partition and a GPU; a
+    running and a pending one cancelled with scancel are submitted again, and the cache verifies.
+    Every job keeps its Slurm log, and each attempt its rule log."""
+    cfg = dump_project(tmp_path, n_imgs=30)  # 3 shards, 3 dump jobs on 2 GPUs: one waits
     dry = run_osc(cfg, "-n")
     assert dry.returncode == 0, dry.stderr[-3000:]
-    assert job_counts(dry.stdout + dry.stderr)["dump"] == 2  # 3 shards, 2 per job
+    assert job_counts(dry.stdout + dry.stderr)["dump"] == 3
     assert "warning" not in dry.stderr  # the site file names a known account
-    start = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 5))
-    proc = run_osc(cfg)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-
-    rows = slurm_cluster.sacct(
-        "-S", start, "-a", fields="JobID,JobName,State,ExitCode,Comment,Account,Partition,AllocTRES", wait_s=30,
-        until=lambda rows: sum("dump" in r["Comment"] for r in rows) >= 2 and all(
-            r["State"] == "COMPLETED" for r in rows),
-    )  # fmt: skip
-    dumps = [r for r in rows if "dump" in r["Comment"]]
-    assert len(dumps) == 2, rows
-    for r in dumps:
-        assert r["State"] == "COMPLETED" and r["ExitCode"] == "0:0", r
-        assert r["Account"] == slurm_cluster.account and r["Partition"] == slurm_cluster.partition
-        assert "gres/gpu=1" in r["AllocTRES"], r  # the GPU request reached Slurm
-    assert any("gather" in r["Comment"] for r in rows), rows
-    assert_cache_verifies(cfg, 30)
-    # The Slurm log of every job is kept, successful ones too.
-    logs = {f for _, _, fs in os.walk(tmp_path / "proj" / ".snakemake" / "slurm_logs") for f in fs}
-    assert {r["JobID"] + ".log" for r in dumps} <= logs, logs
-
-
-def test_scancel_of_a_running_and_a_pending_dump_job_is_retried(slurm_cluster, tmp_path):
-    cfg = dump_project(tmp_path, n_imgs=30)  # 3 shards, 3 dump jobs on 2 GPUs: one waits
     start = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 5))
     proc = start_osc(cfg)
     try:
@@ -183,9 +162,23 @@ def test_scancel_of_a_running_and_a_pending_dump_job_is_retried(slurm_cluster, t
     assert re.search(rf"SLURM-job '{running}' failed, SLURM status is: 'CANCELLED'", out), out[-5000:]
     assert re.search(rf"SLURM-job '{pending}' failed, SLURM status is: 'CANCELLED'", out), out[-5000:]
     assert_cache_verifies(cfg, 30)
-    rows = dump_jobs_in_sacct(slurm_cluster, start)
-    states = sorted(r["State"].split()[0] for r in rows)
+
+    rows = slurm_cluster.sacct(
+        "-S", start, "-a", fields="JobID,JobName,State,ExitCode,Account,Partition,AllocTRES,Comment", wait_s=30,
+        until=lambda rows: sum(r["State"] == "COMPLETED" for r in rows) >= 4,
+    )  # fmt: skip
+    dumps = [r for r in rows if r["Comment"].startswith("rule_dump")]
+    states = sorted(r["State"].split()[0] for r in dumps)
     assert states.count("CANCELLED") == 2 and states.count("COMPLETED") == 3, rows
+    done = [r for r in dumps if r["State"] == "COMPLETED"]
+    for r in done:
+        assert r["ExitCode"] == "0:0", r
+        assert r["Account"] == slurm_cluster.account and r["Partition"] == slurm_cluster.partition
+        assert "gres/gpu=1" in r["AllocTRES"], r  # the GPU request reached Slurm
+    assert any(r["Comment"].startswith("rule_gather") and r["State"] == "COMPLETED" for r in rows), rows
+    # The Slurm log of every job is kept, successful ones too.
+    logs = {f for _, _, fs in os.walk(tmp_path / "proj" / ".snakemake" / "slurm_logs") for f in fs}
+    assert {r["JobID"] + ".log" for r in done} <= logs, logs
     # Both attempts of the cancelled running range kept their rule log; the first one names its job.
     p = plan_of(cfg)
     log_dir = tmp_path / "proj" / "logs" / "dump" / p["hash"]

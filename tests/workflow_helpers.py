@@ -37,6 +37,14 @@ def write_project(root, experiments: dict[str, dict], dump_to=None, runs_to=None
     return cfg_path
 
 
+# A run with profiles/local on the test machine's 2 CPU cores: two jobs at a time, one thread each.
+# The profile's own limits (one job at a time on the one GPU, several threads each) would run the
+# tiny test jobs one after the other, each mostly Python importing torch and transformers.
+# Pass it after any targets: --set-threads takes every word that follows it.
+ONE_THREAD = ("dump=1", "train=1", "report=1", "spliced_eval=1")
+TWO_AT_A_TIME = ("--cores", "2", "--resources", "gpu=2", "--set-threads", *ONE_THREAD)
+
+
 def snakemake(cfg_path: str, *args: str, profile: str = "local", timeout: int = 600, workdir: str | None = None):
     workdir = workdir or os.path.dirname(cfg_path)
     cmd = [
