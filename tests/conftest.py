@@ -48,6 +48,49 @@ def no_shared_memory_left_behind():
     assert not left, f"left behind in {SHM}: {sorted(left)}"
 
 
+_FADVISE = os.posix_fadvise  # the real call, whatever a test patches later
+
+
+def evict_fd(fd: int, size: int) -> None:
+    """The open file's pages out of the page cache, confirmed with mincore, which reads nothing in
+    (a RWF_NOWAIT probe that misses starts the kernel's read-ahead). The kernel may keep a page it
+    cannot drop yet, so this retries for a few seconds before failing the test."""
+    import mmap
+
+    from actcache.loaders.maps import PAGE, _mincore
+
+    deadline = time.monotonic() + 10
+    while True:
+        os.pread(fd, size, 0)  # waits for any read still in flight
+        os.fsync(fd)  # clean pages: DONTNEED leaves dirty ones
+        _FADVISE(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        a = np.frombuffer(mm, np.uint8)
+        vec = np.zeros(-(-size // PAGE), np.uint8)
+        assert _mincore(a.ctypes.data, size, vec.ctypes.data) == 0
+        del a
+        mm.close()
+        if not (vec & 1).any():
+            return
+        assert time.monotonic() < deadline, f"{int((vec & 1).sum())} pages stayed cached after DONTNEED"
+        time.sleep(0.05)
+
+
+def evict(*paths) -> None:
+    """Each file out of the page cache (evict_fd)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            evict_fd(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+
+
+def evict_dir(path) -> None:
+    """Every shard (.bin) of a cache directory out of the page cache."""
+    evict(*(os.path.join(path, f) for f in sorted(os.listdir(path)) if f.endswith(".bin")))
+
+
 def make_metadata(
     n_imgs=10, layers=(3, 7), n_patches=4, cls=True, d=8, max_patches=None, imgs_per_shard=4, **kw
 ) -> Metadata:

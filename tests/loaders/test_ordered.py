@@ -13,7 +13,7 @@ import pytest
 
 from actcache.errors import BatchTimeoutError, ConfigError, LoaderError
 from actcache.loaders import IndexedDataset, OrderedLoader, ordered
-from conftest import make_cache
+from conftest import evict, evict_fd, make_cache
 
 
 @pytest.fixture(scope="module")
@@ -123,11 +123,7 @@ def test_auto_io_reads_what_is_not_cached_and_tries_both_ways_for_what_is(tmp_pa
     path, md, acts = make_cache(tmp_path, n_imgs=12, layers=layers, n_patches=4, d=8, imgs_per_shard=6)
     want = expected(IndexedDataset(path, "image", layer))  # (reads every shard)
     files = [os.path.join(path, f"acts00000{i}.bin") for i in range(2)]
-    for f in files:  # out of the page cache (written pages must reach the disk first)
-        fd = os.open(f, os.O_RDONLY)
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
+    evict(*files)
     used = []
     for name in ("_fill", "_read_fill"):
         real = getattr(OrderedLoader, name)
@@ -301,31 +297,6 @@ def test_scale_norm(tmp_path):
         assert abs(np.linalg.norm(act, axis=1).mean() - 4.0) < 0.05
 
 
-def evict_confirmed(fd: int, size: int, fadvise=os.posix_fadvise) -> None:
-    """The whole file out of the page cache, confirmed by mincore, which reads nothing in (a
-    RWF_NOWAIT probe that misses starts the kernel's read-ahead). The kernel may keep a page it
-    cannot drop yet (still referenced after writeback, say), so this retries for a few seconds."""
-    import mmap
-
-    from actcache.loaders.maps import PAGE, _mincore
-
-    deadline = time.monotonic() + 10
-    while True:
-        os.pread(fd, size, 0)  # waits for any read still in flight
-        os.fsync(fd)  # clean pages: DONTNEED leaves dirty ones
-        fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-        a = np.frombuffer(mm, np.uint8)
-        vec = np.zeros(-(-size // PAGE), np.uint8)
-        assert _mincore(a.ctypes.data, size, vec.ctypes.data) == 0
-        del a
-        mm.close()
-        if not (vec & 1).any():
-            return
-        assert time.monotonic() < deadline, f"{int((vec & 1).sum())} pages stayed cached after DONTNEED"
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize("native", [True, False])
 def test_prefetch_asks_only_for_ranges_not_cached(tmp_path, monkeypatch, native):
     """Readers skip posix_fadvise for ranges already in the page cache (a probe of their first
@@ -361,7 +332,7 @@ def test_prefetch_asks_only_for_ranges_not_cached(tmp_path, monkeypatch, native)
     starts, ends = np.array([0, 2**16]), np.array([2**14, 2**16 + 2**14])
     assert maps.prefetch(0, starts, ends) is True
     assert asked == []
-    evict_confirmed(fd, size, real)
+    evict_fd(fd, size)
     assert maps.prefetch(0, starts, ends) is False
     if not native:
         assert asked == [(0, 2**14), (2**16, 2**14)]
@@ -416,7 +387,7 @@ def test_random_mode_leaves_cached_ranges_to_the_copies_and_releases_per_stretch
         assert (a % HUGE == 0 or a == addr) and ((a + n) % HUGE == 0 or a + n >= addr + size)
     for s, e in zip(starts, ends, strict=True):
         assert any(a <= addr + s and addr + e <= a + n for a, n in dontneed)
-    os.posix_fadvise(maps.fd(0), 0, 0, os.POSIX_FADV_DONTNEED)
+    evict_fd(maps.fd(0), size)  # (the released ranges are no longer mapped)
     calls.clear()
     maps.make_resident(0, starts[:2], ends[:2])
     assert len([c for c in calls if c[0] == MADV_POPULATE_READ]) == 2  # not cached: populated (and read)

@@ -20,7 +20,7 @@ from actcache.errors import BatchTimeoutError, ConfigError, LoaderError
 from actcache.loaders import ShuffledLoader, kernels
 from actcache.loaders.runtime import Stopped
 from actcache.stats import STATS_FILE
-from conftest import make_cache
+from conftest import evict_dir, make_cache
 
 from .test_buffers import vm_flags
 
@@ -807,16 +807,6 @@ def test_the_next_epoch_keeps_the_blocks_its_first_fill_shares(tmp_path, monkeyp
     assert n_mapped and not remapped, remapped
 
 
-def _evict(path):
-    """Every shard of the cache out of the page cache (written pages must reach the disk first)."""
-    for f in sorted(os.listdir(path)):
-        if f.endswith(".bin"):
-            fd = os.open(os.path.join(path, f), os.O_RDONLY)
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
-
-
 @pytest.mark.parametrize("probe", ["nowait", "mincore"])
 def test_cold_runs_are_read_with_preadv_then_mapped_and_cached_ones_only_mapped(tmp_path, monkeypatch, probe):
     """cold_read="read" (the default, huge-page mappings): a run whose blocks are not in the page
@@ -842,7 +832,7 @@ def test_cold_runs_are_read_with_preadv_then_mapped_and_cached_ones_only_mapped(
     kw = dict(batch_size=500, layer=3, buffer_bytes=6 * 2**21, run_bytes=2**21, seed=3)
     ld = ShuffledLoader(path, **kw)
     assert ld.map_mode == "huge" and ld.cold_read == "read"
-    _evict(path)
+    evict_dir(path)
     cold = collect(ld)
     # whole 2 MiB blocks, none twice; a block the kernel's read-ahead brought in (after a
     # neighbouring run's reads) is found cached and only mapped: measured 6-7 of the 8 blocks
@@ -853,7 +843,7 @@ def test_cold_runs_are_read_with_preadv_then_mapped_and_cached_ones_only_mapped(
     warm = collect(ld)
     assert ld.stats.cold_read_bytes == 0
     assert ld.stats.batches == len(warm) and ld.stats.thread_cpu_s  # reset() started the counts over
-    _evict(path)
+    evict_dir(path)
     fault = ShuffledLoader(path, cold_read="fault", **kw)
     by_fault = collect(fault)
     assert fault.stats.cold_read_bytes == 0
