@@ -51,28 +51,36 @@ def no_shared_memory_left_behind():
 _FADVISE = os.posix_fadvise  # the real call, whatever a test patches later
 
 
-def evict_fd(fd: int, size: int) -> None:
-    """The open file's pages out of the page cache, confirmed with mincore, which reads nothing in
-    (a RWF_NOWAIT probe that misses starts the kernel's read-ahead). The kernel may keep a page it
-    cannot drop yet, so this retries for a few seconds before failing the test."""
+def resident(fd: int, size: int) -> np.ndarray:
+    """Per page of the open file, whether it is in the page cache (mincore: reads nothing in)."""
     import mmap
 
     from actcache.loaders.maps import PAGE, _mincore
 
+    mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    a = np.frombuffer(mm, np.uint8)
+    vec = np.zeros(-(-size // PAGE), np.uint8)
+    try:
+        assert _mincore(a.ctypes.data, size, vec.ctypes.data) == 0
+    finally:
+        del a
+        mm.close()
+    return (vec & 1).astype(bool)
+
+
+def evict_fd(fd: int, size: int) -> None:
+    """The open file's pages out of the page cache, confirmed with mincore (a RWF_NOWAIT probe that
+    misses would start the kernel's read-ahead). The kernel may keep a page it cannot drop yet, so
+    this retries for a few seconds before failing the test."""
     deadline = time.monotonic() + 10
     while True:
         os.pread(fd, size, 0)  # waits for any read still in flight
         os.fsync(fd)  # clean pages: DONTNEED leaves dirty ones
         _FADVISE(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-        a = np.frombuffer(mm, np.uint8)
-        vec = np.zeros(-(-size // PAGE), np.uint8)
-        assert _mincore(a.ctypes.data, size, vec.ctypes.data) == 0
-        del a
-        mm.close()
-        if not (vec & 1).any():
+        left = int(resident(fd, size).sum())
+        if not left:
             return
-        assert time.monotonic() < deadline, f"{int((vec & 1).sum())} pages stayed cached after DONTNEED"
+        assert time.monotonic() < deadline, f"{left} pages stayed cached after DONTNEED"
         time.sleep(0.05)
 
 
