@@ -45,10 +45,10 @@ from actcache.sae.spec import (
     BATCH_MODES,
     DECAYS,
     DECODES,
-    DTYPES,
     JUMPRELU_BANDWIDTH,
     JUMPRELU_INIT,
     NO_K,
+    PARAM_DTYPES,
     PRECISIONS,
     SAEConfig,
 )  # fmt: skip
@@ -104,7 +104,7 @@ class RunConfig:
     k: int | None = _sae(32, "latents per example (topk, batchtopk, matryoshka; null for relu, jumprelu)", ge=1)
     normalize_decoder: bool | None = _sae(None, "unit-norm decoder rows (null: true for topk variants)", example=True)
     seed: int = _sae(0, "SAE init seed", ge=0)
-    dtype: str = _sae("float32", "parameter dtype", choices=DTYPES)
+    dtype: str = _sae("float32", "parameter dtype", choices=PARAM_DTYPES)
     threshold_decay: float = _sae(0.99, "batchtopk, matryoshka: inference threshold EMA decay", ge=0, lt=1)
     jumprelu_bandwidth: float = _objective(JUMPRELU_BANDWIDTH, "jumprelu: straight-through kernel width", gt=0)
     jumprelu_init_threshold: float = _objective(JUMPRELU_INIT, "jumprelu: initial threshold of every latent", gt=0)

@@ -12,6 +12,7 @@ import math
 from typing import TYPE_CHECKING
 
 from actcache.errors import ConfigError
+from actcache.protocol import _is_int
 
 if TYPE_CHECKING:
     import torch
@@ -20,17 +21,13 @@ ACTIVATIONS = ("relu", "topk", "batchtopk", "jumprelu", "matryoshka")
 NO_K = ("relu", "jumprelu")  # activations without a fixed number of latents
 PRECISIONS = ("fp32", "tf32", "bf16")
 DECODES = ("auto", "dense", "sparse", "hybrid")
-DTYPES = ("float32", "float64", "bfloat16")  # parameter dtypes (torch's names)
+PARAM_DTYPES = ("float32", "float64", "bfloat16")  # the SAE's parameters (torch's names; the cache's: protocol.DTYPES)
 BATCH_MODES = ("auto", "on", "off")  # batch_saes: train a group's SAEs as one stacked module (sae/batched.py)
 DECAYS = ("linear", "cosine", "constant")  # the learning rate after warm-up (sae/optim.py)
 
 JUMPRELU_BANDWIDTH = 1.0  # defaults of SAEConfig.jumprelu_bandwidth / jumprelu_init_threshold
 JUMPRELU_INIT = 1.0
 ACTIVATION_ONLY = ("jumprelu_bandwidth", "jumprelu_init_threshold", "matryoshka_prefixes")
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +82,8 @@ class SAEConfig:
             raise ConfigError(f"SAEConfig.normalize_decoder must be true or false, got {self.normalize_decoder!r}")
         if not _is_int(self.seed):
             raise ConfigError(f"SAEConfig.seed must be an integer, got {self.seed!r}")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"SAEConfig.dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in PARAM_DTYPES:
+            raise ConfigError(f"SAEConfig.dtype must be one of {list(PARAM_DTYPES)}, got {self.dtype!r}")
         td = self.threshold_decay
         if isinstance(td, bool) or not isinstance(td, int | float) or not 0.0 <= td < 1.0:
             raise ConfigError(f"SAEConfig.threshold_decay must be a number in [0, 1), got {td!r}")
