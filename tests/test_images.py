@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -102,29 +103,63 @@ def test_listing_cache_hit_and_invalidation(folder, tmp_path):
     (cache_file,) = cache_dir.iterdir()
     assert "cat/a.jpeg" in json.loads(cache_file.read_text())["files"]
     stamp = cache_file.stat().st_mtime_ns
-
-    # a change two levels down is not part of the key: the cached listing is used as is
-    _save(str(folder / "dog" / "sub" / "d.png"))
     _age(folder)
     assert count_images(cfg, listing_cache=str(cache_dir)) == 4
-    assert cache_file.stat().st_mtime_ns == stamp
-    assert len(open_dataset(cfg)) == 5  # without the cache, the folder is listed again
+    assert cache_file.stat().st_mtime_ns == stamp  # unchanged folders: the stored listing is used
 
     # a new image in a class folder changes that folder's mtime: re-listed
     _save(str(folder / "cat" / "new.png"))
-    assert count_images(cfg, listing_cache=str(cache_dir)) == 6
+    assert count_images(cfg, listing_cache=str(cache_dir)) == 5
     # a new class folder changes the root's mtime
     _age(folder)
     _save(str(folder / "emu" / "e.png"))
     ds = open_dataset(cfg, listing_cache=str(cache_dir))
-    assert len(ds) == 7 and ds.class_names == ["cat", "dog", "emu"]
+    assert len(ds) == 6 and ds.class_names == ["cat", "dog", "emu"]
     # a corrupt cache file is ignored
     _age(folder)
     count_images(cfg, listing_cache=str(cache_dir))
     for f in cache_dir.iterdir():
         f.write_text("{garbage")
-    assert count_images(cfg, listing_cache=str(cache_dir)) == 7
+    assert count_images(cfg, listing_cache=str(cache_dir)) == 6
     assert not [f for f in os.listdir(cache_dir) if ".tmp-" in f]
+
+
+def test_nested_listing_sees_images_added_and_deleted_at_depth_3(tmp_path):
+    root, cache_dir = tmp_path / "imgs", str(tmp_path / "listings")
+    _save(str(root / "train" / "cat" / "x" / "a.png"))
+    _save(str(root / "train" / "dog" / "x" / "b.png"))
+    cfg = ImageFolder(str(root))
+    _age(root)
+    assert count_images(cfg, listing_cache=cache_dir) == 2
+    _save(str(root / "train" / "cat" / "x" / "c.png"))  # three folders down: only that folder's mtime moves
+    _age(root, t=1_700_000_100)  # every folder aged again, to a new time: mtimes differ from the stored ones
+    ds = open_dataset(cfg, listing_cache=cache_dir)
+    assert [os.path.relpath(ds.describe(i), root) for i in range(3)] == [
+        "train/cat/x/a.png", "train/cat/x/c.png", "train/dog/x/b.png"
+    ]  # fmt: skip
+    os.unlink(root / "train" / "dog" / "x" / "b.png")
+    os.utime(root / "train" / "dog" / "x", (1_700_000_100, 1_700_000_100))  # the same mtime as stored...
+    os.utime(root / "train" / "dog" / "x", (1_700_000_200, 1_700_000_200))  # ...then a deletion's
+    assert count_images(cfg, listing_cache=cache_dir) == 2
+    # a change the mtimes cannot show (a folder's mtime set back by hand): --relist lists again
+    _save(str(root / "train" / "dog" / "x" / "d.png"))
+    os.utime(root / "train" / "dog" / "x", (1_700_000_200, 1_700_000_200))
+    assert count_images(cfg, listing_cache=cache_dir) == 2
+    assert count_images(cfg, listing_cache=cache_dir, relist=True) == 3
+    assert count_images(cfg, listing_cache=cache_dir) == 3
+
+
+def test_fifo_with_an_image_name_is_skipped_with_a_warning_never_opened(folder, tmp_path, caplog):
+    os.mkfifo(folder / "dog" / "x.png")
+    cfg = ImageFolder(str(folder))
+    ds = open_dataset(cfg, listing_cache=str(tmp_path / "listings"))  # would block forever if opened
+    assert len(ds) == 4 and "dog/x.png" not in [os.path.relpath(ds.describe(i), folder) for i in range(4)]
+    assert "skipped 1 entry with an image name that is not a regular file" in caplog.text and "x.png" in caplog.text
+    # a FIFO put in place of a listed image after listing: an error naming it, not a hang
+    os.unlink(folder / "dog" / "b.png")
+    os.mkfifo(folder / "dog" / "b.png")
+    with pytest.raises(DumpError, match=r"b\.png.*not a regular file"):
+        ds[2]
 
 
 def test_synthetic_images_are_deterministic():
@@ -203,6 +238,7 @@ def test_hf_disk_dataset(tmp_path):
         lambda files: ["../../outside/evil.png", *files],  # a path leaving the folder
         lambda files: [*files, "emu/ghost.png"],  # one more image than the folder holds
         lambda files: sorted(files, reverse=True),
+        lambda files: files[1:],  # an entry cut from the listing (and its digest)
     ],
 )
 def test_planted_listing_is_rebuilt_from_the_folder(folder, tmp_path, caplog, plant):
@@ -213,6 +249,9 @@ def test_planted_listing_is_rebuilt_from_the_folder(folder, tmp_path, caplog, pl
     (cache_file,) = cache_dir.iterdir()
     doc = json.loads(cache_file.read_text())
     doc["files"] = plant(doc["files"])
+    cache_file.write_text(json.dumps(doc))
+    assert count_images(cfg, listing_cache=str(cache_dir)) == 4
+    doc["digest"] = hashlib.sha256("\\n".join(doc["files"]).encode()).hexdigest()  # edited to match as well
     cache_file.write_text(json.dumps(doc))
     ds = open_dataset(cfg, listing_cache=str(cache_dir))
     assert len(ds) == 4 and all(os.path.realpath(ds.describe(i)).startswith(str(folder)) for i in range(4))

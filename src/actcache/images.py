@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
 import os
+import stat
 import time
 
 import numpy as np
@@ -30,7 +32,7 @@ from actcache.fsutil import atomic_write_bytes
 logger = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
-LISTING_VERSION = 2
+LISTING_VERSION = 3
 # A folder modified less than this long ago may still change within the same mtime tick; its
 # listing is not cached (the "racy git" problem).
 _RACY_S = 2.0
@@ -150,12 +152,12 @@ def metadata_data(cfg: DataConfig) -> dict:
     return {**dataclasses.asdict(cfg), "__class__": type(cfg).__name__}
 
 
-def count_images(cfg: DataConfig, listing_cache: str | None = None) -> int:
-    """The dataset size, without decoding any image."""
+def count_images(cfg: DataConfig, listing_cache: str | None = None, relist: bool = False) -> int:
+    """The dataset size, without decoding any image (``relist``: ignore a stored folder listing)."""
     if isinstance(cfg, SyntheticImages):
         return cfg.n_imgs
     if isinstance(cfg, ImageFolder):
-        return len(list_image_folder(cfg.root, listing_cache).files)
+        return len(list_image_folder(cfg.root, listing_cache, relist=relist).files)
     if isinstance(cfg, HfDiskDataset):
         return len(_load_hf(cfg))
     raise ConfigError(f"unknown data config {cfg!r}; use one of {sorted(c.__name__ for c in DATA_KINDS.values())}")
@@ -201,57 +203,89 @@ class FolderListing:
     classes: tuple[str, ...]
 
 
-def _folder_key(root: str) -> dict:
-    subdirs = {}
-    with os.scandir(root) as it:
-        for entry in it:
-            if entry.is_dir() and not entry.name.startswith("."):
-                subdirs[entry.name] = entry.stat().st_mtime_ns
+def _root_key(root: str) -> dict:
     st = os.stat(root)
     # The root's inode too: another folder moved or copied to the same path re-lists. Not the
     # device number, which differs between the nodes that mount one NFS export (each would re-list).
-    return {"root": root, "ino": st.st_ino, "mtime_ns": st.st_mtime_ns, "subdirs": dict(sorted(subdirs.items()))}
+    return {"root": root, "ino": st.st_ino}
 
 
-def _walk_images(root: str) -> list[str]:
-    """Relative paths (with "/") of image files under root; hidden files and folders are skipped."""
-    found = []
-    seen = set()
-
-    def fail(e: OSError) -> None:
-        raise ConfigError(f"cannot list {e.filename!r} under image folder {root!r} ({e.strerror}); fix its permissions")
-
-    for dirpath, dirnames, filenames in os.walk(root, onerror=fail, followlinks=True):
-        real = os.path.realpath(dirpath)
-        if real in seen:  # a symlink loop
-            dirnames[:] = []
-            continue
-        seen.add(real)
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        rel = os.path.relpath(dirpath, root)
-        prefix = "" if rel == "." else rel.replace(os.sep, "/") + "/"
-        for name in filenames:
-            if not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS):
-                found.append(prefix + name)
+def _walk_images(root: str) -> tuple[list[str], dict[str, int]]:
+    """Relative paths (with "/") of the regular image files under root, and the mtime of every
+    folder walked (relative path -> st_mtime_ns). Hidden files and folders are skipped; a FIFO,
+    socket, device or dangling link with an image name is skipped with a warning, never opened
+    (opening a FIFO would block forever)."""
+    found: list[str] = []
+    dirs: dict[str, int] = {}
+    odd: list[str] = []
+    seen: set[tuple[int, int]] = set()
+    stack = [""]
+    while stack:
+        rel = stack.pop()
+        path = os.path.join(root, rel) if rel else root
+        try:
+            st = os.stat(path)
+            if (st.st_dev, st.st_ino) in seen:  # a symlink loop, or one folder linked twice
+                continue
+            seen.add((st.st_dev, st.st_ino))
+            dirs[rel] = st.st_mtime_ns  # before reading: a change while reading is seen next time
+            with os.scandir(path) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError as e:
+            raise ConfigError(
+                f"cannot list {e.filename or path!r} under image folder {root!r} ({e.strerror}); fix its permissions"
+            ) from None
+        prefix = rel + "/" if rel else ""
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            if _is_dir(entry):
+                stack.append(prefix + entry.name)
+            elif entry.name.lower().endswith(IMAGE_EXTENSIONS):
+                (found if _is_file(entry) else odd).append(prefix + entry.name)
+    if odd:
+        shown = ", ".join(repr(f) for f in odd[:5]) + (f" and {len(odd) - 5} more" if len(odd) > 5 else "")
+        logger.warning(
+            "image folder %s: skipped %d entr%s with an image name that %s not a regular file "
+            "(a FIFO, socket, device or dangling link): %s; remove or replace them",
+            root, len(odd), "y" if len(odd) == 1 else "ies", "is" if len(odd) == 1 else "are", shown,
+        )  # fmt: skip
     found.sort()
-    return found
+    return found, dict(sorted(dirs.items()))
 
 
-def list_image_folder(root: str, listing_cache: str | None = None) -> FolderListing:
+def _is_dir(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
+
+
+def _is_file(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_file()
+    except OSError:
+        return False
+
+
+def list_image_folder(root: str, listing_cache: str | None = None, relist: bool = False) -> FolderListing:
     """Sorted image files under ``root``, with labels from the first subfolder name.
 
-    With ``listing_cache`` (a directory), the listing is stored there keyed by the root path, the
-    root's inode and mtime and the mtimes of its immediate subfolders; a change to any of
-    those re-lists. (Changes deeper down, in ``root/a/b/``, are not seen: touch ``root/a`` after
-    such edits.) A stored listing is not trusted blindly: one with a path leaving the root, an
-    entry that is not an image path, an unsorted or repeated entry, or a sampled file that does
-    not exist is ignored with a warning, and the folder is listed again.
+    With ``listing_cache`` (a directory), the listing is stored there with the root's path and
+    inode and the mtime of every folder of the tree (at any depth). It is used again only while
+    each of those folders still has its mtime: adding, removing or renaming anything in a folder
+    changes that folder's mtime, so a check costs one ``stat`` per folder, not a walk.
+    ``relist`` ignores a stored listing (``actcache plan --relist``). A stored listing is not
+    trusted blindly either: one with a path leaving the root, an entry that is not an image path,
+    an unsorted or repeated entry, a digest that does not match its entries, a sampled file that
+    does not exist or a sampled folder holding more images than listed is ignored with a warning,
+    and the folder is listed again.
     """
     root = _abs(root)
     if not os.path.isdir(root):
         raise ConfigError(f"image folder {root!r} does not exist or is not a directory; fix data.root")
     try:
-        key = _folder_key(root)
+        key = _root_key(root)
     except OSError as e:
         raise ConfigError(f"image folder {root!r} cannot be read ({e}); fix data.root or its permissions") from e
     cache_path = None
@@ -259,27 +293,30 @@ def list_image_folder(root: str, listing_cache: str | None = None) -> FolderList
     if listing_cache is not None:
         name = "imagefolder-" + hashlib.sha256(root.encode("utf-8", "surrogateescape")).hexdigest()[:20] + ".json"
         cache_path = os.path.join(_abs(listing_cache), name)
-        files = _read_listing(cache_path, key, root)
+        files = None if relist else _read_listing(cache_path, key, root)
     if files is None:
         t0 = time.perf_counter()
-        files = _walk_images(root)
+        files, dirs = _walk_images(root)
         took = time.perf_counter() - t0
         level = logging.INFO if took > 1 else logging.DEBUG  # said only when it kept someone waiting
-        logger.log(level, "listed %d images under %s in %.1f s", len(files), root, took)
+        logger.log(level, "listed %d images in %d folders under %s in %.1f s", len(files), len(dirs), root, took)
         if not files:
             raise ConfigError(
                 f"image folder {root!r} holds no image files (looked for {', '.join(IMAGE_EXTENSIONS)}, "
                 "any case, at any depth); fix data.root"
             )
-        newest_ns = max([key["mtime_ns"], *key["subdirs"].values()])
-        if cache_path is not None and time.time() - newest_ns / 1e9 > _RACY_S:
-            doc = {"version": LISTING_VERSION, "key": key, "files": files}
+        if cache_path is not None and time.time() - max(dirs.values()) / 1e9 > _RACY_S:
+            doc = {"version": LISTING_VERSION, "key": key, "dirs": dirs, "digest": _digest(files), "files": files}
             os.makedirs(os.path.dirname(cache_path), exist_ok=True)
             atomic_write_bytes(cache_path, json.dumps(doc).encode("utf-8"))
     classes = sorted({f.split("/", 1)[0] for f in files if "/" in f})
     index = {c: i for i, c in enumerate(classes)}
     labels = np.array([index[f.split("/", 1)[0]] if "/" in f else -1 for f in files], dtype=np.int64)
     return FolderListing(root=root, files=_Strings(files), labels=labels, classes=tuple(classes))
+
+
+def _digest(files: list[str]) -> str:
+    return hashlib.sha256("\n".join(files).encode("utf-8", "surrogateescape")).hexdigest()
 
 
 def _read_listing(path: str, key: dict, root: str) -> list[str] | None:
@@ -293,18 +330,35 @@ def _read_listing(path: str, key: dict, root: str) -> list[str] | None:
         return None
     if not isinstance(doc, dict) or doc.get("version") != LISTING_VERSION or doc.get("key") != key:
         return None
+    if not _dirs_unchanged(root, doc.get("dirs")):
+        return None
     files = doc.get("files")
-    problem = _listing_problem(root, files)
+    problem = _listing_problem(root, files, doc.get("digest"))
     if problem is not None:
         logger.warning("ignoring image listing cache %s: %s; listing %s again", path, problem, root)
         return None
     return files
 
 
-_SAMPLED = 8  # listed files checked to exist, spread over the listing
+def _dirs_unchanged(root: str, dirs: object) -> bool:
+    """Whether every folder the listing walked still has the mtime it had then."""
+    if not isinstance(dirs, dict) or "" not in dirs:
+        return False
+    for rel, mtime_ns in dirs.items():
+        if not isinstance(rel, str) or rel.startswith("/") or ".." in rel.split("/"):
+            return False
+        try:
+            if os.stat(os.path.join(root, rel) if rel else root).st_mtime_ns != mtime_ns:
+                return False
+        except OSError:
+            return False
+    return True
 
 
-def _listing_problem(root: str, files: object) -> str | None:
+_SAMPLED = 8  # listed files checked to exist, and folders counted, spread over the listing
+
+
+def _listing_problem(root: str, files: object, digest: object = None) -> str | None:
     """Why a stored listing cannot be the listing of ``root`` (None: it can)."""
     if not isinstance(files, list) or not files:
         return "it has no list of files"
@@ -320,10 +374,34 @@ def _listing_problem(root: str, files: object) -> str | None:
         if prev is not None and f <= prev:
             return f"entry {f!r} is out of order or repeated"
         prev = f
+    if digest != _digest(files):
+        return "its entries do not match its digest (edited or cut)"
     step = max(1, len(files) // _SAMPLED)
-    for f in [*files[::step][:_SAMPLED], files[-1]]:
+    sampled = [*files[::step][:_SAMPLED], files[-1]]
+    for f in sampled:
         if not os.path.isfile(os.path.join(root, f)):
             return f"listed file {f!r} does not exist"
+    return _fewer_than_folder(root, files, sampled)
+
+
+def _fewer_than_folder(root: str, files: list[str], sampled: list[str]) -> str | None:
+    """A sampled folder holding more image files than the listing names in it: the listing lost entries."""
+    listed: dict[str, int] = {}
+    for f in files:
+        d = f.rsplit("/", 1)[0] if "/" in f else ""
+        listed[d] = listed.get(d, 0) + 1
+    for d in dict.fromkeys(f.rsplit("/", 1)[0] if "/" in f else "" for f in sampled):
+        try:
+            with os.scandir(os.path.join(root, d) if d else root) as it:
+                n = sum(
+                    1
+                    for e in it
+                    if not e.name.startswith(".") and e.name.lower().endswith(IMAGE_EXTENSIONS) and _is_file(e)
+                )
+        except OSError:
+            return f"folder {d or '.'!r} cannot be read"
+        if n > listed[d]:
+            return f"folder {d or '.'!r} holds {n} images but the listing names {listed[d]}"
     return None
 
 
@@ -379,7 +457,7 @@ class FolderDataset(ImageDataset):
         i = self._check_index(i)
         path = self.describe(i)
         try:
-            with PIL.Image.open(path) as img:
+            with open_regular(path) as f, PIL.Image.open(f) as img:
                 rgb = to_rgb(img)
         except (OSError, ValueError, SyntaxError, PIL.Image.DecompressionBombError) as e:
             raise DumpError(
@@ -387,6 +465,21 @@ class FolderDataset(ImageDataset):
                 "Replace it with a valid image (deleting it changes the dataset, so the cache hash too)."
             ) from e
         return rgb, int(self._listing.labels[i])
+
+
+def open_regular(path: str):
+    """``path`` opened for binary reading, if it is a regular file. Opened without blocking and
+    checked with fstat, so a FIFO put in place of an image after listing is an error, not a hang."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise OSError(errno.EINVAL, "not a regular file (a FIFO, socket or device)", path)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _load_hf(cfg: HfDiskDataset):

@@ -26,8 +26,9 @@ DUMP_MARKS = ".actcache-dump"  # <HASH>/.actcache-dump/A-B.<slot>: range A..B-1 
 MARK_SLOTS = ("done", "redo")
 
 
-def experiment_metadata(exp: Experiment, listing_cache: str | None = None) -> Metadata:
-    """The cache metadata of ``exp``; every ConfigError names the experiment file and its keys as written."""
+def experiment_metadata(exp: Experiment, listing_cache: str | None = None, relist: bool = False) -> Metadata:
+    """The cache metadata of ``exp``; every ConfigError names the experiment file and its keys as written.
+    ``relist``: list an image folder again, ignoring its stored listing."""
     from actcache.images import count_images, metadata_data
     from actcache.models import describe_checkpoint, resolve_layers
 
@@ -41,7 +42,7 @@ def experiment_metadata(exp: Experiment, listing_cache: str | None = None) -> Me
     except ConfigError as err:
         raise ConfigError(f"{exp.source}: key 'vit.layers': {err}") from None
     try:
-        n_imgs = count_images(exp.data, listing_cache=listing_cache)
+        n_imgs = count_images(exp.data, listing_cache=listing_cache, relist=relist)
     except ConfigError as err:
         raise ConfigError(f"{exp.source}: {err}") from None
     return Metadata(
@@ -321,6 +322,7 @@ def plan(
     runs_to: str | Setting,
     base_dir: str | None = None,
     listed_in: Setting | None = None,
+    relist: bool = False,
 ) -> list[Planned]:
     """Load, validate and plan every experiment. Errors name the file and key as written.
 
@@ -328,7 +330,7 @@ def plan(
     ``listed_in`` where the experiment list was. Every precondition (inputs exist, roots writable) is
     checked before anything is written (the image listing cache under ``<dump_to>/.listings``).
     Two experiments with one name are an error; two with identical cache settings share one hash
-    (and so one directory and one set of dump jobs).
+    (and so one directory and one set of dump jobs). ``relist`` lists image folders again.
     """
     base_dir = base_dir or os.getcwd()
     dump_to, runs_to = _setting(dump_to, "dump_to"), _setting(runs_to, "runs_to")
@@ -354,7 +356,7 @@ def plan(
     out: list[Planned] = []
     listing_cache = os.path.join(dump_to.value, ".listings")
     for exp, d_to, r_to in exps:
-        md = experiment_metadata(exp, listing_cache=listing_cache)
+        md = experiment_metadata(exp, listing_cache=listing_cache, relist=relist)
         out.append(Planned(exp, md, d_to.value, r_to.value, tuple(shard_ranges(md, exp.cache.shards_per_job))))
     return out
 
@@ -366,7 +368,11 @@ def config_base_dir(config_path: str) -> str:
 
 
 def plan_from_config(
-    config_path: str, dump_to: str | None = None, runs_to: str | None = None, experiments: list[str] | None = None
+    config_path: str,
+    dump_to: str | None = None,
+    runs_to: str | None = None,
+    experiments: list[str] | None = None,
+    relist: bool = False,
 ) -> list[Planned]:
     """Plan config.yaml's experiments (or ``experiments``); ``dump_to``/``runs_to`` override its roots."""
     cfg = load_workflow_config(config_path)
@@ -374,7 +380,7 @@ def plan_from_config(
     r_to = _setting(runs_to, "runs_to") if runs_to else Setting(cfg.runs_to, config_path, "runs_to")
     listed_in = Setting("", COMMAND_LINE, "--experiment") if experiments else Setting("", config_path, "experiments")
     files = experiments or list(cfg.experiments)
-    return plan(files, d_to, r_to, base_dir=config_base_dir(config_path), listed_in=listed_in)
+    return plan(files, d_to, r_to, base_dir=config_base_dir(config_path), listed_in=listed_in, relist=relist)
 
 
 def caches_from_config(config_path: str, runs_to: str | None = None) -> list[ExternalCache]:

@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dump-to", help="override dump_to")
     s.add_argument("--runs-to", help="override runs_to")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--relist", action="store_true", help="list image folders again, ignoring stored listings")
     s.add_argument(
         "--failures", action="store_true", help="the failed jobs of the last workflow run here, with their logs' tails"
     )

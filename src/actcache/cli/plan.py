@@ -51,9 +51,9 @@ def cmd_plan(args) -> int:
     if args.experiment and not os.path.exists(args.config):
         if not (dump_to and runs_to):
             raise ConfigError("--experiment without a workflow config needs --dump-to and --runs-to.")
-        planned = plan(args.experiment, dump_to, runs_to)
+        planned = plan(args.experiment, dump_to, runs_to, relist=args.relist)
     else:
-        planned = plan_from_config(args.config, dump_to, runs_to, args.experiment or None)
+        planned = plan_from_config(args.config, dump_to, runs_to, args.experiment or None, relist=args.relist)
         if not args.experiment:
             caches = [cache_summary(c) for c in caches_from_config(args.config, runs_to)]
     rows = [plan_summary(p) for p in planned]
