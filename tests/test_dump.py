@@ -210,7 +210,8 @@ def test_corrupt_image_names_the_file_and_writes_no_shard_for_it(tmp_path, ckpt)
     root = tmp_path / "imgs"
     files = make_images(str(root), n=12)
     bad = root / files[6]  # image 6: shard 1 (images 4..7), in its second batch (6..7)
-    bad.write_bytes(b"\x89PNG\r\n\x1a\n" + b"garbage" * 10 if bad.suffix == ".png" else b"\xff\xd8garbage")
+    data = bad.read_bytes()
+    bad.write_bytes(data[: len(data) // 2])  # its header reads, its pixels are cut short: found when decoded
     exp = load_experiment(write_experiment(tmp_path / "exp.yaml", ckpt, root, n_workers=1))
     with pytest.raises(DumpError) as info:
         dump_shards(exp, None, str(tmp_path / "d"), progress=False)
@@ -218,6 +219,23 @@ def test_corrupt_image_names_the_file_and_writes_no_shard_for_it(tmp_path, ckpt)
     (path,) = hash_dirs(tmp_path / "d")
     assert sorted(shard_files(path)) == [shard_name(0)]  # shard 0 was complete before the bad batch
     assert not temp_files(path)
+
+
+def test_three_corrupt_images_are_one_error_naming_all_three_before_the_model_loads(tmp_path, ckpt, caplog):
+    root = tmp_path / "imgs"
+    files = make_images(str(root), n=12)
+    bad = [root / files[i] for i in (1, 6, 11)]  # one in each of the three shards
+    for i, f in enumerate(bad):
+        f.write_bytes([b"", b"\x89PNG\r\n\x1a\n" + b"garbage" * 10, b"\xff\xd8garbage"][i])
+    exp = load_experiment(write_experiment(tmp_path / "exp.yaml", ckpt, root, n_workers=1))
+    caplog.set_level("INFO", logger="actcache")
+    with pytest.raises(ConfigError) as info:
+        dump_shards(exp, None, str(tmp_path / "d"), progress=False)
+    msg = str(info.value)
+    assert "3 of 12 images" in msg and all(str(f) in msg for f in bad) and "\n" not in msg
+    assert "no model was loaded" in msg and "loaded clip" not in caplog.text  # the model never loaded
+    (path,) = hash_dirs(tmp_path / "d")
+    assert shard_files(path) == {}
 
 
 def test_unknown_family_and_wrong_family(tmp_path, ckpt, images):

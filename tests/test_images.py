@@ -270,3 +270,34 @@ def test_listing_of_another_folder_once_at_the_same_path_is_not_used(folder, tmp
     os.unlink(folder / "dog" / "b.png")
     _age(folder)
     assert count_images(cfg, listing_cache=str(cache_dir)) == 3
+
+
+@pytest.mark.parametrize("kind", ["clip", "dinov2"])
+def test_16_bit_palette_cmyk_and_alpha_images_equal_transformers_processor_output(tmp_path, kind, caplog):
+    from actcache.images import check_headers
+    from actcache.models import load_transform
+    from fixtures_vit import FAMILY, build_processor, make_checkpoint
+
+    rng = np.random.default_rng(0)
+    rgb = PIL.Image.fromarray(rng.integers(0, 256, (40, 50, 3), dtype=np.uint8))
+    rgba = rgb.convert("RGBA")
+    rgba.putalpha(PIL.Image.fromarray(rng.integers(0, 256, (40, 50), dtype=np.uint8)))
+    root = tmp_path / "imgs"
+    root.mkdir()
+    PIL.Image.fromarray(rng.integers(0, 65536, (40, 50)).astype(np.uint16)).save(root / "a16.png")
+    rgb.convert("P", palette=PIL.Image.Palette.ADAPTIVE).save(root / "b_palette.png", transparency=3)
+    rgb.convert("CMYK").save(root / "c_cmyk.jpg")
+    rgba.save(root / "d_rgba.png")
+    rgba.convert("LA").save(root / "e_la.png")
+    with PIL.Image.open(root / "a16.png") as img:
+        assert img.mode == "I;16"
+
+    ckpt = make_checkpoint(str(tmp_path / kind), kind)
+    transform, proc = load_transform(FAMILY[kind], ckpt), build_processor(kind)
+    ds = open_dataset(ImageFolder(str(root)))
+    for i in range(len(ds)):
+        with PIL.Image.open(ds.describe(i)) as img:  # the file as decoded, unconverted: the processor converts
+            want = np.asarray(proc(images=[img], return_tensors="np")["pixel_values"])[0]
+        np.testing.assert_array_equal(transform(ds[i][0]), want, err_msg=ds.describe(i))
+    check_headers(ds, range(len(ds)))
+    assert "1 of 5 images have 16 bits per channel" in caplog.text and "a16.png" in caplog.text

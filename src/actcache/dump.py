@@ -401,6 +401,9 @@ def dump_shards(
         if not todo:
             log.info("%s: shards %d..%d are complete; nothing to do", path, a, b - 1)
             return path
+        from actcache.images import check_headers
+
+        check_headers(ds, (i for sh in todo for i in range(*md.shard_img_range(sh))))  # before any model loads
         locks = ShardLocks(os.path.join(path, DUMP_MARKS))
         while todo:  # a second round only for shards whose other writer stopped before finishing them
             busy = _dump(exp, md, path, todo, dev, batch_size, n_workers, progress, ds, load_transform, load_vit, locks)

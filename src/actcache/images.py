@@ -482,6 +482,54 @@ def open_regular(path: str):
         raise
 
 
+_SHOWN = 20  # unreadable images named in the one-line error (all of them go to the log)
+
+
+def check_headers(ds: ImageDataset, indices, n_threads: int = 8) -> None:
+    """Open every image ``indices`` of an image-folder dataset and read its header, in parallel,
+    before any model loads: every unreadable one is named in one ConfigError. (Only the header:
+    pixels cut short at the end of a file are found when the image is decoded.) Images of 16 bits
+    per channel are converted as transformers' processors convert them (values above 255 become
+    255): said once, in a warning. Other datasets are not checked here."""
+    if not isinstance(ds, FolderDataset):
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    indices = list(indices)
+    with ThreadPoolExecutor(max(1, min(n_threads, len(indices)))) as pool:
+        results = list(pool.map(lambda i: _header(ds.describe(i)), indices))
+    bad = [(ds.describe(i), r) for i, r in zip(indices, results) if r is not None and not r.startswith("mode ")]
+    wide = [ds.describe(i) for i, r in zip(indices, results) if r is not None and r.startswith("mode ")]
+    if wide:
+        logger.warning(
+            "%d of %d images have 16 bits per channel (e.g. %s); they are converted to 8 bits as transformers' "
+            "image processors do, so values above 255 become 255: convert them to 8 bits first to keep their contrast",
+            len(wide), len(indices), wide[0],
+        )  # fmt: skip
+    if bad:
+        for path, why in bad:
+            logger.error("unreadable image %s: %s", path, why)
+        shown = "; ".join(f"{path!r} ({why})" for path, why in bad[:_SHOWN])
+        more = f"; and {len(bad) - _SHOWN} more (all are in the log)" if len(bad) > _SHOWN else ""
+        raise ConfigError(
+            f"{len(bad)} of {len(indices)} images under {ds.cfg.root!r} cannot be read: {shown}{more}. "
+            "Replace each with a valid image (deleting one changes the dataset, so the cache hash too); "
+            "no model was loaded and no shard was written."
+        )
+
+
+_WIDE_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")
+
+
+def _header(path: str) -> str | None:
+    """None for a readable image header, "mode M" for a 16-bit (or wider) one, else why it cannot be read."""
+    try:
+        with open_regular(path) as f, PIL.Image.open(f) as img:
+            return f"mode {img.mode}" if img.mode in _WIDE_MODES else None
+    except (OSError, ValueError, SyntaxError, PIL.Image.DecompressionBombError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
 def _load_hf(cfg: HfDiskDataset):
     import datasets
 
