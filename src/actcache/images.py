@@ -497,9 +497,9 @@ def check_headers(ds: ImageDataset, indices, n_threads: int = 8) -> None:
 
     indices = list(indices)
     with ThreadPoolExecutor(max(1, min(n_threads, len(indices)))) as pool:
-        results = list(pool.map(lambda i: _header(ds.describe(i)), indices))
-    bad = [(ds.describe(i), r) for i, r in zip(indices, results) if r is not None and not r.startswith("mode ")]
-    wide = [ds.describe(i) for i, r in zip(indices, results) if r is not None and r.startswith("mode ")]
+        found = [(path, why) for path, why in pool.map(_header, map(ds.describe, indices)) if why is not None]
+    bad = [(path, why) for path, why in found if not why.startswith("mode ")]
+    wide = [path for path, why in found if why.startswith("mode ")]
     if wide:
         logger.warning(
             "%d of %d images have 16 bits per channel (e.g. %s); they are converted to 8 bits as transformers' "
@@ -521,13 +521,13 @@ def check_headers(ds: ImageDataset, indices, n_threads: int = 8) -> None:
 _WIDE_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")
 
 
-def _header(path: str) -> str | None:
-    """None for a readable image header, "mode M" for a 16-bit (or wider) one, else why it cannot be read."""
+def _header(path: str) -> tuple[str, str | None]:
+    """(path, None) for a readable image header, "mode M" for a 16-bit (or wider) one, else why it cannot be read."""
     try:
         with open_regular(path) as f, PIL.Image.open(f) as img:
-            return f"mode {img.mode}" if img.mode in _WIDE_MODES else None
+            return path, f"mode {img.mode}" if img.mode in _WIDE_MODES else None
     except (OSError, ValueError, SyntaxError, PIL.Image.DecompressionBombError) as e:
-        return f"{type(e).__name__}: {e}"
+        return path, f"{type(e).__name__}: {e}"
 
 
 def _load_hf(cfg: HfDiskDataset):
