@@ -324,6 +324,23 @@ def test_full_dev_shm_is_a_clear_error_and_leaves_nothing(tmp_path, ckpt, images
     assert shard_files(path) == {} and not temp_files(path)
 
 
+def test_plan_states_the_cost_and_dump_refuses_a_range_that_cannot_fit(tmp_path, ckpt, images):
+    # dump_to a 64 KiB tmpfs (root, its own mount namespace): the 22 images take 95,744 bytes.
+    exp = write_experiment(tmp_path / "exp.yaml", ckpt, images)
+    d = tmp_path / "d"
+    d.mkdir()
+    plan = [sys.executable, "-m", "actcache.cli", "plan", "--experiment", exp, "--dump-to", str(d),
+            "--runs-to", str(tmp_path / "runs")]  # fmt: skip
+    script = f'mount -t tmpfs -o size=64k tmpfs {d} || exit 99\n"$@"; echo "rc=$?" >&2\n{" ".join(plan)}\n'
+    out = in_mount_namespace(script, dump_argv(exp, d), timeout=120)
+    assert "rc=2" in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
+    need = N_IMGS * 2 * T * 32 * 4
+    assert f"the 6 shard(s) to write (0..5) need 93.5 KiB ({need} bytes) but only" in out.stderr, out.stderr
+    assert "No shard was written" in out.stderr and "Traceback" not in out.stderr
+    assert "size      93.5 KiB in 6 shard(s), 93.5 KiB still to write" in out.stdout, out.stdout
+    assert f"on {d}  (does not fit: " in out.stdout
+
+
 def test_dump_to_with_one_page_of_room(tmp_path, ckpt, images):
     # dump_to a 4 KiB tmpfs in the dump's own mount namespace (root): its one page goes to the image
     # listing or to metadata.json, and the next set-up write fails. One clear error; what is left

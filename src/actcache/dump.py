@@ -401,6 +401,7 @@ def dump_shards(
         if not todo:
             log.info("%s: shards %d..%d are complete; nothing to do", path, a, b - 1)
             return path
+        _check_fits(path, md, todo)
         from actcache.images import check_headers
 
         check_headers(ds, (i for sh in todo for i in range(*md.shard_img_range(sh))))  # before any model loads
@@ -412,6 +413,19 @@ def dump_shards(
                 locks.wait(shard_name(s))
             todo = [s for s in busy if not shard_is_complete(path, md, s)]
     return path
+
+
+def _check_fits(path: str, md: Metadata, todo: list[int]) -> None:
+    """Refuse to start shards that cannot fit in the free space of the cache's filesystem."""
+    from actcache.fsutil import fmt_bytes, free_bytes
+
+    need, free = sum(md.shard_n_imgs(s) for s in todo) * md.bytes_per_img, free_bytes(path)
+    if need > free:
+        raise DumpError(
+            f"{path}: the {len(todo)} shard(s) to write ({_ranges(todo)}) need {fmt_bytes(need)} ({need} bytes) but "
+            f"only {fmt_bytes(free)} ({free} bytes) are free there; free space, dump to another dump_to, or dump "
+            "fewer shards at a time (--shards A:B). No shard was written."
+        )
 
 
 def _start_workers(loader, n_workers: int):

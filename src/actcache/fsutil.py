@@ -104,3 +104,25 @@ def pid_alive(pid: int) -> bool:
         return state != "Z"
     except (FileNotFoundError, IndexError, PermissionError):
         return False
+
+
+def free_bytes(path: str) -> int:
+    """Bytes an unprivileged writer may still use on the filesystem holding ``path`` (statvfs's
+    f_bavail: a quota set elsewhere, as on many clusters, is not seen). A path not created yet:
+    its nearest existing parent's filesystem."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def fmt_bytes(n: float) -> str:
+    """``n`` bytes in binary units (1 KiB = 1024 B), one decimal."""
+    if n < 1024:
+        return f"{int(n)} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        n /= 1024
+        if n < 1024 or unit == "PiB":
+            return f"{n:.1f} {unit}"
+    raise AssertionError("unreachable")

@@ -160,6 +160,21 @@ class Planned:
             state = f"{done} of {md.n_shards} shards"
         return {"state": state, "shards_done": done, "n_shards": md.n_shards, "gathered": gathered}
 
+    def cost(self) -> dict:
+        """What the cache takes on disk: ``bytes`` of activations in all ``n_shards`` shards (labels and
+        JSON files, a few KiB, not counted), ``bytes_to_write`` for the shards not complete yet, and
+        ``free_bytes`` on the filesystem of ``dump_to`` now (see fsutil.free_bytes)."""
+        from actcache.fsutil import free_bytes
+
+        md = self.metadata
+        missing = [i for i in range(md.n_shards) if not self.shard_complete(i)]
+        return {
+            "bytes": md.n_imgs * md.bytes_per_img,
+            "n_shards": md.n_shards,
+            "bytes_to_write": sum(md.shard_n_imgs(i) for i in missing) * md.bytes_per_img,
+            "free_bytes": free_bytes(self.dump_to),
+        }
+
     def train_runs(self) -> list:
         """The SAE runs of the experiment's train section ([] without one)."""
         if not self.exp.train:
@@ -410,6 +425,7 @@ def plan_summary(p: Planned) -> dict:
         "hash": p.hash,
         "dir": p.cache_dir,
         "cache": p.status(),
+        "size": p.cost(),
         "dump_jobs": len(p.ranges),
         "training": runs,
     }

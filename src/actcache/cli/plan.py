@@ -19,7 +19,19 @@ def _print_row(r: dict) -> None:
     print(f"  hash      {r['hash']}")
     print(f"  dir       {r['dir']}")
     print(f"  cache     {st['state']} ({st['shards_done']}/{st['n_shards']} shards, {r['dump_jobs']} dump job(s))")
+    _print_size(r["size"], os.path.dirname(r["dir"]))
     _print_training(r["training"])
+
+
+def _print_size(size: dict, dump_to: str) -> None:
+    from actcache.fsutil import fmt_bytes
+
+    to_write, free = size["bytes_to_write"], size["free_bytes"]
+    print(
+        f"  size      {fmt_bytes(size['bytes'])} in {size['n_shards']} shard(s), {fmt_bytes(to_write)} still to write"
+    )
+    fits = "" if to_write <= free else f"  (does not fit: {fmt_bytes(to_write - free)} short)"
+    print(f"  free      {fmt_bytes(free)} on {dump_to}{fits}")
 
 
 def _print_training(training: list[dict]) -> None:
