@@ -13,6 +13,7 @@ import pytest
 from tests.fixtures_vit import make_checkpoint
 from tests.workflow_helpers import REPO, write_project
 
+from actcache.ckptid import checkpoint_digest
 from actcache.demo import make_demo_assets
 from actcache.plan import current_mark, other_mark, plan_from_config, train_jobs
 from actcache.protocol import Metadata
@@ -30,15 +31,17 @@ DEMO_PLAN = [
         "dir": "data/cache/<HASH>",
         "cache": {"state": "missing", "shards_done": 0, "n_shards": 4, "gathered": False},
         "dump_jobs": 4,
+        "notes": [],
         "training": [
             {"sae_id": sae, "group": DEMO_GROUP, "dir": f"data/runs/<HASH>/{sae}", "done": False}
             for sae in DEMO_SAE_IDS
         ],
     }
 ]
-# The hash of the demo's metadata with the project root at /PROJECT (the metadata holds the
-# checkpoint and image folder paths, so the hash depends on where the project lives).
-DEMO_HASH_AT_PROJECT = "5079543aca102876d0823042c539cfe186b6248f463a8bdf75184ef846870921"
+# The hash of the demo's metadata with the project root at /PROJECT and the checkpoint's digest
+# zeroed (the metadata holds the image folder's path, so the hash depends on where the images lie;
+# the checkpoint is named by the digest of its files, wherever it lies).
+DEMO_HASH_AT_PROJECT = "e3fe28ccc147cdba9d3350a0dd1278887a99c2bcbcb96db8bd6f87ddfc02ccb6"
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +66,10 @@ def test_demo_plan_is_pinned(demo_project, monkeypatch):
     monkeypatch.chdir(demo_project)  # the demo's paths are relative to the project root
     (p,) = plan_from_config(os.path.join("config", "config.yaml"))
     assert p.hash == row["hash"]
+    ckpt = os.path.join(demo_project, "data", "demo", "models", "tiny-clip")
+    assert p.metadata.vit_ckpt == "sha256:" + checkpoint_digest(ckpt)  # the checkpoint's files, not its path
     moved = json.loads(json.dumps(p.metadata.to_dict()).replace(demo_project, "/PROJECT"))
+    moved["vit_ckpt"] = "sha256:" + "0" * 64  # the digest holds transformers' version (config.json)
     assert Metadata.from_dict(moved).hash == DEMO_HASH_AT_PROJECT
     assert size["bytes"] == p.metadata.n_imgs * p.metadata.bytes_per_img
 

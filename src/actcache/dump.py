@@ -345,6 +345,8 @@ def dump_shards(
     after a failure resumes. Raises ConfigError for a bad experiment/range/device (before any
     work) and DumpError for a failure while computing or writing.
     """
+    from actcache.adopt import adopt
+    from actcache.ckptid import record_source
     from actcache.images import open_dataset
     from actcache.models import load_transform, load_vit
     from actcache.plan import DUMP_MARKS, experiment_metadata
@@ -371,7 +373,9 @@ def dump_shards(
 
     with _ignore_sigxfsz():
         try:
+            adopt(dump_to, md, exp.vit.ckpt)  # a cache dumped when the checkpoint was named by its path
             path = ensure_metadata(dump_to, md)
+            record_source(path, md.vit_ckpt, exp.vit.ckpt)  # where a local checkpoint lies (eval, visuals)
             from actcache.fsutil import remove_stale_temps
 
             stale = remove_stale_temps(path)

@@ -29,6 +29,7 @@ MARK_SLOTS = ("done", "redo")
 def experiment_metadata(exp: Experiment, listing_cache: str | None = None, relist: bool = False) -> Metadata:
     """The cache metadata of ``exp``; every ConfigError names the experiment file and its keys as written.
     ``relist``: list an image folder again, ignoring its stored listing."""
+    from actcache.ckptid import checkpoint_identity
     from actcache.images import count_images, metadata_data
     from actcache.models import describe_checkpoint, resolve_layers
 
@@ -45,9 +46,13 @@ def experiment_metadata(exp: Experiment, listing_cache: str | None = None, relis
         n_imgs = count_images(exp.data, listing_cache=listing_cache, relist=relist)
     except ConfigError as err:
         raise ConfigError(f"{exp.source}: {err}") from None
+    try:
+        vit_ckpt = checkpoint_identity(exp.vit.ckpt, memo_dir=listing_cache)
+    except ConfigError as err:
+        raise ConfigError(f"{exp.source}: key 'vit.ckpt': {err}") from None
     return Metadata(
         vit_family=exp.vit.family,
-        vit_ckpt=exp.vit.ckpt,
+        vit_ckpt=vit_ckpt,
         layers=tuple(exp.vit.layers),
         n_patches_per_img=dims.n_patches_per_img,
         cls_token=dims.cls_token,
@@ -57,6 +62,12 @@ def experiment_metadata(exp: Experiment, listing_cache: str | None = None, relis
         data=metadata_data(exp.data),
         dtype=exp.cache.dtype,
     )
+
+
+def _n_layers(md: Metadata, exp: Experiment) -> int:
+    from actcache.models import describe_checkpoint
+
+    return describe_checkpoint(exp.vit.family, exp.vit.ckpt).n_layers
 
 
 def _as_written(msg: str) -> str:
@@ -159,6 +170,30 @@ class Planned:
         else:
             state = f"{done} of {md.n_shards} shards"
         return {"state": state, "shards_done": done, "n_shards": md.n_shards, "gathered": gathered}
+
+    def notes(self) -> list[str]:
+        """What a user should know before dumping: a cache of the same resolved layers under another
+        spelling, or a cache dumped when the checkpoint was named by its path (adopted by the dump)."""
+        from actcache.adopt import adoptable
+        from actcache.models import resolve_layers
+
+        out = []
+        md = self.metadata
+        if not os.path.exists(self.cache_dir):
+            old, why = adoptable(self.dump_to, md, self.exp.vit.ckpt)
+            if old is not None:
+                out.append(f"{old} holds this cache, dumped when the checkpoint was named by its path; "
+                           "the dump adopts it (renamed to this hash, nothing recomputed)")  # fmt: skip
+            elif why:
+                out.append(why)
+        n_layers = _n_layers(md, self.exp)
+        resolved = resolve_layers(md.layers, n_layers)
+        for spelling in dict.fromkeys([tuple(resolved), tuple(r - n_layers for r in resolved)]):
+            other = dataclasses.replace(md, layers=spelling)
+            if spelling != md.layers and os.path.isfile(os.path.join(self.dump_to, other.hash, METADATA_FILE)):
+                out.append(f"a cache of the same layers spelled {list(spelling)} exists at "
+                           f"{os.path.join(self.dump_to, other.hash)}; write vit.layers: {list(spelling)} to use it")  # fmt: skip
+        return out
 
     def cost(self) -> dict:
         """What the cache takes on disk: ``bytes`` of activations in all ``n_shards`` shards (labels and
@@ -426,6 +461,7 @@ def plan_summary(p: Planned) -> dict:
         "dir": p.cache_dir,
         "cache": p.status(),
         "size": p.cost(),
+        "notes": p.notes(),
         "dump_jobs": len(p.ranges),
         "training": runs,
     }

@@ -125,7 +125,7 @@ def open_cache(run: Run):
     return cache
 
 
-def image_source(md, no_images: bool):
+def image_source(md, no_images: bool, cache_dir: str | None = None):
     """The ImageSource of the cache metadata; an unopenable dataset is an ImagesMissingError."""
     from actcache.images import data_config_from_metadata, open_dataset
     from actcache.visuals_html import ImageSource
@@ -149,16 +149,17 @@ def image_source(md, no_images: bool):
             f"the image dataset {json.dumps(md.data, sort_keys=True)} now has {len(ds)} images but the cache "
             f"has {md.n_imgs}: it changed since the dump. {fix}"
         )
-    return ImageSource(ds, *display_transform(md))
+    return ImageSource(ds, *display_transform(md, cache_dir))
 
 
-def display_transform(md):
+def display_transform(md, cache_dir: str | None = None):
     """(transform, note): the checkpoint's resize + center crop without normalisation."""
+    from actcache.ckptid import checkpoint_source
     from actcache.images import ImageTransform
     from actcache.models import BICUBIC, load_transform
 
     try:
-        t = load_transform(md.vit_family, md.vit_ckpt)
+        t = load_transform(md.vit_family, checkpoint_source(md.vit_ckpt, cache_dir))
         return dataclasses.replace(t, rescale_factor=None, mean=None, std=None), ""
     except ActCacheError as err:
         log.warning("no preprocessing for %s (%s); images shown with a plain center crop", md.vit_ckpt, err)
@@ -446,7 +447,7 @@ def _stream_pages(key: tuple, cache, members: list[Run], opts: VisualsOptions, r
 
     from actcache.sae.modeling import SAE
 
-    src = image_source(cache.metadata, opts.no_images)  # fails before the pass, not after it
+    src = image_source(cache.metadata, opts.no_images, cache.path)  # fails before the pass, not after it
     todo, results = [], {}
     for r in members:
         got = _reusable(r, cache.metadata, opts) if opts.reuse else None

@@ -20,6 +20,8 @@ def _print_row(r: dict) -> None:
     print(f"  dir       {r['dir']}")
     print(f"  cache     {st['state']} ({st['shards_done']}/{st['n_shards']} shards, {r['dump_jobs']} dump job(s))")
     _print_size(r["size"], os.path.dirname(r["dir"]))
+    for note in r["notes"]:
+        print(f"  note      {note}")
     _print_training(r["training"])
 
 
