@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
 
@@ -28,6 +29,7 @@ SOURCE_FILE = "checkpoint.json"  # in <HASH>/: the local directory a dump read t
 IDENTITY_SUFFIXES = (".json", ".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".npz")
 _RACY_S = 2.0  # a file modified this recently may change within its mtime tick: not remembered
 _CHUNK = 1 << 20
+log = logging.getLogger(__name__)
 
 
 def is_digest(vit_ckpt: str) -> bool:
@@ -84,8 +86,11 @@ def checkpoint_digest(path: str, memo_dir: str | None = None) -> str:
             fresh[rel] = [*stamp, digest]
         total.update(f"{rel}\0{st.st_size}\0{digest}\n".encode("utf-8", "surrogateescape"))
     if memo_path is not None and fresh != memo:
-        os.makedirs(memo_dir, exist_ok=True)
-        atomic_write_bytes(memo_path, json.dumps(fresh, sort_keys=True).encode("utf-8"))
+        try:
+            os.makedirs(memo_dir, exist_ok=True)
+            atomic_write_bytes(memo_path, json.dumps(fresh, sort_keys=True).encode("utf-8"))
+        except OSError as e:  # only a saving: the next plan reads the weights again
+            log.debug("cannot remember checkpoint digests in %s (%s)", memo_path, e)
     return total.hexdigest()
 
 
@@ -112,6 +117,16 @@ def record_source(cache_dir: str, vit_ckpt: str, ckpt: str) -> None:
         return
     doc = {"vit_ckpt": vit_ckpt, "path": os.path.normpath(os.path.abspath(os.path.expanduser(ckpt)))}
     atomic_write_bytes(os.path.join(cache_dir, SOURCE_FILE), json.dumps(doc, indent=2).encode("utf-8"))
+
+
+def copy_source(src_dir: str, dest_dir: str) -> None:
+    """A cache made from another (convert) records where the same checkpoint lies."""
+    try:
+        with open(os.path.join(src_dir, SOURCE_FILE), "rb") as f:
+            raw = f.read(1 << 16)
+    except FileNotFoundError:
+        return
+    atomic_write_bytes(os.path.join(dest_dir, SOURCE_FILE), raw)
 
 
 def checkpoint_source(vit_ckpt: str, cache_dir: str | None) -> str:

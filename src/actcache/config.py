@@ -56,7 +56,8 @@ class VitConfig:
         choices=FAMILIES,
     )
     ckpt: str = _vit(
-        "Hugging Face hub id, or a local directory written by `save_pretrained` (made absolute); its "
+        "Hugging Face hub id, or a local directory written by `save_pretrained` (relative to the project "
+        "root; the cache hash holds a digest of its config and weight files, not its path); its "
         "`config.json` and `preprocessor_config.json` give the shapes without loading weights",
         min_len=1,
         example="openai/clip-vit-base-patch16",
@@ -189,30 +190,75 @@ def workflow_config_from_dict(doc: object, source: str) -> WorkflowConfig:
     return WorkflowConfig(**fields)
 
 
-def _norm_ckpt(ckpt: str, base: str) -> str:
-    """A local checkpoint directory becomes an absolute path (relative to the YAML's project);
+def project_root(experiment_path: str) -> str:
+    """The project root of an experiment file: the nearest folder above it that holds
+    ``config/config.yaml``; the current directory for a file outside any project."""
+    d = os.path.dirname(os.path.abspath(experiment_path))
+    while True:
+        if os.path.isfile(os.path.join(d, "config", "config.yaml")):
+            return d
+        parent = os.path.dirname(d)
+        if parent == d:
+            return os.getcwd()
+        d = parent
+
+
+def resolve_path(value: str, base: str, source: str, key_: str) -> str:
+    """A path from an experiment file, made absolute: a relative one is relative to the project root
+    ``base``. One read relative to the current directory instead (it exists there, not under
+    ``base``) is an error, never silently used."""
+    value_x = os.path.expanduser(value)
+    if os.path.isabs(value_x):
+        return os.path.normpath(value_x)
+    cand = os.path.normpath(os.path.join(base, value_x))
+    cwd = os.getcwd()
+    if not os.path.exists(cand) and os.path.normpath(base) != cwd and os.path.exists(os.path.join(cwd, value_x)):
+        raise ConfigError(
+            f"{source}: key '{key_}' is {value!r}: relative paths in an experiment are read from the project root "
+            f"{base} (where config/config.yaml lives), which has no {value!r}; the current directory has one. "
+            "Write the path relative to the project root, or absolute."
+        )
+    return os.path.abspath(cand)
+
+
+def _norm_ckpt(ckpt: str, base: str, source: str) -> str:
+    """A local checkpoint directory becomes an absolute path (relative to the project root);
     anything else is a hub id and stays as written."""
     if os.path.isabs(ckpt):
         return os.path.normpath(ckpt)
     cand = os.path.join(base, ckpt)
-    if ckpt.startswith((".", "/")) or os.path.isdir(cand):
-        return os.path.normpath(os.path.abspath(cand))
+    if ckpt.startswith((".", "/")) or os.path.isdir(cand) or os.path.isdir(ckpt):
+        return resolve_path(ckpt, base, source, "vit.ckpt")
     return ckpt
 
 
+_DATA_PATHS = {"image_folder": "root", "hf_disk": "path"}  # data keys that name a path
+
+
 def experiment_from_dict(doc: object, source: str = "<dict>", base_dir: str | None = None) -> Experiment:
-    """Validate an experiment mapping; every error names ``source`` and the key."""
+    """Validate an experiment mapping; every error names ``source`` and the key. Relative paths
+    (vit.ckpt, data.root, data.path, dump_to, runs_to) are read from ``base_dir``, by default the
+    file's project root (:func:`project_root`)."""
     if not isinstance(doc, dict):
         raise ConfigError(f"{source}: an experiment file must be a YAML mapping, got {type(doc).__name__}.")
+    base = base_dir or (project_root(source) if source != "<dict>" else os.getcwd())
     top = read_section(doc, Experiment, source)
     vit = read_section(top["vit"], VitConfig, source, "vit.")
-    vit["ckpt"] = _norm_ckpt(vit["ckpt"], base_dir or os.getcwd())
+    vit["ckpt"] = _norm_ckpt(vit["ckpt"], base, source)
     cache = top["cache"]
     if not isinstance(cache, CacheConfig):
         cache = CacheConfig(**read_section(cache, CacheConfig, source, "cache."))
     from actcache.images import data_config_from_dict
 
-    data = data_config_from_dict(dict(top["data"]), where=f"{source}: data")
+    data_doc = dict(top["data"]) if isinstance(top["data"], dict) else top["data"]
+    kind = data_doc.get("kind") if isinstance(data_doc, dict) else None
+    field = _DATA_PATHS.get(kind) if isinstance(kind, str) else None
+    if field is not None and isinstance(data_doc.get(field), str) and data_doc[field]:
+        data_doc[field] = resolve_path(data_doc[field], base, source, f"data.{field}")
+    data = data_config_from_dict(data_doc, where=f"{source}: data")
+    for root in ("dump_to", "runs_to"):
+        if isinstance(top[root], str) and top[root]:
+            top[root] = resolve_path(top[root], base, source, root)
     name = top["name"]
     if name is None:
         name = os.path.splitext(os.path.basename(source))[0] if source != "<dict>" else "experiment"

@@ -67,6 +67,9 @@ def convert(src_dir: str | os.PathLike, dtype: str, to_root: str | os.PathLike, 
             from actcache.labels import write_labels
 
             write_labels(dest, src.labels, src.class_names)
+        from actcache.ckptid import copy_source
+
+        copy_source(src.path, dest)  # where a local checkpoint lies, for eval and visuals
         gather(dest)
     rep = check_dir(dest, deep=True)
     bad = [p for p in rep.problems if "NaN/Inf" not in p]  # non-finite values are the source's own
