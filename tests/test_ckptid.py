@@ -195,3 +195,33 @@ def _config(tmp_path, exp_file, dump_to) -> str:
         yaml.safe_dump({"dump_to": dump_to, "runs_to": str(tmp_path / "runs"), "experiments": [str(exp_file)]})
     )
     return str(cfg)
+
+
+def test_plan_relist_lists_an_image_folder_again(tmp_path, ckpt, capsys):
+    import PIL.Image
+
+    from actcache.cli import main
+
+    imgs = tmp_path / "imgs" / "a" / "b"
+    imgs.mkdir(parents=True)
+    for i in range(20):
+        PIL.Image.new("RGB", (8, 8)).save(imgs / f"f{i:02d}.png")
+    t = (1_700_000_000, 1_700_000_000)
+    for d in (imgs, imgs.parent, imgs.parent.parent):
+        os.utime(d, t)
+    exp_file = tmp_path / "e.yaml"
+    exp_file.write_text(yaml.safe_dump({
+        "vit": {"family": "clip", "ckpt": ckpt, "layers": [-1]},
+        "data": {"kind": "image_folder", "root": str(tmp_path / "imgs")},
+    }))  # fmt: skip
+    argv = ["plan", "--experiment", str(exp_file), "--dump-to", str(tmp_path / "d"), "--runs-to", str(tmp_path / "r")]
+    assert main(argv) == 0
+    # renamed, then the folder's mtime set back by hand: a change no check of the stored listing sees
+    # (f01 is not among the files it samples, and the folder holds as many images as before)
+    os.rename(imgs / "f01.png", imgs / "f01b.png")
+    os.utime(imgs, t)
+    (listing,) = (tmp_path / "d" / ".listings").glob("imagefolder-*.json")
+    for extra, name in (([], "a/b/f01.png"), (["--relist"], "a/b/f01b.png")):
+        assert main([*argv, *extra]) == 0
+        assert name in json.loads(listing.read_text())["files"]
+    capsys.readouterr()
