@@ -17,6 +17,7 @@ def cmd_dump(args) -> int:
         batch_size=args.batch_size,
         n_workers=args.workers,
         progress=not args.no_progress,
+        space_check=not args.no_space_check,
     )
     print(path)
     return 0
