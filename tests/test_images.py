@@ -239,6 +239,8 @@ def test_hf_disk_dataset(tmp_path):
         lambda files: [*files, "emu/ghost.png"],  # one more image than the folder holds
         lambda files: sorted(files, reverse=True),
         lambda files: files[1:],  # an entry cut from the listing (and its digest)
+        lambda files: ["/etc/passwd.png", *files],  # absolute
+        lambda files: [*files[:-1], "dog/.sub/c.webp"],  # a hidden part
     ],
 )
 def test_planted_listing_is_rebuilt_from_the_folder(folder, tmp_path, caplog, plant):

@@ -358,22 +358,27 @@ def _dirs_unchanged(root: str, dirs: object) -> bool:
 _SAMPLED = 8  # listed files checked to exist, and folders counted, spread over the listing
 
 
+# An entry that is empty, absolute, or has an empty, hidden or dot part, or a trailing "/".
+_BAD_PARTS = ("\n\n", "\n/", "//", "/.", "\n.", "/\n")
+
+
 def _listing_problem(root: str, files: object, digest: object = None) -> str | None:
-    """Why a stored listing cannot be the listing of ``root`` (None: it can)."""
+    """Why a stored listing cannot be the listing of ``root`` (None: it can). The entries are
+    checked in bulk (substring searches over all of them); only a failing listing is gone
+    through entry by entry, to name the entry."""
     if not isinstance(files, list) or not files:
         return "it has no list of files"
-    prev = None
-    for f in files:
-        if not isinstance(f, str) or not f or "\0" in f:
-            return f"entry {f!r} is not a file path"
-        parts = f.split("/")
-        if f.startswith("/") or any(p in ("", ".", "..") or p.startswith(".") for p in parts):
-            return f"entry {f!r} is not a plain path inside the folder"
-        if not f.lower().endswith(IMAGE_EXTENSIONS):
-            return f"entry {f!r} is not an image file name"
-        if prev is not None and f <= prev:
-            return f"entry {f!r} is out of order or repeated"
-        prev = f
+    if not all(isinstance(f, str) for f in files):
+        return _entry_problem(files)
+    joined = "\n" + "\n".join(files) + "\n"  # each entry between two newlines: substring checks see every one
+    if (
+        "\0" in joined
+        or joined.count("\n") != len(files) + 1
+        or any(bad in joined for bad in _BAD_PARTS)
+        or not all(f.lower().endswith(IMAGE_EXTENSIONS) for f in files)
+        or not all(a < b for a, b in zip(files, files[1:]))  # noqa: B905 (one shorter by design)
+    ):
+        return _entry_problem(files)
     if digest != _digest(files):
         return "its entries do not match its digest (edited or cut)"
     step = max(1, len(files) // _SAMPLED)
@@ -384,13 +389,32 @@ def _listing_problem(root: str, files: object, digest: object = None) -> str | N
     return _fewer_than_folder(root, files, sampled)
 
 
+def _entry_problem(files: list) -> str:
+    """The first entry of a listing that is not a sorted, plain image path inside the folder."""
+    prev = None
+    for f in files:
+        if not isinstance(f, str) or not f or "\0" in f or "\n" in f:
+            return f"entry {f!r} is not a file path"
+        parts = f.split("/")
+        if f.startswith("/") or any(p in ("", ".", "..") or p.startswith(".") for p in parts):
+            return f"entry {f!r} is not a plain path inside the folder"
+        if not f.lower().endswith(IMAGE_EXTENSIONS):
+            return f"entry {f!r} is not an image file name"
+        if prev is not None and f <= prev:
+            return f"entry {f!r} is out of order or repeated"
+        prev = f
+    return "its entries are malformed"
+
+
 def _fewer_than_folder(root: str, files: list[str], sampled: list[str]) -> str | None:
     """A sampled folder holding more image files than the listing names in it: the listing lost entries."""
-    listed: dict[str, int] = {}
-    for f in files:
-        d = f.rsplit("/", 1)[0] if "/" in f else ""
-        listed[d] = listed.get(d, 0) + 1
+    import bisect
+
     for d in dict.fromkeys(f.rsplit("/", 1)[0] if "/" in f else "" for f in sampled):
+        prefix = d + "/" if d else ""
+        lo = bisect.bisect_left(files, prefix)  # sorted: the folder's entries are one run from here
+        hi = bisect.bisect_left(files, d + "0") if d else len(files)  # "0" follows "/"
+        listed = sum(1 for f in files[lo:hi] if "/" not in f[len(prefix) :])
         try:
             with os.scandir(os.path.join(root, d) if d else root) as it:
                 n = sum(
@@ -400,8 +424,8 @@ def _fewer_than_folder(root: str, files: list[str], sampled: list[str]) -> str |
                 )
         except OSError:
             return f"folder {d or '.'!r} cannot be read"
-        if n > listed[d]:
-            return f"folder {d or '.'!r} holds {n} images but the listing names {listed[d]}"
+        if n > listed:
+            return f"folder {d or '.'!r} holds {n} images but the listing names {listed}"
     return None
 
 
@@ -496,8 +520,11 @@ def check_headers(ds: ImageDataset, indices, n_threads: int = 8) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     indices = list(indices)
+    t0 = time.perf_counter()
     with ThreadPoolExecutor(max(1, min(n_threads, len(indices)))) as pool:
         found = [(path, why) for path, why in pool.map(_header, map(ds.describe, indices)) if why is not None]
+    took = time.perf_counter() - t0
+    logger.log(logging.INFO if took > 1 else logging.DEBUG, "checked %d image headers in %.1f s", len(indices), took)
     bad = [(path, why) for path, why in found if not why.startswith("mode ")]
     wide = [path for path, why in found if why.startswith("mode ")]
     if wide:
