@@ -147,7 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("export", help="write SAELens folders (weights, cfg.json, model card) of trained SAEs")
     s.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="finished SAE run directories")
     s.add_argument("--to", nargs=2, required=True, metavar=("FORMAT", "OUT"), help="saelens OUT: one folder per SAE")
-    s.add_argument("--push", metavar="REPO_ID", help="also upload OUT to this Hugging Face Hub repo")
+    s.add_argument("--push", metavar="REPO_ID",
+                   help="also upload every exported SAE to this Hugging Face Hub repo, one folder per SAE id")  # fmt: skip
+    s.add_argument("--n-blocks", type=int, default=None,
+                   help="the model's number of blocks, for a layer counted from the end whose model config is not readable")  # fmt: skip
+    s.add_argument("--dataset", default=None, metavar="HUB_ID", help="Hub dataset id of the images, for the model card")
 
     s = sub.add_parser("demo-cache", help="write a small cache of synthetic activations (no model)")
     s.add_argument("--dump-to", default="data/demo-synthetic")
