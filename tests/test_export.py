@@ -160,11 +160,13 @@ def test_export_command_writes_one_folder_per_sae(runs, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "layer -2 counts from the end" in err and "--n-blocks" in err and len(err.strip().splitlines()) == 1
     assert not os.path.exists(tmp_path / "no")
-    args = ["--to", "saelens", str(tmp_path / "out"), "--n-blocks", str(N_BLOCKS)]
+    args = ["--to", "saelens", str(tmp_path / "out"), "--n-blocks", str(N_BLOCKS), "--dataset", "someone/images"]
     assert actcache_main(["export", *by_objective.values(), *args]) == 0
     printed = capsys.readouterr().out.split()
     assert sorted(printed) == sorted(str(tmp_path / "out" / os.path.basename(d)) for d in by_objective.values())
     assert all(os.path.isfile(os.path.join(p, "cfg.json")) for p in printed)
+    front = yaml.safe_load(open(os.path.join(printed[0], "README.md")).read().split("---")[1])
+    assert front["datasets"] == ["someone/images"] and front["base_model"] == "test/tiny"
     assert actcache_main(["export", *by_objective.values(), "--to", "onnx", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
     assert "unknown export format" in err and len(err.strip().splitlines()) == 1
