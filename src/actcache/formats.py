@@ -24,20 +24,24 @@ def describe_unknown(doc: dict) -> str:
 
 def describe_format(md: Metadata) -> tuple[str, str]:
     """(what the cache is, which readers can open it): the two lines `actcache inspect` prints."""
+    to_saev = "For saev's current release: `actcache convert DIR --to-format saev --to ROOT`"
     if md.foreign:
         return (
             f"saev {md.protocol} cache ({md.dtype}; read-only here)",
-            "saev's current release; actcache (cache, loaders, inspect, verify, train --cache)",
+            "saev's current release (Metadata.load; its ordered, shuffled and indexed loaders); actcache (cache, "
+            "loaders, inspect, verify, train --cache, and `actcache convert DIR --dtype D --to ROOT` to protocol v1)",
         )
     if md.dtype == "float32":
         return (
             f"actcache protocol {md.protocol} ({md.dtype}, {md.itemsize} bytes per value)",
-            "every protocol-1 reader: actcache (any version), saev's protocol-1 reader, the protocol's reference code",
+            "every protocol-1 reader: actcache (any version), saev releases that wrote protocol 1.0.0, the "
+            f"protocol's reference code; not saev's current release (2.1 names its fields differently). {to_saev}",
         )
     return (
         f"actcache protocol {md.protocol} ({md.dtype}, {md.itemsize} bytes per value)",
-        f"actcache with protocol {md.protocol.split('.')[0]} support only; protocol-1 readers (saev's included) "
-        "refuse it by version. For them: `actcache convert DIR --dtype float32 --to ROOT`",
+        f"actcache with protocol {md.protocol.split('.')[0]} support only; protocol-1 readers refuse it by version "
+        "and no saev release reads 16-bit values. For protocol-1 readers: `actcache convert DIR --dtype float32 "
+        f"--to ROOT`. {to_saev} (widened to float32)",
     )
 
 

@@ -66,9 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("gather", help="verify every shard of a hash directory and write shards.json")
     s.add_argument("dir")
 
-    s = sub.add_parser("convert", help="write a cache's values as another dtype: a new hash directory, verified")
-    s.add_argument("dir", help="the cache to convert")
-    s.add_argument("--dtype", required=True, choices=DTYPES, help="float32 (protocol 1) or float16 / bfloat16 (2.0)")
+    s = sub.add_parser("convert", help="write a cache as another dtype or format: a new hash directory, verified")
+    s.add_argument("dir", help="the cache to convert (actcache's, or a saev 2.1 cache)")
+    s.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="float32 (protocol 1) or float16 / bfloat16 (2.0); a saev cache's default: float32")  # fmt: skip
+    s.add_argument("--to-format", default="v1", choices=("v1", "saev"),
+                   help="v1: actcache's protocol (default); saev: saev 2.1, written to ROOT/saev/shards/<h>/")  # fmt: skip
     s.add_argument("--to", required=True, metavar="ROOT", help="root the new <HASH>/ directory is written under")
     s.add_argument("--allow-rounded", action="store_true",
                    help="convert a 16-bit cache (its rounded values get the hash of a cache of exact ones)")  # fmt: skip

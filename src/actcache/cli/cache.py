@@ -136,8 +136,29 @@ def cmd_gather(args) -> int:
 
 
 def cmd_convert(args) -> int:
+    from actcache.errors import ConfigError
+    from actcache.formats import load_metadata
+
+    foreign = load_metadata(args.dir).foreign
+    if args.to_format == "saev":
+        from actcache.saev_convert import to_saev
+
+        if args.dtype not in (None, "float32"):
+            raise ConfigError(f"--dtype {args.dtype}: a saev cache stores float32 only; drop --dtype")
+        dest, notes = to_saev(args.dir, args.to)
+        print(dest)
+        for note in notes:
+            print(f"note      {note}")
+        return 0
+    if foreign:
+        from actcache.saev_convert import from_saev
+
+        print(from_saev(args.dir, args.dtype or "float32", args.to))
+        return 0
     from actcache.convert import convert
 
+    if args.dtype is None:
+        raise ConfigError(f"{args.dir}: convert needs --dtype (float32, float16 or bfloat16) or --to-format saev")
     print(convert(args.dir, args.dtype, args.to, allow_rounded=args.allow_rounded))
     return 0
 

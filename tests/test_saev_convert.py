@@ -1,0 +1,126 @@
+"""`actcache convert --to-format saev` writes caches that a reader written from saev 2.1's format
+accepts value for value, and a saev cache converts to protocol v1 (float32 or 16-bit) and back to
+the very same saev directory; the ``data`` pickle is written without saev and never loaded."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import os
+import pathlib
+import pickle
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from actcache.cache import ActivationCache
+from actcache.cli import main as actcache_main
+from actcache.dtypes import to_float32, to_stored
+from actcache.protocol import Metadata
+from actcache.saev_pickle import describe_pickle
+from actcache.writer import synthetic_fill, synthetic_metadata, write_cache_from_array
+from saev_fixture import read_saev_cache, tree_state, write_saev_cache
+
+
+def v1_cache(root, n=7, E=3, layers=(-2, 5), P=4, D=6, dtype="float32", data=None):
+    md = synthetic_metadata(n, layers=layers, n_patches_per_img=P, d_vit=D, max_patches_per_shard=E * (P + 1) * 2,
+                            dtype=dtype)  # fmt: skip
+    if data is not None:
+        md = dataclasses.replace(md, data=data)
+    acts = synthetic_fill(md)(0, n)
+    return write_cache_from_array(root, md, acts), acts
+
+
+def files(path) -> dict:
+    return {name: pathlib.Path(path, name).read_bytes() for name in sorted(os.listdir(path))}
+
+
+@pytest.mark.parametrize(("n", "E"), [(7, 3), (8, 4)], ids=["ragged", "exact-multiple"])
+def test_converted_cache_reads_value_for_value_in_a_saev_reader(tmp_path, capsys, n, E):
+    src, acts = v1_cache(tmp_path / "v1", n=n, E=E, data={"__class__": "ImageFolder", "root": "/data/imgs"})
+    assert actcache_main(["convert", src, "--to-format", "saev", "--to", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    dest = out[0]
+    assert dest.startswith(str(tmp_path / "out" / "saev" / "shards") + os.sep)
+    assert any("open_clip" in line for line in out[1:])  # the clip family difference is said
+    doc, got = read_saev_cache(dest)
+    np.testing.assert_array_equal(got, acts)
+    assert (doc["family"], doc["layers"], doc["cls_token"], doc["dataset"]) == ("clip", [-2, 5], True, "/data/imgs")
+    shown = describe_pickle(base64.b64decode(doc["data"]))
+    assert shown == {"class": "saev.data.datasets.ImgFolder", "fields": {"root": "/data/imgs"}}
+    np.testing.assert_array_equal(ActivationCache.open(dest)[0:n], acts)  # and actcache reads it back
+    readers = {}
+    for path in (src, dest):
+        assert actcache_main(["inspect", "--json", path]) == 0
+        readers[path] = json.loads(capsys.readouterr().out)["format"]["readers"]
+    assert "not saev's current release" in readers[src] and "--to-format saev" in readers[src]
+    assert readers[dest].startswith("saev's current release")
+
+
+def test_data_unpickles_to_saevs_own_dataset_class(tmp_path, monkeypatch):
+    """saev's tools unpickle ``data`` into saev.data.datasets.ImgFolder(root: Path): a stand-in module
+    of that name (only in this test) receives exactly that."""
+
+    @dataclasses.dataclass(frozen=True)
+    class ImgFolder:
+        root: pathlib.Path
+
+    module = types.ModuleType("saev.data.datasets")
+    ImgFolder.__module__, module.ImgFolder = module.__name__, ImgFolder
+    for name in ("saev", "saev.data", "saev.data.datasets"):
+        monkeypatch.setitem(sys.modules, name, module if name.endswith("datasets") else types.ModuleType(name))
+    src, _ = v1_cache(tmp_path / "v1", data={"__class__": "ImageFolder", "root": "/data/ïmgs"})
+    from actcache.saev_convert import to_saev
+
+    dest, _ = to_saev(src, tmp_path / "out")
+    doc, _ = read_saev_cache(dest)
+    assert pickle.loads(base64.b64decode(doc["data"])) == ImgFolder(pathlib.Path("/data/ïmgs"))
+
+
+def test_16_bit_cache_converts_to_saev_float32_exactly(tmp_path, capsys):
+    src, acts = v1_cache(tmp_path / "v1", dtype="bfloat16")
+    assert actcache_main(["convert", src, "--to-format", "saev", "--to", str(tmp_path / "out")]) == 0
+    dest, *notes = capsys.readouterr().out.splitlines()
+    _, got = read_saev_cache(dest)
+    np.testing.assert_array_equal(got, to_float32(to_stored(acts, "bfloat16"), "bfloat16"))
+    assert any("bfloat16 widened exactly to float32" in note for note in notes)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_saev_to_v1_and_back_gives_the_same_saev_directory(tmp_path, capsys, dtype):
+    path, doc, acts = write_saev_cache(tmp_path / "s", n=8, E=4, layers=(3, -2), P=3, D=5)
+    before = tree_state(tmp_path / "s")
+    assert actcache_main(["convert", path, "--dtype", dtype, "--to", str(tmp_path / "v1")]) == 0
+    v1 = capsys.readouterr().out.strip()
+    cache = ActivationCache.open(v1)
+    assert type(cache.metadata) is Metadata and cache.metadata.dtype == dtype
+    want = acts if dtype == "float32" else to_float32(to_stored(acts, dtype), dtype)
+    np.testing.assert_array_equal(cache[0:8], want)
+    assert cache.metadata.data == {"__class__": "SaevDataset", "data": doc["data"], "dataset": "fake",
+                                   "pixel_agg": "majority"}  # fmt: skip
+    assert actcache_main(["convert", v1, "--to-format", "saev", "--to", str(tmp_path / "back")]) == 0
+    back = capsys.readouterr().out.splitlines()[0]
+    assert os.path.basename(back) == os.path.basename(path)
+    if dtype == "float32":
+        assert files(back) == files(path)  # byte for byte: metadata, shards.json, padding, empty shard
+    else:
+        got_doc, got = read_saev_cache(back)
+        assert got_doc == doc
+        np.testing.assert_array_equal(got, want)
+    assert tree_state(tmp_path / "s") == before  # nothing written into the source
+
+
+def test_conversions_that_cannot_be_made_are_one_line_errors(tmp_path, capsys):
+    path, _, _ = write_saev_cache(tmp_path / "s", family="fake-clip")
+    assert actcache_main(["convert", path, "--to", str(tmp_path / "v1")]) == 2
+    err = capsys.readouterr().err
+    assert "'fake-clip'" in err and "train --cache" in err and len(err.strip().splitlines()) == 1
+    src, _ = v1_cache(tmp_path / "v1")
+    for args in (["--to-format", "saev", "--dtype", "float16"], []):
+        assert actcache_main(["convert", src, *args, "--to", str(tmp_path / "x")]) == 2
+        err = capsys.readouterr().err
+        assert "--dtype" in err and len(err.strip().splitlines()) == 1
+    assert not os.path.exists(tmp_path / "x")
