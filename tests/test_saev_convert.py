@@ -124,3 +124,32 @@ def test_conversions_that_cannot_be_made_are_one_line_errors(tmp_path, capsys):
         err = capsys.readouterr().err
         assert "--dtype" in err and len(err.strip().splitlines()) == 1
     assert not os.path.exists(tmp_path / "x")
+
+
+class _RunsCode:
+    """Unpickling this creates a marker file: proof that a pickle was loaded."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_inspect_shows_the_pickled_dataset_from_its_opcodes_without_loading_it(tmp_path, capsys):
+    from actcache.saev_pickle import dataset_pickle
+
+    marker = str(tmp_path / "unpickled")
+    datas = {
+        "saev.data.datasets.ImgFolder(root='/imgs', n=3)": dataset_pickle(
+            "saev.data.datasets", "ImgFolder", {"root": pathlib.PurePosixPath("/imgs"), "n": 3}
+        ),
+        "dict(root='fake')": pickle.dumps({"root": "fake"}),
+        "opaque pickle": pickle.dumps(_RunsCode(marker)),
+    }
+    for i, (want, raw) in enumerate(datas.items()):
+        path, _, _ = write_saev_cache(tmp_path / str(i), data=base64.b64encode(raw).decode())
+        assert actcache_main(["inspect", path]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("data "))
+        assert want in line and ("never loaded" in line or "not loaded" in line), line
+    assert not os.path.exists(marker)

@@ -45,6 +45,28 @@ def describe_format(md: Metadata) -> tuple[str, str]:
     )
 
 
+def describe_data(md: Metadata) -> str:
+    """The cache's dataset for `inspect`: v1's JSON object, or saev's pickled config shown from its
+    opcodes (class and simple fields; never unpickled), or "opaque" when it is anything else."""
+    import base64
+    import binascii
+    import json
+
+    from actcache.saev_pickle import describe_pickle
+
+    raw = md.data if md.foreign else (md.data.get("data") if md.data.get("__class__") == "SaevDataset" else None)
+    if not isinstance(raw, str):
+        return json.dumps(md.data, sort_keys=True)
+    try:
+        shown = describe_pickle(base64.b64decode(raw, validate=True))
+    except (binascii.Error, ValueError):
+        shown = None
+    if shown is None:
+        return f"opaque pickle ({len(raw)} base64 characters; not a plain object of simple values, never loaded)"
+    fields = ", ".join(f"{k}={v!r}" for k, v in shown["fields"].items())
+    return f"{shown['class'] or 'dict'}({fields}) (saev's pickled dataset config, read from its opcodes, not loaded)"
+
+
 def load_metadata(path: str | os.PathLike) -> Metadata:
     """metadata.json (or the directory holding it) of a v1 cache (Metadata) or of a saev 2.x cache
     (SaevMetadata, read-only); anything else is a ProtocolError naming what it found."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from actcache.formats import describe_format
+from actcache.formats import describe_data, describe_format
 
 
 def cmd_hash(args) -> int:
@@ -31,6 +31,7 @@ def _report_dict(rep) -> dict:
         "hash": md.hash if md else None,
         "metadata": md.to_dict() if md else None,
         "format": None if md is None else dict(zip(("what", "readers"), describe_format(md), strict=True)),
+        "data": None if md is None else describe_data(md),
         "derived": None
         if md is None
         else {
@@ -70,7 +71,7 @@ def _print_report(rep, show_shards: bool) -> None:
         print(
             f"size      {_fmt_bytes(md.n_imgs * md.bytes_per_img)} of activations ({_fmt_bytes(md.bytes_per_img)} per image)"
         )
-        print(f"data      {json.dumps(md.data, sort_keys=True)}")
+        print(f"data      {describe_data(md)}")
         print(f"protocol  {md.protocol}")
         what, readers = describe_format(md)
         print(f"format    {what}")
