@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -206,3 +207,17 @@ def test_push_command_uploads_each_sae_to_its_own_folder(runs, tmp_path, capsys)
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "me/vit-saes" in err and "hf auth login" in err, err
     assert "push again" in err
+
+
+def test_eval_without_images_rewrites_the_heldout_statistics_of_a_saev_cache_run(runs, tmp_path, capsys):
+    by_objective, _, _ = runs
+    run_dir = shutil.copytree(by_objective["topk"], tmp_path / "run")
+    before = json.load(open(run_dir / "eval.json"))
+    assert actcache_main(["eval", str(run_dir), "--device", "cpu"]) == 2  # a saev cache: no images, no ViT
+    err = capsys.readouterr().err
+    assert "--no-images" in err and len(err.strip().splitlines()) == 1
+    assert actcache_main(["eval", str(run_dir), "--device", "cpu", "--no-images"]) == 0
+    after = json.load(open(run_dir / "eval.json"))
+    assert "spliced" not in after and "held-out statistics only" in capsys.readouterr().out
+    for key in ("nmse", "l0", "n_dead", "n_dense", "n_tokens", "mse"):
+        assert after[key] == pytest.approx(before[key], abs=1e-6), key

@@ -153,3 +153,20 @@ def test_inspect_shows_the_pickled_dataset_from_its_opcodes_without_loading_it(t
         line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("data "))
         assert want in line and ("never loaded" in line or "not loaded" in line), line
     assert not os.path.exists(marker)
+
+
+def test_repair_advice_for_a_saev_cache_never_asks_for_a_dump_or_gather(tmp_path):
+    from actcache.validate import check_dir
+
+    path, _, _ = write_saev_cache(tmp_path, n=7, E=3)
+    np.zeros(os.path.getsize(os.path.join(path, "acts000001.bin")) // 4, np.float32).tofile(
+        os.path.join(path, "acts000001.bin")
+    )  # an all-zero shard: a deep problem
+    deep = check_dir(path, deep=True).problems
+    os.remove(os.path.join(path, "acts000002.bin"))
+    os.remove(os.path.join(path, "shards.json"))
+    problems = deep + check_dir(path).problems
+    assert len(problems) == 2, problems
+    for p in problems:
+        assert "re-create it with saev" in p and "dump" not in p.split(":", 1)[1].replace("the dump is", ""), p
+        assert "gather" not in p.replace("never gathered", ""), p

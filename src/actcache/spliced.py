@@ -370,10 +370,12 @@ def heldout_metrics(cache, run, device) -> dict:
 
 
 def spliced_eval(run_dirs: list[str], device: str | None = None, batch_images: int = 32,
-                 max_images: int | None = None, report=print) -> dict[str, dict]:  # fmt: skip
+                 max_images: int | None = None, report=print, no_images: bool = False) -> dict[str, dict]:  # fmt: skip
     """The spliced metrics of every run under ``run_dirs``, written into each eval.json under
     "spliced" beside its held-out statistics, recomputed (:func:`heldout_metrics`); returns
-    {run dir: spliced section}. Runs sharing a cache share its ViT and clean pass."""
+    {run dir: spliced section}. Runs sharing a cache share its ViT and clean pass. ``no_images``
+    (a cache whose images are gone, or a saev cache): only the held-out statistics, which need the
+    cache alone; eval.json then has no "spliced" section."""
     import torch
 
     from actcache.rundir import find_runs, load_run
@@ -385,6 +387,16 @@ def spliced_eval(run_dirs: list[str], device: str | None = None, batch_images: i
     for r in runs:
         by_cache.setdefault(r.cache or "", []).append(r)
     out = {}
+    if no_images:
+        from actcache.visuals import open_cache
+
+        for members in by_cache.values():
+            cache = open_cache(members[0])
+            for r in members:
+                doc = {k: v for k, v in r.eval().items() if k != "spliced"}  # a stale section would mislead
+                write_eval(r.dir, {**doc, **heldout_metrics(cache, r, device)})
+                report(f"{r.dir}: held-out statistics only (--no-images: spliced metrics need the images and the ViT)")
+        return out
     for members in by_cache.values():
         ctx = _CacheContext(members[0], device, batch_images)
         splits: dict[bytes, tuple] = {}  # every run of a cache shares one split, unless trained before it

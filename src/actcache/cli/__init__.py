@@ -142,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when present)")
     s.add_argument("--batch-images", type=int, default=32, help="images per forward pass (default: %(default)s)")
     s.add_argument("--max-images", type=int, default=None, help="at most this many held-out images (a seeded subset)")
+    s.add_argument("--no-images", action="store_true",
+                   help="no image dataset (gone, or a saev cache): only the held-out statistics, no spliced metrics")  # fmt: skip
 
     s = sub.add_parser("demo-assets", help="write the offline demo's tiny random ViT and image folder")
     s.add_argument("--root", default="data/demo")
