@@ -55,8 +55,10 @@ def write_saev_cache(root, n=7, layers=(3, 7), P=4, cls=True, D=5, E=3, seed=0, 
         table.append({"name": f"acts{s:06d}.bin", "n_examples": len(part)})
     with open(os.path.join(path, "shards.json"), "w") as fd:
         fd.write(json.dumps(table, indent=2))
-    if labels:
-        np.zeros((n, P), np.uint8).tofile(os.path.join(path, "labels.bin"))
+    if labels:  # per-patch labels (uint8, no CLS slot)
+        np.random.default_rng(seed + 1).integers(0, 151, (n, P), dtype=np.uint8).tofile(
+            os.path.join(path, "labels.bin")
+        )
     return path, doc, acts
 
 

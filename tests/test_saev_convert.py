@@ -170,3 +170,36 @@ def test_repair_advice_for_a_saev_cache_never_asks_for_a_dump_or_gather(tmp_path
     for p in problems:
         assert "re-create it with saev" in p and "dump" not in p.split(":", 1)[1].replace("the dump is", ""), p
         assert "gather" not in p.replace("never gathered", ""), p
+
+
+@pytest.mark.parametrize("cls", [True, False], ids=["cls", "no-cls"])
+def test_token_labels_reach_every_token_through_every_loader(tmp_path, capsys, cls):
+    from actcache.errors import ConfigError
+    from actcache.loaders import IndexedDataset, OrderedLoader, ShuffledLoader
+
+    path, doc, _ = write_saev_cache(tmp_path / "s", n=7, E=3, layers=(3, 7), P=4, cls=cls, labels=True)
+    labels_NP = np.fromfile(os.path.join(path, "labels.bin"), np.uint8).reshape(7, 4)
+    assert len(np.unique(labels_NP)) > 5
+    patches = "all" if cls else "image"
+    want_n = 7 * 2 * (4 + int(cls))
+    for loader in (
+        OrderedLoader(path, batch_size=5, patches=patches, layer="all", token_labels=True),
+        ShuffledLoader(path, batch_size=5, patches=patches, layer="all", seed=3, buffer_bytes=4000, run_bytes=500,
+                       token_labels=True),
+    ):  # fmt: skip
+        got = [
+            (int(i), int(p), int(lab))
+            for b in loader
+            for i, p, lab in zip(b["image_i"], b["patch_i"], b["token_label"], strict=True)
+        ]
+        assert len(got) == want_n
+        assert all(lab == (labels_NP[i, p] if p >= 0 else -1) for i, p, lab in got)
+    ds = IndexedDataset(path, patches=patches, layer="all", token_labels=True)
+    items = [ds[i] for i in range(len(ds))]
+    assert all(it["token_label"] == (labels_NP[it["image_i"], it["patch_i"]] if it["patch_i"] >= 0 else -1)
+               for it in items)  # fmt: skip
+    assert actcache_main(["inspect", path]) == 0
+    assert "labels    labels.bin: saev's per-patch labels" in capsys.readouterr().out
+    src, _ = v1_cache(tmp_path / "v1")
+    with pytest.raises(ConfigError, match="no labels.bin; token_labels=True needs a saev cache"):
+        OrderedLoader(src, layer=5, token_labels=True)

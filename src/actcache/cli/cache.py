@@ -23,6 +23,19 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
+def _token_labels(rep) -> str | None:
+    """A saev cache's per-patch labels file, described (None when there is none)."""
+    from actcache.saev import LABELS_FILE
+
+    md = rep.metadata
+    if md is None or not md.foreign or not os.path.isfile(os.path.join(rep.path, LABELS_FILE)):
+        return None
+    return (
+        f"{LABELS_FILE}: saev's per-patch labels, uint8 ({md.n_imgs:,} examples x {md.n_patches_per_img} patches; "
+        "no CLS slot); loaders yield them with token_labels=True"
+    )
+
+
 def _report_dict(rep) -> dict:
     md = rep.metadata
     return {
@@ -32,6 +45,7 @@ def _report_dict(rep) -> dict:
         "metadata": md.to_dict() if md else None,
         "format": None if md is None else dict(zip(("what", "readers"), describe_format(md), strict=True)),
         "data": None if md is None else describe_data(md),
+        "token_labels": _token_labels(rep),
         "derived": None
         if md is None
         else {
@@ -72,6 +86,9 @@ def _print_report(rep, show_shards: bool) -> None:
             f"size      {_fmt_bytes(md.n_imgs * md.bytes_per_img)} of activations ({_fmt_bytes(md.bytes_per_img)} per image)"
         )
         print(f"data      {describe_data(md)}")
+        labels = _token_labels(rep)
+        if labels:
+            print(f"labels    {labels}")
         print(f"protocol  {md.protocol}")
         what, readers = describe_format(md)
         print(f"format    {what}")
