@@ -158,19 +158,20 @@ def test_unfinished_run_and_offline_push_are_clear_errors(runs, tmp_path, monkey
 def test_export_command_writes_one_folder_per_sae(runs, tmp_path, capsys):
     by_objective, _, _ = runs
     assert actcache_main(["export", *by_objective.values(), "--to", "saelens", str(tmp_path / "no")]) == 2
-    err = capsys.readouterr().err
-    assert "layer -2 counts from the end" in err and "--n-blocks" in err and len(err.strip().splitlines()) == 1
+    err = error_lines(capsys.readouterr().err)
+    assert len(err) == 1 and "layer -2 counts from the end" in err[0] and "--n-blocks" in err[0]
     assert not os.path.exists(tmp_path / "no")
     args = ["--to", "saelens", str(tmp_path / "out"), "--n-blocks", str(N_BLOCKS), "--dataset", "someone/images"]
     assert actcache_main(["export", *by_objective.values(), *args]) == 0
     printed = capsys.readouterr().out.split()
     assert sorted(printed) == sorted(str(tmp_path / "out" / os.path.basename(d)) for d in by_objective.values())
     assert all(os.path.isfile(os.path.join(p, "cfg.json")) for p in printed)
-    front = yaml.safe_load(open(os.path.join(printed[0], "README.md")).read().split("---")[1])
+    with open(os.path.join(printed[0], "README.md"), encoding="utf-8") as fd:
+        front = yaml.safe_load(fd.read().split("---")[1])
     assert front["datasets"] == ["someone/images"] and front["base_model"] == "test/tiny"
     assert actcache_main(["export", *by_objective.values(), "--to", "onnx", str(tmp_path / "x")]) == 2
-    err = capsys.readouterr().err
-    assert "unknown export format" in err and len(err.strip().splitlines()) == 1
+    err = error_lines(capsys.readouterr().err)
+    assert len(err) == 1 and "unknown export format" in err[0]
     assert not os.path.exists(tmp_path / "x")
 
 
@@ -204,20 +205,83 @@ def test_push_command_uploads_each_sae_to_its_own_folder(runs, tmp_path, capsys)
 
     assert os.environ["HF_HUB_OFFLINE"] == "1"  # (set by fixtures_vit before huggingface_hub is imported)
     assert actcache_main(cmd[3:]) == 2
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and "me/vit-saes" in err and "hf auth login" in err, err
-    assert "push again" in err
+    err = error_lines(capsys.readouterr().err)
+    assert len(err) == 1 and "me/vit-saes" in err[0] and "hf auth login" in err[0] and "push again" in err[0], err
 
 
 def test_eval_without_images_rewrites_the_heldout_statistics_of_a_saev_cache_run(runs, tmp_path, capsys):
     by_objective, _, _ = runs
     run_dir = shutil.copytree(by_objective["topk"], tmp_path / "run")
-    before = json.load(open(run_dir / "eval.json"))
+    before = read_json(run_dir, "eval.json")
     assert actcache_main(["eval", str(run_dir), "--device", "cpu"]) == 2  # a saev cache: no images, no ViT
-    err = capsys.readouterr().err
-    assert "--no-images" in err and len(err.strip().splitlines()) == 1
+    err = error_lines(capsys.readouterr().err)
+    assert len(err) == 1 and "--no-images" in err[0]
     assert actcache_main(["eval", str(run_dir), "--device", "cpu", "--no-images"]) == 0
-    after = json.load(open(run_dir / "eval.json"))
+    after = read_json(run_dir, "eval.json")
     assert "spliced" not in after and "held-out statistics only" in capsys.readouterr().out
     for key in ("nmse", "l0", "n_dead", "n_dense", "n_tokens", "mse"):
         assert after[key] == pytest.approx(before[key], abs=1e-6), key
+
+
+def saev_checkpoint(path, sae: SAE, activation: dict) -> None:
+    """A saev sae.pt from its documented layout: a JSON header line (schema, cfg with d_model, d_sae
+    and the activation as a small dict), then torch.save of W_enc, b_enc, W_dec, b_dec, where
+    saev's encoder is x @ W_enc + b_enc (no b_dec subtraction)."""
+    import io
+
+    with torch.no_grad():
+        state = {"W_enc": sae.W_enc.clone(), "b_enc": sae.b_enc - sae.b_dec @ sae.W_enc,
+                 "W_dec": sae.W_dec.clone(), "b_dec": sae.b_dec.clone()}  # fmt: skip
+    header = {"schema": 5, "cfg": {"d_model": sae.cfg.d_vit, "d_sae": sae.cfg.width, "activation": activation}}
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    with open(path, "wb") as fd:
+        fd.write(json.dumps(header).encode() + b"\n" + buf.getvalue())
+
+
+def read_json(*parts):
+    with open(os.path.join(*parts), encoding="utf-8") as fd:
+        return json.load(fd)
+
+
+def error_lines(err: str) -> list[str]:
+    """stderr's lines, without the ResourceWarnings a collected file object of another test prints."""
+    return [ln for ln in err.strip().splitlines() if not ln.startswith("warning: unclosed file")]
+
+
+EVAL_KEYS = ("nmse", "fvu", "mse", "l0", "l1", "n_dead", "n_dense", "n_tokens", "cos_x_xhat", "norm_ratio")
+
+
+@pytest.mark.parametrize("source", ["saelens-relu", "saelens-topk", "saelens-jumprelu", "saev-relu", "saev-topk"])
+def test_imported_sae_evaluates_as_the_same_weights_trained_here(runs, tmp_path, capsys, source):
+    from actcache.rundir import find_runs, load_run
+    from actcache.visuals_pareto import pareto_points
+
+    by_objective, outs, _ = runs
+    fmt, objective = source.split("-")
+    run_dir = by_objective[objective]
+    trained, cache = read_json(run_dir, "eval.json"), read_json(run_dir, "run.json")["cache"]
+    if fmt == "saelens":
+        src = os.path.join(os.path.dirname(outs[0]), os.path.basename(run_dir))
+    else:
+        src = str(tmp_path / "sae.pt")
+        act = {"key": "relu"} if objective == "relu" else {"key": "top-k", "top_k": 3}
+        saev_checkpoint(src, SAE.load(run_dir), act)
+    args = ["import", src, "--cache", cache, "--runs-to", str(tmp_path / "runs"), "--eval-frac", "0.2"]
+    if fmt == "saelens":  # its hook is blocks.10; the saev cache records -2 of a model whose depth it does not say
+        assert actcache_main(args) == 2
+        err = error_lines(capsys.readouterr().err)
+        assert len(err) == 1 and "layer 10" in err[0] and "--layer" in err[0]
+    assert actcache_main([*args, "--layer", "-2"]) == 0
+    out = capsys.readouterr().out.strip()
+    got = read_json(out, "eval.json")
+    for key in EVAL_KEYS:
+        assert got[key] == pytest.approx(trained[key], abs=1e-6, rel=1e-6), key
+    run = load_run(out)
+    assert run.imported and run.info["imported"]["format"] == fmt and "(imported)" in run.label()
+    assert not os.access(os.path.join(out, "sae.safetensors"), os.W_OK) or os.geteuid() == 0
+    assert oct(os.stat(os.path.join(out, "sae.safetensors")).st_mode & 0o777) == "0o444"
+    shutil.copytree(run_dir, os.path.join(os.path.dirname(out), "mine"))  # beside it, on the same cache
+    points = pareto_points([load_run(d) for d in find_runs([str(tmp_path / "runs")])])
+    assert sorted(p["imported"] for p in points) == [False, True]
+    assert actcache_main([*args, "--layer", "-2"]) == 0 and capsys.readouterr().out.strip() == out  # idempotent

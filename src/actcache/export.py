@@ -102,7 +102,7 @@ def block_index(run: dict, md, n_blocks: int | None = None) -> int:
     if layer >= 0:
         return layer
     if n_blocks is None:
-        n_blocks, why = _model_depth(md)
+        n_blocks, why = model_depth(md)
         if n_blocks is None:
             raise ConfigError(
                 f"export: layer {layer} counts from the end of the model and its depth is unknown ({why}); "
@@ -113,7 +113,7 @@ def block_index(run: dict, md, n_blocks: int | None = None) -> int:
     return layer % n_blocks
 
 
-def _model_depth(md) -> tuple[int | None, str]:
+def model_depth(md) -> tuple[int | None, str]:
     """(number of blocks, "") from the checkpoint's config, or (None, why not)."""
     if md is None:
         return None, "the source cache is gone"

@@ -34,6 +34,7 @@ HANDLERS = {
     "demo-cache": "actcache.cli.cache:cmd_demo_cache",
     "demo-assets": "actcache.cli.demo:cmd_demo_assets",
     "export": "actcache.cli.export:cmd_export",
+    "import": "actcache.cli.export:cmd_import",
 }
 
 
@@ -157,6 +158,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--n-blocks", type=int, default=None,
                    help="the model's number of blocks, for a layer counted from the end whose model config is not readable")  # fmt: skip
     s.add_argument("--dataset", default=None, metavar="HUB_ID", help="Hub dataset id of the images, for the model card")
+
+    s = sub.add_parser("import", help="an SAE trained elsewhere (saev sae.pt, SAELens folder) as a run on a cache")
+    s.add_argument("source", metavar="FILE_OR_DIR", help="saev's sae.pt, or a SAELens folder (cfg.json + weights)")
+    s.add_argument("--cache", required=True, help="the cache to evaluate it on (its d, layer and tokens must match)")
+    s.add_argument("--runs-to", required=True, help="root of the run directories (<runs-to>/<HASH>/<sae-id>/)")
+    s.add_argument("--layer", type=int, default=None, help="the recorded cache layer it reads (default: its hook)")
+    s.add_argument("--patches", choices=("cls", "image", "all"), default=None, help="its token set (default: image)")
+    s.add_argument("--eval-frac", type=float, default=None, help="held-out fraction, as the runs it is ranked with")
+    s.add_argument("--device", default="cpu")
 
     s = sub.add_parser("demo-cache", help="write a small cache of synthetic activations (no model)")
     s.add_argument("--dump-to", default="data/demo-synthetic")

@@ -1,4 +1,4 @@
-"""`actcache export RUN_DIR [RUN_DIR ...] --to saelens OUT [--push REPO_ID]`."""
+"""`actcache export RUN_DIR [RUN_DIR ...] --to saelens OUT [--push REPO_ID]`; `actcache import FILE_OR_DIR`."""
 
 from __future__ import annotations
 
@@ -21,4 +21,12 @@ def cmd_export(args) -> int:
     if args.push:
         for url in push_many(folders, args.push):  # one repo, one folder per SAE
             print(url)
+    return 0
+
+
+def cmd_import(args) -> int:
+    from actcache.importing import import_sae
+
+    print(import_sae(args.source, args.cache, args.runs_to, layer=args.layer, patches=args.patches,
+                     eval_frac=args.eval_frac, device=args.device))  # fmt: skip
     return 0
