@@ -211,6 +211,8 @@ def import_sae(source: str | os.PathLike, cache_dir: str | os.PathLike, runs_to:
     patches = patches or facts["patches"] or "image"
     if patches not in ("cls", "image", "all"):
         raise ConfigError(f"{source}: token set {patches!r}; use --patches cls, image or all")
+    if patches != "image" and not md.cls_token:
+        raise ConfigError(f"{source}: token set {patches!r} needs a CLS token, which the cache {cache.path} has not")
     frac = eval_frac if eval_frac is not None else RunConfig.__dataclass_fields__["eval_frac"].default
     if not (isinstance(frac, (int, float)) and 0 <= frac < 1):
         raise ConfigError(f"--eval-frac {frac!r} must be in [0, 1)")
