@@ -208,3 +208,11 @@ def test_token_labels_reach_every_token_through_every_loader(tmp_path, capsys, c
     src, _ = v1_cache(tmp_path / "v1")
     with pytest.raises(ConfigError, match="no labels.bin; token_labels=True needs a saev cache"):
         OrderedLoader(src, layer=5, token_labels=True)
+
+
+def test_a_conversion_is_never_written_inside_its_source(tmp_path, capsys):
+    path, _, _ = write_saev_cache(tmp_path / "s")
+    before = tree_state(tmp_path / "s")
+    assert actcache_main(["convert", path, "--to", path]) == 2
+    assert "inside its source" in capsys.readouterr().err
+    assert tree_state(tmp_path / "s") == before

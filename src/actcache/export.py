@@ -325,7 +325,9 @@ def push_many(folders, repo_id: str, paths_in_repo=None) -> list[str]:
     out = []
     try:
         import huggingface_hub
-
+    except ImportError:
+        raise ConfigError("--push needs huggingface_hub: pip install huggingface_hub") from None
+    try:
         huggingface_hub.create_repo(repo_id, exist_ok=True)
         for folder, path in zip(folders, paths, strict=True):
             info = huggingface_hub.upload_folder(

@@ -129,6 +129,7 @@ def to_saev(src_dir: str | os.PathLike, to_root: str | os.PathLike) -> tuple[str
     if src.labels is not None:
         lost.append("the image class labels (labels.json/npy): saev has per-patch labels only")
     dest = saev_dir(to_root, md)
+    _not_inside(dest, src.path)
     if not os.path.isdir(dest):
         tmp = f"{dest}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -171,6 +172,7 @@ def from_saev(src_dir: str | os.PathLike, dtype: str, to_root: str | os.PathLike
         raise ConfigError(f"{src.path}: not a saev cache; `actcache convert DIR --dtype D --to ROOT` converts it")
     md = v1_metadata(src.metadata, dtype)
     dest = os.path.join(os.path.abspath(os.fspath(to_root)), md.hash)
+    _not_inside(dest, src.path)
     if not os.path.exists(os.path.join(dest, SHARDS_FILE)):
         ensure_metadata(to_root, md)
         for i in range(md.n_shards):
@@ -181,6 +183,16 @@ def from_saev(src_dir: str | os.PathLike, dtype: str, to_root: str | os.PathLike
         gather(dest)
     _verify(dest)
     return dest
+
+
+def _not_inside(dest: str, src: str) -> None:
+    """A converted cache is written outside its source (a saev cache is never written into)."""
+    src = os.path.realpath(src)
+    real = os.path.realpath(dest)
+    if os.path.commonpath([real, src]) == src:
+        raise ConfigError(
+            f"--to: the converted cache {dest} would be written inside its source {src}; pick another root"
+        )
 
 
 def _verify(dest: str) -> None:
