@@ -285,3 +285,21 @@ def test_imported_sae_evaluates_as_the_same_weights_trained_here(runs, tmp_path,
     points = pareto_points([load_run(d) for d in find_runs([str(tmp_path / "runs")])])
     assert sorted(p["imported"] for p in points) == [False, True]
     assert actcache_main([*args, "--layer", "-2"]) == 0 and capsys.readouterr().out.strip() == out  # idempotent
+
+
+def test_pareto_plot_draws_imported_saes_apart(tmp_path):
+    import numpy as np
+    import PIL.Image
+
+    from actcache.visuals_plots import plot_pareto
+
+    pts = [
+        {"l0": 1.0, "fvu": 0.5, "label": "a", "imported": False},
+        {"l0": 2.0, "fvu": 0.3, "label": "b", "imported": False},
+    ]
+    paths = [str(tmp_path / "own.png"), str(tmp_path / "imported.png")]
+    assert plot_pareto(pts, "fvu", "FVU", False, paths[0])
+    assert plot_pareto([pts[0], {**pts[1], "imported": True}], "fvu", "FVU", False, paths[1])
+    own, imp = (np.asarray(PIL.Image.open(p).convert("RGB")).astype(int) for p in paths)
+    blue = np.array([0x2C, 0x7F, 0xB8])  # the imported marker's colour, in the plot and its legend
+    assert (np.abs(imp - blue).sum(-1) < 30).sum() > 20 and (np.abs(own - blue).sum(-1) < 30).sum() == 0
