@@ -216,3 +216,46 @@ def test_a_conversion_is_never_written_inside_its_source(tmp_path, capsys):
     assert actcache_main(["convert", path, "--to", path]) == 2
     assert "inside its source" in capsys.readouterr().err
     assert tree_state(tmp_path / "s") == before
+
+
+def test_label_probes_use_a_saev_caches_patch_labels(tmp_path):
+    """Each patch's activation is the one-hot of its label (labels.bin, 3 classes), so with an
+    identity SAE the best latent of class c is latent c with AP 1: only if the probe rows are the
+    patch tokens keyed by their own labels."""
+    import torch
+
+    from actcache.sae.evaluate import evaluate_many
+    from actcache.sae.modeling import SAE
+    from actcache.sae.probes import probe_labels
+    from actcache.sae.spec import SAEConfig
+    from actcache.sae.split import HeldoutBatches
+
+    n, E, P, D = 10, 4, 4, 6
+    path, _, _ = write_saev_cache(tmp_path, n=n, E=E, layers=(5,), P=P, D=D, labels=True)
+    labels_NP = np.random.default_rng(3).integers(0, 3, (n, P), dtype=np.uint8)
+    labels_NP.tofile(os.path.join(path, "labels.bin"))
+    acts = np.zeros((n, 1, P + 1, D), np.float32)
+    acts[:, 0, 0] = 1.0  # CLS: no label
+    acts[np.arange(n)[:, None], 0, np.arange(1, P + 1)[None, :], labels_NP] = 3.0
+    for s in range(n // E + 1):
+        block = np.zeros((E, 1, P + 1, D), np.float32)
+        part = acts[s * E : (s + 1) * E]
+        block[: len(part)] = part
+        block.tofile(os.path.join(path, f"acts{s:06d}.bin"))
+    cache = ActivationCache.open(path)
+    held = np.arange(2, n)
+    found = probe_labels(cache, held)
+    assert found is not None and found[2] == "patch"
+    sae = SAE(SAEConfig(d_vit=D, width=D, activation="relu"))
+    with torch.no_grad():
+        for name in ("W_enc", "W_dec"):
+            getattr(sae, name).copy_(torch.eye(D))
+        sae.b_enc.zero_()
+        sae.b_dec.zero_()
+    batches = HeldoutBatches(cache, held, "all", 5, False, 7)
+    (res,) = evaluate_many([sae], batches, dense_frac=[0.1], labels=(*found, P))
+    probes = res["probes"]
+    assert probes["unit"] == "patch"
+    best = {b["class"]: (b["latent"], b["ap"], b["n_images"]) for b in probes["best_latent_per_class"]}
+    want = {c: (c, 1.0, int((labels_NP[held] == c).sum())) for c in range(3)}
+    assert best == want

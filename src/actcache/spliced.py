@@ -349,9 +349,9 @@ def heldout_metrics(cache, run, device) -> dict:
     split in its run.json: the fields `actcache train` writes into eval.json."""
     import os
 
-    from actcache.labels import read_labels
     from actcache.sae.evaluate import evaluate_many
     from actcache.sae.modeling import SAE
+    from actcache.sae.probes import probe_labels
     from actcache.sae.split import RULE, HeldoutBatches
 
     held = heldout_of(run, None, cache.metadata.n_imgs)
@@ -359,11 +359,8 @@ def heldout_metrics(cache, run, device) -> dict:
     sae = SAE.load(run.dir).to(device).eval()
     tokens = cfg.get("eval_tokens")
     batches = HeldoutBatches(cache, held, run.patches, run.layer, run.scale_norm, 16384, max_tokens=tokens)
-    labels, found = None, read_labels(cache.path, cache.n_imgs)
-    if found is not None:
-        lab_I = np.full(cache.n_imgs, -1, np.int64)
-        lab_I[held] = found[0][held]
-        labels = (lab_I, found[1])
+    found = probe_labels(cache, held)  # image labels, or a saev cache's per-patch labels
+    labels = None if found is None else (*found, cache.metadata.n_patches_per_img)
     (res,) = evaluate_many([sae], batches, dense_frac=[cfg.get("dense_frac", 0.1)], max_tokens=tokens, labels=labels)
     where = {"cache": os.path.abspath(cache.path), "split": RULE, "n_heldout_images": int(len(held))}
     return {**where, "layer": run.layer, "patches": run.patches, **res}
