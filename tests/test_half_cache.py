@@ -160,7 +160,8 @@ def test_convert_writes_a_verified_new_hash_dir_and_inspect_names_the_readers(tm
     )
     assert main(["inspect", "--json", dest]) == 0
     fmt = json.loads(capsys.readouterr().out)["format"]
-    assert "protocol 2.0.0 (bfloat16" in fmt["what"] and "protocol-1 readers (saev's included) refuse" in fmt["readers"]
+    assert "protocol 2.0.0 (bfloat16" in fmt["what"] and "protocol-1 readers refuse it by version" in fmt["readers"]
+    assert "no saev release reads 16-bit" in fmt["readers"] and "--to-format saev" in fmt["readers"]
     assert main(["inspect", src]) == 0
     assert "every protocol-1 reader" in capsys.readouterr().out
     assert main(["convert", dest, "--dtype", "bfloat16", "--to", str(tmp_path / "x")]) == 2

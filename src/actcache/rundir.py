@@ -141,7 +141,13 @@ class Run:
         act = cfg.get("activation", r.get("activation", "?"))
         k = cfg.get("k", r.get("k"))
         width = cfg.get("width", self.info.get("width"))
-        return f"{self.name[:8]} {act}" + (f" k={k}" if k else "") + (f" w={width}" if width else "")
+        imported = " (imported)" if self.imported else ""
+        return f"{self.name[:8]} {act}" + (f" k={k}" if k else "") + (f" w={width}" if width else "") + imported
+
+    @property
+    def imported(self) -> bool:
+        """An SAE trained elsewhere (`actcache import`): read-only, never retrained."""
+        return bool(self.info.get("imported"))
 
 
 def read_json(path: str):

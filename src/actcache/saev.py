@@ -144,3 +144,21 @@ def parse_shards(doc: object, where: str = SHARDS_FILE) -> list[ShardInfo]:
 
 def read_shards(directory: str | os.PathLike) -> list[ShardInfo]:
     return protocol.read_shards(directory, count="n_examples")
+
+
+def read_token_labels(path: str | os.PathLike, md: Metadata):
+    """labels.bin of a saev cache as a read-only uint8 memmap (n_examples, content tokens): saev's
+    per-patch labels (segmentation datasets); a ConfigError when the cache has none."""
+    import numpy as np
+
+    from actcache.errors import ConfigError
+
+    fpath = os.path.join(os.fspath(path), LABELS_FILE)
+    if not md.foreign or not os.path.isfile(fpath):
+        raise ConfigError(
+            f"{path}: no {LABELS_FILE}; token_labels=True needs a saev cache written with per-patch labels "
+            "(saev writes them for segmentation datasets); drop token_labels"
+        )
+    if os.path.getsize(fpath) != md.labels_nbytes:
+        raise ProtocolError(f"{fpath}: {os.path.getsize(fpath):,} bytes, expected {md.labels_nbytes:,}")
+    return np.memmap(fpath, dtype=np.uint8, mode="r", shape=(md.n_imgs, md.n_patches_per_img))

@@ -350,9 +350,9 @@ def heldout_metrics(cache, run, device) -> dict:
     split in its run.json: the fields `actcache train` writes into eval.json."""
     import os
 
-    from actcache.labels import read_labels
     from actcache.sae.evaluate import evaluate_many
     from actcache.sae.modeling import SAE
+    from actcache.sae.probes import probe_labels
     from actcache.sae.split import RULE, HeldoutBatches
 
     held = heldout_of(run, None, cache.metadata.n_imgs)
@@ -360,21 +360,20 @@ def heldout_metrics(cache, run, device) -> dict:
     sae = SAE.load(run.dir).to(device).eval()
     tokens = cfg.get("eval_tokens")
     batches = HeldoutBatches(cache, held, run.patches, run.layer, run.scale_norm, 16384, max_tokens=tokens)
-    labels, found = None, read_labels(cache.path, cache.n_imgs)
-    if found is not None:
-        lab_I = np.full(cache.n_imgs, -1, np.int64)
-        lab_I[held] = found[0][held]
-        labels = (lab_I, found[1])
+    found = probe_labels(cache, held)  # image labels, or a saev cache's per-patch labels
+    labels = None if found is None else (*found, cache.metadata.n_patches_per_img)
     (res,) = evaluate_many([sae], batches, dense_frac=[cfg.get("dense_frac", 0.1)], max_tokens=tokens, labels=labels)
     where = {"cache": os.path.abspath(cache.path), "split": RULE, "n_heldout_images": int(len(held))}
     return {**where, "layer": run.layer, "patches": run.patches, **res}
 
 
 def spliced_eval(run_dirs: list[str], device: str | None = None, batch_images: int = 32,
-                 max_images: int | None = None, report=print) -> dict[str, dict]:  # fmt: skip
+                 max_images: int | None = None, report=print, no_images: bool = False) -> dict[str, dict]:  # fmt: skip
     """The spliced metrics of every run under ``run_dirs``, written into each eval.json under
     "spliced" beside its held-out statistics, recomputed (:func:`heldout_metrics`); returns
-    {run dir: spliced section}. Runs sharing a cache share its ViT and clean pass."""
+    {run dir: spliced section}. Runs sharing a cache share its ViT and clean pass. ``no_images``
+    (a cache whose images are gone, or a saev cache): only the held-out statistics, which need the
+    cache alone; eval.json then has no "spliced" section."""
     import torch
 
     from actcache.rundir import find_runs, load_run
@@ -386,6 +385,16 @@ def spliced_eval(run_dirs: list[str], device: str | None = None, batch_images: i
     for r in runs:
         by_cache.setdefault(r.cache or "", []).append(r)
     out = {}
+    if no_images:
+        from actcache.visuals import open_cache
+
+        for members in by_cache.values():
+            cache = open_cache(members[0])
+            for r in members:
+                doc = {k: v for k, v in r.eval().items() if k != "spliced"}  # a stale section would mislead
+                write_eval(r.dir, {**doc, **heldout_metrics(cache, r, device)})
+                report(f"{r.dir}: held-out statistics only (--no-images: spliced metrics need the images and the ViT)")
+        return out
     for members in by_cache.values():
         ctx = _CacheContext(members[0], device, batch_images)
         splits: dict[bytes, tuple] = {}  # every run of a cache shares one split, unless trained before it

@@ -117,6 +117,7 @@ def check_dir(
             f"({len(present)} of {md.n_shards} shard files present). Finish the dump, then run "
             f"`actcache gather {path}`."
         )
+        rep.problems = [saev_repair(p) if md.foreign else p for p in rep.problems]
         return rep
     try:
         shards = read_saev_shards(path) if md.foreign else read_shards(path)
@@ -129,7 +130,28 @@ def check_dir(
     _check_files(path, rep)
     if deep and rep.ok:
         deep_scan(path, md, rep, checksums_dir)
+    if md.foreign:
+        rep.problems = [saev_repair(p) for p in rep.problems]
     return rep
+
+
+# Repair advice that only an actcache dump can follow (its shards are written by a dump job).
+_OR_REDUMP = re.compile(r",?\s+or\s+re-?dump[^.;]*", re.IGNORECASE)
+_DUMP_ADVICE = re.compile(
+    r"(?:[.;]\s+|\s+\()(?:(?![.;]\s).)*?"
+    r"(?:re-?dump|re-run the dump|rerun its dump|dump job|finish the dump|actcache gather).*$",
+    re.IGNORECASE | re.DOTALL,
+)
+SAEV_REPAIR = (
+    "; this is a saev cache, which actcache never writes into: re-create it with saev, or restore the file from a copy."
+)
+
+
+def saev_repair(problem: str) -> str:
+    """``problem`` with advice to re-dump or gather (impossible for a saev cache) replaced."""
+    problem = _OR_REDUMP.sub("", problem)
+    cut = _DUMP_ADVICE.search(problem)
+    return problem if cut is None else problem[: cut.start()].rstrip(" .;") + SAEV_REPAIR
 
 
 def validate_dir(path: str | os.PathLike, deep: bool = False, check_hash: bool = True) -> Report:

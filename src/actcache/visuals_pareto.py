@@ -47,7 +47,7 @@ def pareto_points(runs: list[Run]) -> list[dict]:
             continue
         spliced, probes = ev.get("spliced") or {}, ev.get("probes") or {}
         pts.append({
-            "sae_id": r.name, "label": r.label(), "l0": l0, "fvu": _num(ev.get("fvu", ev.get("nmse"))),
+            "sae_id": r.name, "label": r.label(), "imported": r.imported, "l0": l0, "fvu": _num(ev.get("fvu", ev.get("nmse"))),
             "spliced_recovered": _num(spliced.get("fraction_recovered_zero")),
             "probe_acc": _num((probes.get("sparse_probe_acc") or {}).get(str(PROBE_K))),
         })  # fmt: skip

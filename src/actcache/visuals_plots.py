@@ -198,7 +198,12 @@ def plot_pareto(points: list[dict], key: str, ylabel: str, higher: bool, path: s
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4.2))
     front = pareto_front(have, key, higher)
-    ax.scatter([p["l0"] for p in have], [p[key] for p in have], color="#9aa9bf", label="SAE")
+    own = [p for p in have if not p.get("imported")]
+    imported = [p for p in have if p.get("imported")]  # `actcache import`: published SAEs, ranked beside
+    ax.scatter([p["l0"] for p in own], [p[key] for p in own], color="#9aa9bf", label="SAE")
+    if imported:
+        ax.scatter([p["l0"] for p in imported], [p[key] for p in imported], color="#2c7fb8", marker="D",
+                   label="imported SAE")  # fmt: skip
     ax.plot([p["l0"] for p in front], [p[key] for p in front], "o-", color="#c0392b", label="Pareto frontier")
     _l0_axis(ax, have, key, "L0 (held-out latents per token, lower is better)")
     ax.set_ylabel(ylabel, fontsize=8)

@@ -34,6 +34,7 @@ HANDLERS = {
     "demo-cache": "actcache.cli.cache:cmd_demo_cache",
     "demo-assets": "actcache.cli.demo:cmd_demo_assets",
     "export": "actcache.cli.export:cmd_export",
+    "import": "actcache.cli.export:cmd_import",
 }
 
 
@@ -66,9 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("gather", help="verify every shard of a hash directory and write shards.json")
     s.add_argument("dir")
 
-    s = sub.add_parser("convert", help="write a cache's values as another dtype: a new hash directory, verified")
-    s.add_argument("dir", help="the cache to convert")
-    s.add_argument("--dtype", required=True, choices=DTYPES, help="float32 (protocol 1) or float16 / bfloat16 (2.0)")
+    s = sub.add_parser("convert", help="write a cache as another dtype or format: a new hash directory, verified")
+    s.add_argument("dir", help="the cache to convert (actcache's, or a saev 2.1 cache)")
+    s.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="float32 (protocol 1) or float16 / bfloat16 (2.0); a saev cache's default: float32")  # fmt: skip
+    s.add_argument("--to-format", default="v1", choices=("v1", "saev"),
+                   help="v1: actcache's protocol (default); saev: saev 2.1, written to ROOT/saev/shards/<h>/")  # fmt: skip
     s.add_argument("--to", required=True, metavar="ROOT", help="root the new <HASH>/ directory is written under")
     s.add_argument("--allow-rounded", action="store_true",
                    help="convert a 16-bit cache (its rounded values get the hash of a cache of exact ones)")  # fmt: skip
@@ -142,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when present)")
     s.add_argument("--batch-images", type=int, default=32, help="images per forward pass (default: %(default)s)")
     s.add_argument("--max-images", type=int, default=None, help="at most this many held-out images (a seeded subset)")
+    s.add_argument("--no-images", action="store_true",
+                   help="no image dataset (gone, or a saev cache): only the held-out statistics, no spliced metrics")  # fmt: skip
 
     s = sub.add_parser("demo-assets", help="write the offline demo's tiny random ViT and image folder")
     s.add_argument("--root", default="data/demo")
@@ -150,7 +156,20 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("export", help="write SAELens folders (weights, cfg.json, model card) of trained SAEs")
     s.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="finished SAE run directories")
     s.add_argument("--to", nargs=2, required=True, metavar=("FORMAT", "OUT"), help="saelens OUT: one folder per SAE")
-    s.add_argument("--push", metavar="REPO_ID", help="also upload OUT to this Hugging Face Hub repo")
+    s.add_argument("--push", metavar="REPO_ID",
+                   help="also upload every exported SAE to this Hugging Face Hub repo, one folder per SAE id")  # fmt: skip
+    s.add_argument("--n-blocks", type=int, default=None,
+                   help="the model's number of blocks, for a layer counted from the end whose model config is not readable")  # fmt: skip
+    s.add_argument("--dataset", default=None, metavar="HUB_ID", help="Hub dataset id of the images, for the model card")
+
+    s = sub.add_parser("import", help="an SAE trained elsewhere (saev sae.pt, SAELens folder) as a run on a cache")
+    s.add_argument("source", metavar="FILE_OR_DIR", help="saev's sae.pt, or a SAELens folder (cfg.json + weights)")
+    s.add_argument("--cache", required=True, help="the cache to evaluate it on (its d, layer and tokens must match)")
+    s.add_argument("--runs-to", required=True, help="root of the run directories (<runs-to>/<HASH>/<sae-id>/)")
+    s.add_argument("--layer", type=int, default=None, help="the recorded cache layer it reads (default: its hook)")
+    s.add_argument("--patches", choices=("cls", "image", "all"), default=None, help="its token set (default: image)")
+    s.add_argument("--eval-frac", type=float, default=None, help="held-out fraction, as the runs it is ranked with")
+    s.add_argument("--device", default="cpu")
 
     s = sub.add_parser("demo-cache", help="write a small cache of synthetic activations (no model)")
     s.add_argument("--dump-to", default="data/demo-synthetic")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from actcache.formats import describe_format
+from actcache.formats import describe_data, describe_format
 
 
 def cmd_hash(args) -> int:
@@ -23,6 +23,19 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
+def _token_labels(rep) -> str | None:
+    """A saev cache's per-patch labels file, described (None when there is none)."""
+    from actcache.saev import LABELS_FILE
+
+    md = rep.metadata
+    if md is None or not md.foreign or not os.path.isfile(os.path.join(rep.path, LABELS_FILE)):
+        return None
+    return (
+        f"{LABELS_FILE}: saev's per-patch labels, uint8 ({md.n_imgs:,} examples x {md.n_patches_per_img} patches; "
+        "no CLS slot); loaders yield them with token_labels=True"
+    )
+
+
 def _report_dict(rep) -> dict:
     md = rep.metadata
     return {
@@ -31,6 +44,8 @@ def _report_dict(rep) -> dict:
         "hash": md.hash if md else None,
         "metadata": md.to_dict() if md else None,
         "format": None if md is None else dict(zip(("what", "readers"), describe_format(md), strict=True)),
+        "data": None if md is None else describe_data(md),
+        "token_labels": _token_labels(rep),
         "derived": None
         if md is None
         else {
@@ -70,7 +85,10 @@ def _print_report(rep, show_shards: bool) -> None:
         print(
             f"size      {_fmt_bytes(md.n_imgs * md.bytes_per_img)} of activations ({_fmt_bytes(md.bytes_per_img)} per image)"
         )
-        print(f"data      {json.dumps(md.data, sort_keys=True)}")
+        print(f"data      {describe_data(md)}")
+        labels = _token_labels(rep)
+        if labels:
+            print(f"labels    {labels}")
         print(f"protocol  {md.protocol}")
         what, readers = describe_format(md)
         print(f"format    {what}")
@@ -136,8 +154,29 @@ def cmd_gather(args) -> int:
 
 
 def cmd_convert(args) -> int:
+    from actcache.errors import ConfigError
+    from actcache.formats import load_metadata
+
+    foreign = load_metadata(args.dir).foreign
+    if args.to_format == "saev":
+        from actcache.saev_convert import to_saev
+
+        if args.dtype not in (None, "float32"):
+            raise ConfigError(f"--dtype {args.dtype}: a saev cache stores float32 only; drop --dtype")
+        dest, notes = to_saev(args.dir, args.to)
+        print(dest)
+        for note in notes:
+            print(f"note      {note}")
+        return 0
+    if foreign:
+        from actcache.saev_convert import from_saev
+
+        print(from_saev(args.dir, args.dtype or "float32", args.to))
+        return 0
     from actcache.convert import convert
 
+    if args.dtype is None:
+        raise ConfigError(f"{args.dir}: convert needs --dtype (float32, float16 or bfloat16) or --to-format saev")
     print(convert(args.dir, args.dtype, args.to, allow_rounded=args.allow_rounded))
     return 0
 

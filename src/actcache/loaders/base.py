@@ -119,6 +119,17 @@ class Iteration:
             )
 
 
+def token_label_tensor(labels_NP: np.ndarray, image_i, patch_i):
+    """Each token's per-patch label (int64; -1 for CLS, which labels.bin has no slot for)."""
+    import torch
+
+    img, patch = np.asarray(image_i, np.int64), np.asarray(patch_i, np.int64)
+    out = np.full(len(img), -1, np.int64)
+    keep = patch >= 0
+    out[keep] = labels_NP[img[keep], patch[keep]]
+    return torch.from_numpy(out)
+
+
 class BaseLoader(abc.ABC):
     """Options and lifecycle shared by OrderedLoader and ShuffledLoader."""
 
@@ -164,6 +175,11 @@ class BaseLoader(abc.ABC):
             from actcache.stats import scale_factors
 
             self.scale = scale_factors(self.cache, self.sel)  # per selected layer
+        self.token_labels_NP = None
+        if o.token_labels:
+            from actcache.saev import read_token_labels
+
+            self.token_labels_NP = read_token_labels(self.cache.path, md)
         self.stats = LoaderStats()
         self.position: tuple[int, int] | None = None
         self.interrupted = False
@@ -207,7 +223,10 @@ class BaseLoader(abc.ABC):
         try:
             self._start(it)
             while not it.finished:
-                yield it.next_batch()
+                batch = it.next_batch()
+                if self.token_labels_NP is not None:
+                    batch["token_label"] = token_label_tensor(self.token_labels_NP, batch["image_i"], batch["patch_i"])
+                yield batch
         except KeyboardInterrupt:
             self.interrupted = True
             raise

@@ -26,11 +26,12 @@ class IndexedDataset(torch.utils.data.Dataset):
     patches in {"cls", "image", "all"}; layer a recorded layer value or "all". Item i is a dict:
     act (D,) float32 tensor (out_dtype="stored": a 16-bit cache's own values), image_i, patch_i (-1 for CLS), layer (the layer value), token
     (position on the stored token axis). Items are ordered image-major, then layer, then token.
+    token_labels=True (a saev cache with labels.bin): also token_label, the patch's label (-1 for CLS).
     """
 
     def __init__(
         self, path: str | os.PathLike | ActivationCache, patches: str = "image", layer: int | str = -2,
-        out_dtype: str = "float32",
+        out_dtype: str = "float32", token_labels: bool = False,
     ):  # fmt: skip
         self.cache = path if isinstance(path, ActivationCache) else ActivationCache.open(path, out_dtype=out_dtype)
         self.metadata = self.cache.metadata
@@ -40,6 +41,11 @@ class IndexedDataset(torch.utils.data.Dataset):
         self._sizes = [s.n_imgs * md.bytes_per_img for s in self.cache.shards]
         self._ids = integrity.identities(self.cache.path, self._names)
         self._fds: dict[int, int] = {}
+        self.token_labels_NP = None
+        if token_labels:
+            from actcache.saev import read_token_labels
+
+            self.token_labels_NP = read_token_labels(self.cache.path, md)
 
     def __getstate__(self) -> dict:  # DataLoader workers (spawn) open their own descriptors
         return {**self.__dict__, "_fds": {}}
@@ -97,10 +103,13 @@ class IndexedDataset(torch.utils.data.Dataset):
         img, layer, token, patch = self.sel.decode(i)
         layer = int(layer)
         vec = self._read(int(img), self.metadata.layer_index(layer), int(token))
-        return {
+        item = {
             "act": as_tensor(vec),
             "image_i": int(img),
             "patch_i": int(patch),
             "layer": layer,
             "token": int(token),
         }
+        if self.token_labels_NP is not None:
+            item["token_label"] = int(self.token_labels_NP[img, patch]) if patch >= 0 else -1
+        return item

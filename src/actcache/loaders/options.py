@@ -65,6 +65,7 @@ class LoaderOptions:
     read_ahead: int = 2
     evict: bool = False
     out_dtype: str = "float32"
+    token_labels: bool = False  # a saev cache's labels.bin: batch["token_label"] (-1 for CLS)
 
     def __post_init__(self) -> None:
         if self.out_dtype not in OUT_DTYPES:
@@ -79,5 +80,5 @@ class LoaderOptions:
         check_number("n_threads", self.n_threads, 1, integer=True)
         check_number("read_ahead", self.read_ahead, 1, integer=True)
         check_number("n_readers", self.n_readers, 1, integer=True, allow_none=True)
-        for name in ("drop_last", "scale_norm", "evict"):
+        for name in ("drop_last", "scale_norm", "evict", "token_labels"):
             check_bool(name, getattr(self, name))

@@ -93,7 +93,8 @@ class OrderedLoader(BaseLoader):
     Args: path (directory or ActivationCache), batch_size, patches ("cls" | "image" | "all"),
     layer (a recorded layer value or "all"), drop_last, start_img / end_img (image range; default
     all), batch_timeout_s (BatchTimeoutError when no batch arrives and no read finishes for that
-    long; None: wait forever),
+    long; None: wait forever), token_labels (a saev cache's labels.bin: batch["token_label"], int64,
+    -1 for CLS),
     scale_norm, rank / world_size / worker_id / n_workers, n_threads (copy threads), n_readers
     (default 4), read_ahead (batches prepared ahead of the consumer), evict (also drop released
     bytes from the page cache), io ("auto", the default: per batch, "read" when its bytes are
@@ -116,6 +117,7 @@ class OrderedLoader(BaseLoader):
         batch_timeout_s: float | None = 30.0,
         scale_norm: bool = False,
         out_dtype: str = "float32",
+        token_labels: bool = False,
         rank: int = 0,
         world_size: int = 1,
         worker_id: int = 0,
@@ -138,6 +140,7 @@ class OrderedLoader(BaseLoader):
             batch_timeout_s=batch_timeout_s,
             scale_norm=scale_norm,
             out_dtype=out_dtype,
+            token_labels=token_labels,
             rank=rank,
             world_size=world_size,
             worker_id=worker_id,

@@ -84,7 +84,7 @@ class ShuffledLoader(BaseLoader):
     """Shuffled batches of a cache's selected vectors, every example once per epoch.
 
     Args (besides those of every loader: batch_size, patches, layer, drop_last, batch_timeout_s,
-    scale_norm, rank/world_size/worker_id/n_workers):
+    scale_norm, rank/world_size/worker_id/n_workers, token_labels):
         buffer_bytes: bytes of shard data the batches are mixed from (the shuffle window). Memory
             used: buffer_bytes + about 2 batches read ahead + 2 to max(3, read_ahead + 1) batch buffers.
         seed: the epoch order is a function of (seed, epoch) only.
@@ -133,6 +133,7 @@ class ShuffledLoader(BaseLoader):
         batch_timeout_s: float | None = 30.0,
         scale_norm: bool = False,
         out_dtype: str = "float32",
+        token_labels: bool = False,
         rank: int = 0,
         world_size: int = 1,
         worker_id: int = 0,
@@ -177,6 +178,7 @@ class ShuffledLoader(BaseLoader):
             batch_timeout_s=batch_timeout_s,
             scale_norm=scale_norm,
             out_dtype=out_dtype,
+            token_labels=token_labels,
             rank=rank,
             world_size=world_size,
             worker_id=worker_id,

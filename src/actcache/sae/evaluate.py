@@ -189,8 +189,13 @@ def evaluate_many(
 ) -> list[dict]:
     """One pass over ``batches`` evaluating several SAEs (same d_vit and device). ``labels``:
     (labels_I, class_names), a class per image of the cache (-1: none), adds the label probes
-    (actcache.sae.probes) of loader-dict batches."""
-    lab, names = labels if labels is not None else (None, None)
+    (actcache.sae.probes) of loader-dict batches; (labels, class_names, unit, n_patches) with unit
+    "patch" labels each patch token instead (actcache.sae.probes.probe_labels)."""
+    labels = tuple(labels) if labels is not None else (None, None)
+    lab, names = labels[:2]
+    unit, n_patches = labels[2:] if len(labels) == 4 else ("image", 0)
+    from actcache.sae.probes import probe_keys
+
     accs = [EvalAccumulator(s, f, lab, names) for s, f in zip(saes, dense_frac, strict=True)]
     device = next(saes[0].parameters()).device
     n = 0
@@ -202,13 +207,19 @@ def evaluate_many(
             break
         x_BD = x_BD.to(device, non_blocking=True)
         check_finite(x_BD, batch if isinstance(batch, dict) else None, "held-out activations")
-        image_i = batch["image_i"][: x_BD.shape[0]] if isinstance(batch, dict) and "image_i" in batch else None
+        image_i = None
+        if isinstance(batch, dict) and "image_i" in batch and lab is not None:
+            image_i = probe_keys(batch, unit, n_patches)[: x_BD.shape[0]]
         for acc in accs:
             acc.update(x_BD, image_i)
         n += x_BD.shape[0]
         if max_tokens is not None and n >= max_tokens:
             break
-    return [acc.result() for acc in accs]
+    out = [acc.result() for acc in accs]
+    for r in out:
+        if isinstance(r.get("probes"), dict) and "skipped" not in r["probes"]:
+            r["probes"]["unit"] = unit  # "patch": every "image" count and row of the probes is a patch token
+    return out
 
 
 def write_eval(run_dir: str, doc: dict) -> str:

@@ -2,6 +2,8 @@
 
     acc = ProbeAccumulator(width, labels_I)       # labels_I: class per image of the cache, -1 = not probed
     acc.update(f_BS, image_i_B)                   # per batch of the evaluation pass
+    # a saev cache with per-patch labels (labels.bin) and no image labels: one row per patch
+    # token, keyed image * P + patch (probe_labels, probe_keys); "image" below then means "patch"
     doc = acc.result(class_names)                 # eval.json "probes"
 
 Each held-out image is summarised by the max of each latent over its tokens (at most MAX_IMAGES
@@ -72,6 +74,42 @@ def sparse_probe(x_NK: torch.Tensor, y_N: torch.Tensor, fit: torch.Tensor, test:
         return _balanced_acc((xs[test] @ w + b) > 0, y_N[test])
 
 
+def probe_labels(cache, held: np.ndarray):
+    """The labels the probes of the held-out images ``held`` use: (labels, class names, unit).
+
+    unit "image": the cache's image labels (labels.json/npy), one per image; unit "patch": a saev
+    cache's per-patch labels (labels.bin), one per content token, keyed image * P + patch, used
+    where there are no image labels. Only held-out images are labelled (-1 elsewhere); None: no labels.
+    """
+    import os
+
+    from actcache.labels import read_labels
+    from actcache.saev import LABELS_FILE, read_token_labels
+
+    found = read_labels(cache.path, cache.n_imgs)
+    if found is not None:
+        lab_I = np.full(cache.n_imgs, -1, np.int64)
+        lab_I[held] = found[0][held]
+        return lab_I, found[1], "image"
+    md = cache.metadata
+    if md.foreign and os.path.isfile(os.path.join(cache.path, LABELS_FILE)):
+        labels_NP = read_token_labels(cache.path, md)
+        P = md.n_patches_per_img
+        lab_K = np.full(cache.n_imgs * P, -1, np.int64)
+        for img in held:
+            lab_K[img * P : (img + 1) * P] = labels_NP[img]
+        return lab_K, [str(c) for c in range(int(lab_K.max()) + 1)], "patch"
+    return None
+
+
+def probe_keys(batch: dict, unit: str, n_patches: int) -> torch.Tensor:
+    """Each example's label key: its image, or (unit "patch") image * P + patch, -1 for CLS."""
+    if unit == "image":
+        return batch["image_i"]
+    patch = batch["patch_i"]
+    return torch.where(patch >= 0, batch["image_i"] * n_patches + patch, torch.full_like(patch, -1))
+
+
 class ProbeAccumulator:
     """Per-image max of every latent over the held-out images that have a label."""
 
@@ -87,8 +125,10 @@ class ProbeAccumulator:
 
     @torch.no_grad()
     def update(self, f_BS: torch.Tensor, image_i_B: torch.Tensor) -> None:
-        rows = self.row_I[image_i_B.cpu()]
-        ok = rows >= 0
+        """``image_i_B``: the key of each example's label (an image; or a patch, -1 for none)."""
+        key = image_i_B.cpu()
+        rows = self.row_I[key.clamp_min(0)]
+        ok = (rows >= 0) & (key >= 0)
         if not bool(ok.any()):
             return
         f = f_BS.detach().float().cpu()[ok]

@@ -543,24 +543,21 @@ class GroupTrainer:
 
         kw = {"batch_size": run.batch_size, "patches": run.patches, "layer": self.layer, "scale_norm": run.scale_norm,
               "n_readers": run.n_readers, "batch_timeout_s": run.batch_timeout_s}  # fmt: skip
-        from actcache.labels import read_labels
+        from actcache.sae.probes import probe_labels
 
-        labels = None
         if run.eval_cache is not None:
             where = {"cache": os.path.abspath(run.eval_cache), "split": "eval_cache"}
             loader = OrderedLoader(run.eval_cache, **kw)
-            labels = read_labels(loader.cache.path, loader.cache.n_imgs)
+            eval_on, held = loader.cache, np.arange(loader.cache.n_imgs)
         else:
             from actcache.sae.split import RULE, HeldoutBatches
 
             where = {"cache": os.path.abspath(self.cache_dir), "split": RULE, "n_heldout_images": self.n_eval}
             loader = HeldoutBatches(cache, self.heldout, run.patches, self.layer, run.scale_norm, run.batch_size,
                                     max_tokens=run.eval_tokens)  # fmt: skip
-            found = read_labels(cache.path, cache.n_imgs)
-            if found is not None:  # only the held-out images are probed
-                lab_I = np.full(cache.n_imgs, -1, np.int64)
-                lab_I[self.heldout] = found[0][self.heldout]
-                labels = (lab_I, found[1])
+            eval_on, held = cache, self.heldout  # only the held-out images are probed
+        found = probe_labels(eval_on, held)
+        labels = None if found is None else (*found, eval_on.metadata.n_patches_per_img)
         try:
             res = evaluate_many([m.sae for m in members], loader, dense_frac=[m.run.dense_frac for m in members],
                                 max_tokens=run.eval_tokens, labels=labels)  # fmt: skip
