@@ -423,6 +423,19 @@ def dump_shards(
     return path
 
 
+def pixel_loader(ds, transform, batches, dev: torch.device, n_workers: int) -> torch.utils.data.DataLoader:
+    """The dump's image pipeline: ``n_workers`` processes decode and preprocess the images of
+    ``batches`` ([(shard, start, end), ...]) in order; each item is a batch of pixels or a _BatchError."""
+    return torch.utils.data.DataLoader(
+        _Pixels(ds, transform, raw=_raw_pixels(dev)),
+        batch_sampler=_Batches(batches),
+        num_workers=n_workers,
+        collate_fn=_collate,
+        pin_memory=dev.type == "cuda",
+        timeout=LOADER_TIMEOUT_S if n_workers else 0,
+    )
+
+
 def _start_workers(loader, n_workers: int):
     """iter(loader), with a clear error where the workers cannot start: their queues' semaphores
     live in /dev/shm, so a full /dev/shm fails here (OSError ENOSPC)."""
@@ -452,14 +465,7 @@ def _dump(exp, md, path, todo, dev, batch_size, n_workers, progress, ds, load_tr
         path, len(todo), _ranges(todo), n_imgs, batch_size, n_workers, dev,
     )  # fmt: skip
     transform = load_transform(exp.vit.family, exp.vit.ckpt)
-    loader = torch.utils.data.DataLoader(
-        _Pixels(ds, transform, raw=_raw_pixels(dev)),
-        batch_sampler=_Batches(batches),
-        num_workers=n_workers,
-        collate_fn=_collate,
-        pin_memory=dev.type == "cuda",
-        timeout=LOADER_TIMEOUT_S if n_workers else 0,
-    )
+    loader = pixel_loader(ds, transform, batches, dev, n_workers)
     batch_iter = _start_workers(loader, n_workers)  # workers start decoding while the model loads
     try:
         t0 = time.monotonic()
