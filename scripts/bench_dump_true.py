@@ -80,19 +80,27 @@ def photo(rng: np.random.Generator, w: int, h: int) -> np.ndarray:
     return np.clip(128 + 40 * rgb, 0, 255).astype(np.uint8)
 
 
+def _write_photo(args: tuple[str, int]) -> None:
+    path, i = args
+    arr = photo(np.random.default_rng([0, i]), *PHOTO_WH)  # image i is the same whatever the count
+    PIL.Image.fromarray(arr, "RGB").save(path, quality=QUALITY)
+
+
 def write_photos(root: str, n: int, name: str = "images") -> str:
-    """n JPEGs (500x375, quality 90) in one class folder under root/name; kept between runs."""
+    """n JPEGs (500x375, quality 90) in one class folder under root/name, written in parallel
+    (one process per core); kept between runs."""
+    import multiprocessing
+
     folder = os.path.join(root, name, "photos")
     os.makedirs(folder, exist_ok=True)
-    rng = np.random.default_rng(0)
     have = set(os.listdir(folder))
-    for i in range(n):
-        arr = photo(rng, *PHOTO_WH)  # drawn for every index, so image i is the same whatever n is
-        name = f"img{i:06d}.jpg"
-        if name not in have:
-            PIL.Image.fromarray(arr, "RGB").save(os.path.join(folder, name), quality=QUALITY)
-    for name in have - {f"img{i:06d}.jpg" for i in range(n)}:
-        os.unlink(os.path.join(folder, name))
+    want = {f"img{i:06d}.jpg": i for i in range(n)}
+    todo = [(os.path.join(folder, f), i) for f, i in want.items() if f not in have]
+    if todo:
+        with multiprocessing.get_context("fork").Pool(os.cpu_count() or 1) as pool:
+            pool.map(_write_photo, todo, chunksize=16)
+    for f in have - set(want):
+        os.unlink(os.path.join(folder, f))
     return os.path.dirname(folder)
 
 
@@ -239,7 +247,8 @@ def decode_table(ckpt, args) -> list[dict]:
     so that the workers' start-up does not dominate)."""
     from actcache.models import load_transform
 
-    images = write_photos(args.dir, args.decode_imgs, "images-decode")
+    name = "images" if args.decode_imgs == args.imgs else "images-decode"  # on a GPU: the same set
+    images = write_photos(args.dir, args.decode_imgs, name)
     exp = make_exp(ckpt, images, LAYER_SETS[1], "float32", args.decode_imgs, args.batch, args.workers)
     md = experiment_metadata(exp)
     files = [os.path.join(images, "photos", f"img{i:06d}.jpg") for i in range(md.n_imgs)]
@@ -267,11 +276,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", default=os.path.join(benchlib.ROOT, "bench-out", "dump-true"))
     ap.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
-    ap.add_argument("--imgs", type=int, default=None, help="images (default 12 on cpu, 4096 on cuda)")
+    ap.add_argument("--imgs", type=int, default=None, help="images (default 12 on cpu, 2048 on cuda)")
     ap.add_argument("--batch", type=int, default=None, help="batch size (default 4 on cpu, 256 on cuda)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument(
-        "--decode-imgs", type=int, default=None, help="images of the decoding table (default 256 cpu, 4096 cuda)"
+        "--decode-imgs",
+        type=int,
+        default=None,
+        help="images of the decoding table (default 256 cpu; on cuda --imgs, the same files)",
     )
     ap.add_argument("--workers", type=int, default=None, help="image workers (default 1 on cpu, cores - 2 on cuda)")
     ap.add_argument("--quick", action="store_true", help="4 images, 1 round, no record (a smoke test)")
@@ -280,10 +292,10 @@ def main() -> None:
     DEV = benchlib.Device(args.device)
     bench_dump.DEV = DEV
     cuda = DEV.cuda
-    args.imgs = args.imgs or (4096 if cuda else 12)
+    args.imgs = args.imgs or (2048 if cuda else 12)
     args.batch = args.batch or (256 if cuda else 4)
     args.workers = args.workers if args.workers is not None else (max(1, (os.cpu_count() or 2) - 2) if cuda else 1)
-    args.decode_imgs = args.decode_imgs or (4096 if cuda else 256)
+    args.decode_imgs = args.decode_imgs or (args.imgs if cuda else 256)
     if args.quick:
         args.imgs, args.batch, args.rounds, args.decode_imgs, args.no_record = 4, 2, 1, 16, True
     args.per_shard = max(args.batch, args.imgs // 4)  # four shards
