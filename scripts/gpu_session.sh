@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The checks and benchmarks that need an NVIDIA GPU, for a machine that has one.
 #
-#   bash scripts/gpu_session.sh [STEP...]      STEP: env check dump train visuals (default: all five), profile
+#   bash scripts/gpu_session.sh [STEP...]      STEP: env check dump train visuals (default: all five), profile,
+#                                              true-size
 #
 # env      nvidia-smi, torch / transformers versions, the GPU torch sees
 # check    ACTCACHE_TEST_DEVICE=cuda pytest tests/test_device.py: CUDA dump (3 families) equals
@@ -16,6 +17,14 @@
 # visuals  scripts/bench_visuals.py --device cuda (4 GiB cache; target visuals <= 1.5x one pass)
 # profile  scripts/profile_train_step.py --device cuda: steps/s and the top operators of one SAE's
 #          training step per variant (under a minute; not in the default list)
+# true-size  the flagship job's figures in at most 8 minutes, each part bounded (not in the default
+#          list): scripts/bench_dump_true.py (ViT-B/16, 2,048 photo-sized JPEGs written in parallel
+#          there, decode / forward / write / dump for 1 and 4 layers x float32 / bfloat16, forward
+#          precision, decoding per core; <= 270 s), scripts/bench_eval.py (held-out and spliced eval,
+#          2 GiB cache; <= 100 s), scripts/bench_train.py A/B of 8 SAEs stacked (batch_saes: on) against
+#          one by one and of torch.compile against eager, bf16 (section train-ab-cuda; <= 100 s), then
+#          scripts/project_job.py (the projection, from the sections just written). TRUE_SIZE_DEVICE=cpu
+#          TRUE_SIZE_QUICK=1 runs the same commands small on the CPU, without recording (a dry run)
 #
 # Extra arguments per step: DUMP_ARGS, TRAIN_ARGS, VISUALS_ARGS, CHECK_ARGS, PROFILE_ARGS (word-split), e.g.
 # TRAIN_ARGS="--repeats 1 --steps 50"; CHECK_TESTS replaces check's test files, CHECK_LOG its log's
@@ -73,8 +82,24 @@ print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"no GPU\"
             run_step visuals "$PY" scripts/bench_visuals.py --device cuda --out "${BENCH_DIR:-bench-out}/visuals" ${VISUALS_ARGS:-} ;;
         profile)
             run_step profile "$PY" scripts/profile_train_step.py --device cuda ${PROFILE_ARGS:-} ;;
+        true-size)
+            dev=${TRUE_SIZE_DEVICE:-cuda}
+            dump_q=() eval_q=(--size-gib 2 --images 256 --rounds 2) train_q=() proj_q=()
+            if [ -n "${TRUE_SIZE_QUICK:-}" ]; then
+                dump_q=(--quick) eval_q=(--size-gib 0.05 --images 4 --rounds 1 --width 256 --no-record)
+                train_q=(--d 64 --steps 1 --warmup 1 --exp-factor 2 --batch 256 --n-imgs 64 --no-record) proj_q=(--no-record)
+            fi
+            STEP_TIMEOUT=${TRUE_SIZE_DUMP_S:-270} run_step true-size-dump "$PY" scripts/bench_dump_true.py \
+                --device "$dev" --dir "${BENCH_DIR:-bench-out}/dump-true" "${dump_q[@]}"
+            STEP_TIMEOUT=${TRUE_SIZE_EVAL_S:-100} run_step true-size-eval "$PY" scripts/bench_eval.py \
+                --device "$dev" --out "${BENCH_DIR:-bench-out}/eval" "${eval_q[@]}"
+            STEP_TIMEOUT=${TRUE_SIZE_TRAIN_S:-100} run_step true-size-train "$PY" scripts/bench_train.py \
+                --device "$dev" --quick --saes 1,8 --variants hybrid-bf16,hybrid-bf16+compile,sparse-bf16 \
+                --stacked-variants hybrid-bf16,sparse-bf16 --loader-variants '' --section train-ab \
+                --json "$OUT/train-ab.json" --out "${BENCH_DIR:-bench-out}/train" "${train_q[@]}"
+            STEP_TIMEOUT=30 run_step true-size-projection "$PY" scripts/project_job.py "${proj_q[@]}" ;;
         *)
-            echo "unknown step '$step': use env, check, dump, train, visuals or profile" >&2
+            echo "unknown step '$step': use env, check, dump, train, visuals, profile or true-size" >&2
             exit 2 ;;
     esac
 done

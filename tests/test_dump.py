@@ -408,22 +408,67 @@ def test_writer_thread_error_surfaces_promptly(tmp_path):
 
 
 def test_cuda_forward_runs_in_full_float32_and_restores_the_flags():
-    from actcache.dump import _full_fp32
+    from actcache.dump import forward_precision
 
     mm, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
     saved = mm.allow_tf32, cudnn.allow_tf32
     try:
         mm.allow_tf32 = cudnn.allow_tf32 = True  # what a training script may have set
-        with _full_fp32(torch.device("cuda")):
+        with forward_precision(torch.device("cuda")):
             assert (mm.allow_tf32, cudnn.allow_tf32) == (False, False)
         assert (mm.allow_tf32, cudnn.allow_tf32) == (True, True)
-        with pytest.raises(RuntimeError), _full_fp32(torch.device("cuda")):
+        with pytest.raises(RuntimeError), forward_precision(torch.device("cuda")):
             raise RuntimeError("a failed dump restores them too")
         assert (mm.allow_tf32, cudnn.allow_tf32) == (True, True)
-        with _full_fp32(torch.device("cpu")):
+        with forward_precision(torch.device("cpu")):
             assert (mm.allow_tf32, cudnn.allow_tf32) == (True, True)  # nothing to change on the CPU
+        mm.allow_tf32 = cudnn.allow_tf32 = False
+        with forward_precision(torch.device("cuda"), "tf32"):  # cache.forward: tf32 allows it
+            assert (mm.allow_tf32, cudnn.allow_tf32) == (True, True)
+        assert (mm.allow_tf32, cudnn.allow_tf32) == (False, False)
     finally:
         mm.allow_tf32, cudnn.allow_tf32 = saved
+
+
+def _with_forward(path, forward: str) -> str:
+    with open(path) as fd:
+        doc = yaml.safe_load(fd)
+    doc["cache"]["forward"] = forward
+    out = f"{path}.{forward}.yaml"
+    with open(out, "w") as fd:
+        yaml.safe_dump(doc, fd)
+    return out
+
+
+def test_forward_precision_key_fp32_is_byte_identical_and_others_change_the_hash(tmp_path, ckpt, images):
+    plain = write_experiment(tmp_path / "exp.yaml", ckpt, images, imgs_per_shard=8)
+    base = dump_shards(load_experiment(plain), (0, 1), str(tmp_path / "plain"), progress=False)
+    meta = open(os.path.join(base, "metadata.json"), "rb").read()
+    assert b"forward" not in meta  # a cache of the default forward is written as before the key
+    paths = {}
+    for forward in ("fp32", "tf32", "bf16"):
+        exp = load_experiment(_with_forward(plain, forward))
+        paths[forward] = dump_shards(exp, (0, 1), str(tmp_path / forward), progress=False)
+        assert Metadata.load(paths[forward]).forward == forward
+    # fp32 written out: same hash, same metadata.json, same bytes as with the key absent
+    assert os.path.basename(paths["fp32"]) == os.path.basename(base)
+    assert open(os.path.join(paths["fp32"], "metadata.json"), "rb").read() == meta
+    assert shard_files(paths["fp32"]) == shard_files(base)
+    want = np.frombuffer(shard_files(base)[shard_name(0)], np.float32)
+    for forward in ("tf32", "bf16"):  # another forward is another cache
+        assert os.path.basename(paths[forward]) != os.path.basename(base)
+        assert f'"forward": "{forward}"' in open(os.path.join(paths[forward], "metadata.json")).read()
+    # the CPU has no TF32: the same values; bf16 autocast rounds them (relative error ~1e-2)
+    assert shard_files(paths["tf32"])[shard_name(0)] == shard_files(base)[shard_name(0)]
+    got = np.frombuffer(shard_files(paths["bf16"])[shard_name(0)], np.float32)
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert 1e-5 < rel < 0.05, rel
+
+
+def test_forward_precision_key_rejects_other_values(tmp_path, ckpt, images):
+    bad = _with_forward(write_experiment(tmp_path / "exp.yaml", ckpt, images), "fp16")
+    with pytest.raises(ConfigError, match=r"cache\.forward.*fp32, tf32, bf16.*fp16"):
+        load_experiment(bad)
 
 
 def test_uint8_pixel_route_of_cuda_dumps_writes_the_same_bytes(tmp_path, ckpt, images, monkeypatch):

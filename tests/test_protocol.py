@@ -213,3 +213,15 @@ def test_locate_matches_flat_reference(p, data):
     assert loc.shard_idx == flat // per_shard_vectors
     assert loc.offset_bytes == (flat % per_shard_vectors) * md.d_vit * 4
     assert loc.shard == shard_name(loc.shard_idx)
+
+
+def test_forward_field_only_when_not_fp32_and_round_trips():
+    md = make_metadata()
+    assert "forward" not in md.to_dict() and md.forward == "fp32"
+    bf = Metadata.from_dict({**md.to_dict(), "forward": "bf16"})
+    assert bf.forward == "bf16" and bf.to_dict()["forward"] == "bf16" and bf.hash != md.hash and not bf.extra
+    with pytest.warns(ProtocolWarning, match="forward"):  # written out by hand: kept, so the hash stays
+        explicit = Metadata.from_dict({**md.to_dict(), "forward": "fp32"})
+    assert explicit.hash == content_hash({**md.to_dict(), "forward": "fp32"})
+    with pytest.raises(ProtocolError, match="field 'forward' is 'fp16'; allowed: fp32, tf32, bf16"):
+        Metadata.from_dict({**md.to_dict(), "forward": "fp16"})

@@ -17,8 +17,8 @@ One YAML file per experiment (config/experiments/NAME.yaml); config/README.md do
       shards_per_job: 4        # shards per Slurm dump job
     train: {...}               # SAE sweep (actcache.sae.config); optional
 
-Keys that change the cache (vit.*, data.*, cache.max_patches_per_shard, cache.dtype) go into metadata.json and
-so into the hash; the others (batch size, workers, shards_per_job, train.*) never touch it.
+Keys that change the cache (vit.*, data.*, cache.max_patches_per_shard, cache.dtype, cache.forward) go into
+metadata.json and so into the hash; the others (batch size, workers, shards_per_job, train.*) never touch it.
 
 Each key is declared once, as a field below (:func:`actcache.keys.key`: type, default, help,
 checks, ``hashed``); validation, workflow/schemas/ and config/README.md's tables come from them.
@@ -33,7 +33,7 @@ from typing import Any
 
 from actcache.errors import ConfigError
 from actcache.keys import check_fields, key, read_section
-from actcache.protocol import DEFAULT_MAX_PATCHES_PER_SHARD, DTYPES, FAMILIES
+from actcache.protocol import DEFAULT_FORWARD, DEFAULT_MAX_PATCHES_PER_SHARD, DTYPES, FAMILIES, FORWARDS
 
 DTYPE_NAMES = tuple(DTYPES)
 
@@ -89,6 +89,15 @@ class CacheConfig:
         scope="cache",
         late=True,
         choices=DTYPE_NAMES,
+    )
+    forward: str = key(
+        DEFAULT_FORWARD,
+        "precision of the dump's forward pass: `fp32` (exact float32; TF32 switched off on CUDA), `tf32` (CUDA "
+        "matrix products in TF32; the same as fp32 on the CPU), `bf16` (autocast to bfloat16); the activations "
+        "are stored as `cache.dtype` either way. A value other than fp32 is recorded in metadata.json",
+        scope="cache",
+        late=True,
+        choices=FORWARDS,
     )
     batch_size: int = _cache(256, "images per forward pass in `actcache dump`", ge=1)
     n_workers: int = _cache(4, "image decoding processes (the workflow passes the job's threads instead)", ge=0)

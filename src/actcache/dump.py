@@ -20,10 +20,11 @@ Guarantees:
   spans two shards), so the bytes of a shard do not depend on how the shard range is split into
   jobs (for the same batch size, device type and number of CPU threads; other settings change
   only the float rounding).
-- On CUDA the forward pass runs in full float32: TF32 (which PyTorch allows for convolutions by
-  default, and which rounds inputs to 10 mantissa bits) is switched off while the dump runs, so
-  the cache holds the model's float32 activations whatever the GPU (the patch embedding is a
-  convolution). The flags are restored afterwards.
+- By default (``cache.forward: fp32``) the forward pass runs in full float32: on CUDA TF32 (which
+  PyTorch allows for convolutions by default, and which rounds inputs to 10 mantissa bits) is
+  switched off while the dump runs, so the cache holds the model's float32 activations whatever
+  the GPU (the patch embedding is a convolution). ``tf32`` / ``bf16`` trade that for speed; the
+  choice is in metadata.json, so it changes the hash (``forward_precision``).
 - A corrupt image, a write failure (disk full, file size limit) or a worker crash is a
   ``DumpError`` naming the file; the shard being written is discarded, finished shards are kept.
 """
@@ -278,14 +279,25 @@ class _Batches(torch.utils.data.Sampler):
 
 
 @contextlib.contextmanager
-def _full_fp32(dev: torch.device):
-    """No TF32 in matrix products or convolutions on CUDA while the block runs (restored after)."""
+def forward_precision(dev: torch.device, forward: str = "fp32"):
+    """The dump's forward precision (``cache.forward``) while the block runs; flags restored after.
+
+    fp32: no TF32 in matrix products or convolutions on CUDA (PyTorch allows it for convolutions
+    by default). tf32: both allowed on CUDA; the CPU has no TF32, so there it is fp32. bf16:
+    autocast to bfloat16 on the device (matrix products and convolutions in bfloat16).
+    """
+    if forward not in ("fp32", "tf32", "bf16"):
+        raise ConfigError(f"cache.forward {forward!r}: use fp32, tf32 or bf16")
+    if forward == "bf16":
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            yield
+        return
     if dev.type != "cuda":
         yield
         return
     matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
     saved = matmul.allow_tf32, cudnn.allow_tf32
-    matmul.allow_tf32 = cudnn.allow_tf32 = False
+    matmul.allow_tf32 = cudnn.allow_tf32 = forward == "tf32"
     try:
         yield
     finally:
@@ -435,6 +447,19 @@ def _check_fits(path: str, md: Metadata, todo: list[int]) -> None:
         )
 
 
+def pixel_loader(ds, transform, batches, dev: torch.device, n_workers: int) -> torch.utils.data.DataLoader:
+    """The dump's image pipeline: ``n_workers`` processes decode and preprocess the images of
+    ``batches`` ([(shard, start, end), ...]) in order; each item is a batch of pixels or a _BatchError."""
+    return torch.utils.data.DataLoader(
+        _Pixels(ds, transform, raw=_raw_pixels(dev)),
+        batch_sampler=_Batches(batches),
+        num_workers=n_workers,
+        collate_fn=_collate,
+        pin_memory=dev.type == "cuda",
+        timeout=LOADER_TIMEOUT_S if n_workers else 0,
+    )
+
+
 def _start_workers(loader, n_workers: int):
     """iter(loader), with a clear error where the workers cannot start: their queues' semaphores
     live in /dev/shm, so a full /dev/shm fails here (OSError ENOSPC)."""
@@ -464,21 +489,17 @@ def _dump(exp, md, path, todo, dev, batch_size, n_workers, progress, ds, load_tr
         path, len(todo), _ranges(todo), n_imgs, batch_size, n_workers, dev,
     )  # fmt: skip
     transform = load_transform(exp.vit.family, exp.vit.ckpt)
-    loader = torch.utils.data.DataLoader(
-        _Pixels(ds, transform, raw=_raw_pixels(dev)),
-        batch_sampler=_Batches(batches),
-        num_workers=n_workers,
-        collate_fn=_collate,
-        pin_memory=dev.type == "cuda",
-        timeout=LOADER_TIMEOUT_S if n_workers else 0,
-    )
+    loader = pixel_loader(ds, transform, batches, dev, n_workers)
     batch_iter = _start_workers(loader, n_workers)  # workers start decoding while the model loads
     try:
         t0 = time.monotonic()
         vit = load_vit(exp.vit.family, exp.vit.ckpt, dev)
         log.info("loaded %s %s on %s in %.1f s", exp.vit.family, exp.vit.ckpt, dev, time.monotonic() - t0)
         sink = ShardSink(path, md, on_done=lambda s: _done(locks, s)).start()
-        with Progress(n_imgs, desc="dump", unit="img", enabled=progress) as bar, _full_fp32(dev):
+        with (
+            Progress(n_imgs, desc="dump", unit="img", enabled=progress) as bar,
+            forward_precision(dev, md.forward),
+        ):
             skipped, busy = _run(
                 md, path, batches, batch_iter, transform, vit, list(exp.vit.layers), dev, sink, bar, locks
             )

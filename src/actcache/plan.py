@@ -61,6 +61,7 @@ def experiment_metadata(exp: Experiment, listing_cache: str | None = None, relis
         max_patches_per_shard=exp.cache.max_patches_per_shard,
         data=metadata_data(exp.data),
         dtype=exp.cache.dtype,
+        forward=exp.cache.forward,
     )
 
 

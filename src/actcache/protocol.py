@@ -39,6 +39,10 @@ DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}  # name -> bytes per value
 # how numpy holds each dtype's stored values (bfloat16: its raw bits, numpy has no bfloat16)
 STORAGE = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2"}
 _MAJOR_OF_DTYPE = {"float32": 1, "float16": 2, "bfloat16": 2}
+# the dump's forward precision; "fp32" (the default) is left out of metadata.json, so the hash of
+# every cache written in float32 stays as it was
+FORWARDS = ("fp32", "tf32", "bf16")
+DEFAULT_FORWARD = "fp32"
 METADATA_FILE = "metadata.json"
 SHARDS_FILE = "shards.json"
 DEFAULT_MAX_PATCHES_PER_SHARD = 2_400_000
@@ -162,6 +166,7 @@ class Metadata:
     data: dict = dataclasses.field(hash=False)
     dtype: str = "float32"
     protocol: str | None = None  # None: protocol_for(dtype)
+    forward: str = DEFAULT_FORWARD  # the forward's precision (a field only when not the default)
     extra: dict = dataclasses.field(default_factory=dict, hash=False, compare=True)
     foreign: ClassVar[bool] = False  # True for a cache another tool wrote: actcache never writes into it
 
@@ -188,6 +193,10 @@ class Metadata:
             raise ProtocolError(
                 f"{where}: field 'dtype' is {self.dtype!r}; allowed: {', '.join(DTYPES)} (float32 is "
                 "protocol 1.x, the 16-bit ones 2.x)."
+            )
+        if self.forward not in FORWARDS:
+            raise ProtocolError(
+                f"{where}: field 'forward' is {self.forward!r}; allowed: {', '.join(FORWARDS)} (absent means fp32)."
             )
         if "__class__" not in self.data:
             warnings.warn(
@@ -232,6 +241,8 @@ class Metadata:
             "dtype": self.dtype,
             "protocol": self.protocol,
         }
+        if self.forward != DEFAULT_FORWARD:
+            out["forward"] = self.forward
         out.update(self.extra)
         return out
 
@@ -250,7 +261,9 @@ class Metadata:
             if not ok(doc[name]):
                 raise ProtocolError(f"{where}: field '{name}' must be {what}, got {doc[name]!r}.")
         check_version(doc["protocol"], where, readable)
-        extra = {k: v for k, v in doc.items() if k not in _FIELDS}
+        # an explicit "forward": "fp32" stays an extra key, so the file's hash is kept as written
+        forward = doc.get("forward", DEFAULT_FORWARD)
+        extra = {k: v for k, v in doc.items() if k not in _FIELDS and (k != "forward" or forward == DEFAULT_FORWARD)}
         if extra and parse_version(doc["protocol"], where)[1] == 0:
             warnings.warn(
                 f"{where}: unknown field(s) {', '.join(sorted(extra))} for protocol "
@@ -259,7 +272,7 @@ class Metadata:
                 stacklevel=2,
             )
         try:
-            return cls(**{k: doc[k] for k in _FIELDS}, extra=extra)
+            return cls(**{k: doc[k] for k in _FIELDS}, forward=forward, extra=extra)
         except ProtocolError as err:
             raise type(err)(str(err).replace(METADATA_FILE, where, 1)) from None
 
