@@ -120,10 +120,15 @@ def saelens_cfg(sae, run: dict, md) -> dict:
     return doc
 
 
+def _dead_note(ev: dict) -> str:
+    """n_dead and n_almost_dead's one definition (eval.json's), under the metrics table."""
+    return f"\nn_dead, n_almost_dead: {ev['dead_definition']}.\n" if ev.get("dead_definition") else ""
+
+
 def model_card(cfg_doc: dict, run: dict, ev: dict, md) -> str:
     """README.md for the Hub: what the SAE reads, how it was trained, how well it reconstructs."""
     meta, obj = cfg_doc["metadata"], run["run"]
-    metrics = {k: ev[k] for k in ("nmse", "l0", "n_dead", "n_dense", "n_tokens") if k in ev}
+    metrics = {k: ev[k] for k in ("nmse", "l0", "n_dead", "n_almost_dead", "n_dense", "n_tokens") if k in ev}
     rows = "\n".join(f"| {k} | {v:.6g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in metrics.items())
     k = f", k = {obj.get('k')}" if obj.get("k") is not None else ""
     model = f"{meta['model_class_name']} `{meta['model_name']}`" if md else "unknown (source cache not found)"
@@ -150,7 +155,7 @@ tags:
 | metric | value |
 |---|---|
 {rows or "| (no held-out evaluation) | |"}
-
+{_dead_note(ev)}
 ## Load
 
 ```python

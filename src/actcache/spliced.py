@@ -350,9 +350,9 @@ def heldout_metrics(cache, run, device) -> dict:
     import os
 
     from actcache.labels import read_labels
-    from actcache.sae.evaluate import evaluate_many
+    from actcache.sae.evaluate import DEAD_WINDOW_TOKENS, evaluate_many
     from actcache.sae.modeling import SAE
-    from actcache.sae.split import RULE, HeldoutBatches
+    from actcache.sae.split import RULE, HeldoutBatches, window_batches
 
     held = heldout_of(run, None, cache.metadata.n_imgs)
     cfg = run.info.get("run", {})
@@ -364,7 +364,10 @@ def heldout_metrics(cache, run, device) -> dict:
         lab_I = np.full(cache.n_imgs, -1, np.int64)
         lab_I[held] = found[0][held]
         labels = (lab_I, found[1])
-    (res,) = evaluate_many([sae], batches, dense_frac=[cfg.get("dense_frac", 0.1)], max_tokens=tokens, labels=labels)
+    wide = (run.patches, run.layer, run.scale_norm, 16384)
+    window = window_batches(cache, held, batches.imgs, *wide, DEAD_WINDOW_TOKENS)
+    (res,) = evaluate_many([sae], batches, dense_frac=[cfg.get("dense_frac", 0.1)], max_tokens=tokens, labels=labels,
+                           window=window)  # fmt: skip
     where = {"cache": os.path.abspath(cache.path), "split": RULE, "n_heldout_images": int(len(held))}
     return {**where, "layer": run.layer, "patches": run.patches, **res}
 

@@ -37,7 +37,7 @@ def _width(run: Run) -> int | None:
 
 
 def plot_curves(runs: list[Run], path: str) -> bool:
-    """NMSE, L0 and dead % against training step, one line per run; False when no metrics."""
+    """NMSE, L0 and inactive % (the trainer's AuxK window, not the dead count) against training step, one line per run; False when no metrics."""
     data = [(r, read_metrics(r.dir)) for r in runs]
     data = [(r, m) for r, m in data if m]
     if not data:
@@ -49,7 +49,8 @@ def plot_curves(runs: list[Run], path: str) -> bool:
         width = _width(r)
         series = {
             "NMSE": [x.get("nmse") for x in m], "L0": [x.get("l0") for x in m],
-            "dead %": [100.0 * x["n_dead"] / width if width and x.get("n_dead") is not None else None for x in m],
+            "inactive % (training window)": [100.0 * x["n_dead"] / width if width and x.get("n_dead") is not None
+                                             else None for x in m],  # fmt: skip
         }  # fmt: skip
         for ax, (name, ys) in zip(axes, series.items(), strict=True):
             pts = [(s, y) for s, y in zip(step, ys, strict=True) if s is not None and y is not None]

@@ -544,18 +544,24 @@ class GroupTrainer:
         kw = {"batch_size": run.batch_size, "patches": run.patches, "layer": self.layer, "scale_norm": run.scale_norm,
               "n_readers": run.n_readers, "batch_timeout_s": run.batch_timeout_s}  # fmt: skip
         from actcache.labels import read_labels
+        from actcache.sae.evaluate import DEAD_WINDOW_TOKENS
+        from actcache.sae.split import window_batches
 
         labels = None
+        wide = (run.patches, self.layer, run.scale_norm, run.batch_size)
         if run.eval_cache is not None:
             where = {"cache": os.path.abspath(run.eval_cache), "split": "eval_cache"}
-            loader = OrderedLoader(run.eval_cache, **kw)
+            loader = OrderedLoader(run.eval_cache, **kw)  # read whole: its tokens past eval_tokens widen the window
             labels = read_labels(loader.cache.path, loader.cache.n_imgs)
+            more = DEAD_WINDOW_TOKENS - loader.cache.n_imgs * loader.geom.per_img
+            window = window_batches(cache, [], [], *wide, more)
         else:
             from actcache.sae.split import RULE, HeldoutBatches
 
             where = {"cache": os.path.abspath(self.cache_dir), "split": RULE, "n_heldout_images": self.n_eval}
             loader = HeldoutBatches(cache, self.heldout, run.patches, self.layer, run.scale_norm, run.batch_size,
                                     max_tokens=run.eval_tokens)  # fmt: skip
+            window = window_batches(cache, self.heldout, loader.imgs, *wide, DEAD_WINDOW_TOKENS)
             found = read_labels(cache.path, cache.n_imgs)
             if found is not None:  # only the held-out images are probed
                 lab_I = np.full(cache.n_imgs, -1, np.int64)
@@ -563,7 +569,7 @@ class GroupTrainer:
                 labels = (lab_I, found[1])
         try:
             res = evaluate_many([m.sae for m in members], loader, dense_frac=[m.run.dense_frac for m in members],
-                                max_tokens=run.eval_tokens, labels=labels)  # fmt: skip
+                                max_tokens=run.eval_tokens, labels=labels, window=window)  # fmt: skip
         finally:
             loader.close()
         return [{**where, "layer": self.layer, "patches": run.patches, **r} for r in res]
