@@ -4,13 +4,13 @@ exactly the images it visited whole, AP is tie-aware and every figure has n, cha
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
 
 from actcache.sae.evaluate import evaluate
-import itertools
-
 from actcache.sae.probes import ap_with_interval, average_precision
 from test_sae_evaluate import identity_sae
 
