@@ -105,6 +105,7 @@ def test_token_kinds_and_saelens_names_are_reported_beside_ours():
     kinds = ev["by_token_kind"]
     cls = x[patch_i < 0]
     assert kinds["cls"]["n_tokens"] == 10 and kinds["patch"]["n_tokens"] == 50
+    assert ev["mean_norm_x_hat"] == pytest.approx(0.5 * ev["mean_norm_x"], rel=1e-6)
     assert kinds["cls"]["mean_norm_x"] == pytest.approx(float(cls.norm(dim=1).mean()), rel=1e-6)
     assert kinds["cls"]["mean_norm_x_hat"] == pytest.approx(0.5 * kinds["cls"]["mean_norm_x"], rel=1e-6)
     var = float(((cls - cls.mean(0)) ** 2).sum())

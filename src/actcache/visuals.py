@@ -191,6 +191,10 @@ def heldout_rows(ev: dict) -> dict[str, str]:
             rows[name] = fmt.format(ev[key]) + (f" ({why})" if why else "")
     if isinstance(ev.get("n_dead"), int):
         rows["dead / almost-dead latents"] = dead_line(ev)
+    for kind, st in (ev.get("by_token_kind") or {}).items():
+        rows[f"{kind} tokens"] = (f"FVU {st['fvu']:.4f}, MSE per token {st['mse_per_token']:.4g}, mean ||x|| "
+                                  f"{st['mean_norm_x']:.4g}, mean ||x_hat|| {st['mean_norm_x_hat']:.4g} "
+                                  f"on {st['n_tokens']:,} tokens")  # fmt: skip
     sp = ev.get("spliced") or {}
     if isinstance(sp.get("fraction_recovered_zero"), (int, float)):
         rows["spliced in"] = (f"fraction recovered {sp['fraction_recovered_zero']:.4f} (vs zero-ablation), "

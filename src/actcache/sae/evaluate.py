@@ -14,7 +14,8 @@ so a batchtopk SAE uses its inference threshold), with x the input and x_hat the
 - mse: per element, sum (x_hat - x)^2 / (N D); mse_per_token (SAELens' "mse"): sum (x_hat - x)^2 / N.
 - by_token_kind (when the tokens hold CLS and patches, ``patches: all``): n, mse_per_token, fvu
   (about the kind's own mean), mean ||x|| and mean ||x_hat|| for the CLS and the patch tokens apart.
-- cos_x_xhat: mean cosine between x and x_hat; norm_ratio: mean ||x_hat|| / ||x||.
+- cos_x_xhat: mean cosine between x and x_hat; norm_ratio: mean ||x_hat|| / ||x||;
+  mean_norm_x, mean_norm_x_hat: mean ||x||, mean ||x_hat||.
 - recon_bias: sum ||x_hat||^2 / sum <x_hat, x> (1: unbiased; below 1: x_hat shrunk toward 0).
 - l0: mean number of non-zero latents per example; l1: mean sum_s |f_s| * ||W_dec[s]||.
 - the firing window: the N examples, every other held-out token (those past the ``eval_tokens``
@@ -103,6 +104,7 @@ class EvalAccumulator:
             (f_BS @ dec_norm_S).sum(dtype=d64),
             (dot_B / (x_norm_B * xh_norm_B).clamp_min(1e-30)).sum(dtype=d64),
             (xh_norm_B / x_norm_B.clamp_min(1e-30)).sum(dtype=d64), xh_norm_B.pow(2).sum(dtype=d64), dot_B.sum(dtype=d64),
+            x_norm_B.sum(dtype=d64), xh_norm_B.sum(dtype=d64),
         ]  # fmt: skip
         self.sums = parts if self.sums is None else [a + b for a, b in zip(self.sums, parts, strict=True)]
         self.fires_S += (torch.ones(len(f_BS), device=f_BS.device) @ fired_BS).round().long()  # exact: B < 2^24
@@ -141,7 +143,7 @@ class EvalAccumulator:
         if self.n == 0 or self.sums is None:
             raise TrainError("evaluation got no held-out examples")
         n, D, S = self.n, self.sae.cfg.d_vit, self.sae.cfg.width
-        sse, sum_x, sum_x2, l1, cos, ratio, xh2, dot = self.sums
+        sse, sum_x, sum_x2, l1, cos, ratio, xh2, dot, norm_x, norm_xh = self.sums
         l0 = self.fires_S.sum()
         total_var = float((sum_x2 - sum_x.pow(2) / n).sum())
         fvu = float(sse) / total_var if total_var > 0 else math.nan
@@ -165,6 +167,8 @@ class EvalAccumulator:
             "explained_variance": 1.0 - fvu,
             "cos_x_xhat": float(cos) / n,
             "norm_ratio": float(ratio) / n,
+            "mean_norm_x": float(norm_x) / n,
+            "mean_norm_x_hat": float(norm_xh) / n,
             "recon_bias": float(xh2) / float(dot) if float(dot) != 0 else math.nan,
             "l0": float(l0) / n,
             "l1": float(l1) / n,
@@ -220,6 +224,7 @@ def definitions(n_tokens: int | None, dense_frac: float, window_n: dict[str, int
         "not cached); fvu about each kind's own mean; mean_norm_x, mean_norm_x_hat: mean ||x||, ||x_hat||",
         "cos_x_xhat": f"mean cosine between x and x_hat over {on}",
         "norm_ratio": f"mean ||x_hat|| / ||x|| over {on}",
+        "mean_norm_x": f"mean ||x|| over {on} (mean_norm_x_hat: mean ||x_hat||)",
         "recon_bias": f"sum ||x_hat||^2 / sum <x_hat, x> over {on}; 1 unbiased, below 1 shrunk",
         "l0": f"mean number of non-zero latents per token over {on}",
         "n_dead": dead,
