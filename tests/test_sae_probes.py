@@ -118,3 +118,28 @@ def test_a_capped_pass_probes_the_images_it_visited_whole_as_an_uncapped_pass_of
         assert a["ci95"] == pytest.approx(b["ci95"], abs=1e-6)
     assert pr["sparse_probe_acc"] == pytest.approx(full["sparse_probe_acc"], abs=1e-6)
     assert pr["latent_best_class"] == full["latent_best_class"]
+
+
+def test_on_a_real_cache_a_capped_held_out_pass_probes_as_the_uncapped_pass_restricted_to_its_images(tmp_path):
+    from actcache.cache import ActivationCache
+    from actcache.sae.modeling import SAE, SAEConfig
+    from actcache.sae.split import HeldoutBatches, heldout_images
+    from conftest import make_cache
+
+    labels = np.arange(40) % 2
+    path, _, _ = make_cache(tmp_path / "c", n_imgs=40, layers=(7,), n_patches=4, d=8, imgs_per_shard=16,
+                            labels=labels, class_names=["a", "b"])  # fmt: skip
+    cache = ActivationCache.open(path)
+    held = heldout_images(40, 0.5, labels)
+    sae = SAE(SAEConfig(d_vit=8, width=16, activation="relu", seed=0))
+    lab_I = np.where(np.isin(np.arange(40), held), labels, -1)
+    capped = HeldoutBatches(cache, held, "image", 7, False, 16, max_tokens=30)  # 7 whole images, half of an 8th
+    pr = evaluate(sae, capped, dense_frac=0.5, max_tokens=30, labels=(lab_I, ["a", "b"]))["probes"]
+    assert pr["images"] == capped.imgs[:7].tolist()  # the half-visited 8th is not probed
+    only = np.where(np.isin(np.arange(40), pr["images"]), labels, -1)
+    full = evaluate(sae, HeldoutBatches(cache, held, "image", 7, False, 16), dense_frac=0.5, labels=(only, ["a", "b"]))
+    got = full["probes"]
+    assert got["images"] == pr["images"]
+    for a, b in zip(pr["best_latent_per_class"], got["best_latent_per_class"], strict=True):
+        assert a["latent"] == b["latent"] and a["ap"] == pytest.approx(b["ap"], abs=1e-6)
+    assert pr["sparse_probe_acc"] == pytest.approx(got["sparse_probe_acc"], abs=1e-6)
