@@ -325,6 +325,7 @@ def test_eval_on_a_separate_cache(small_cache, tmp_path):
     with open(os.path.join(d, "eval.json")) as fh:
         ev = json.load(fh)
     assert ev["cache"] == os.path.abspath(other) and ev["n_tokens"] == 40 * N_PATCHES
+    assert ev["dead_window_tokens"] == (40 + 200) * N_PATCHES  # and the whole training cache, under 1M tokens
     assert json.load(open(os.path.join(d, "run.json")))["train_images"] == 200  # nothing held out
 
 

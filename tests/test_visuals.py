@@ -371,12 +371,27 @@ def test_sweep_of_trained_saes(world, capsys, tmp_path):
     html = (sweep / "index.html").read_text()
     for link in re.findall(r'href="([^"]+)"', html):
         assert os.path.isfile(sweep / link)
-    # one dead count: the page, its summary.json and eval.json agree, with the window stated
+    # one dead count: eval.json, the page header, the report's one-file page, summary.json and the
+    # exported model card show the same dead and almost-dead counts under one definition string
+    from actcache.export import export_saelens
+    from actcache.rundir import VISUALS_PAGE
+
     for d in dirs:
         ev = jload(os.path.join(d, "eval.json"))
-        assert jload(os.path.join(d, "visuals", "summary.json"))["n_dead"] == ev["n_dead"]
-        page = read_text(os.path.join(d, "visuals", "index.html"))
-        assert f"<td>dead latents</td><td>{ev['n_dead']:,} (latents that never fired on the " in page
+        definition = ev["dead_definition"]
+        assert ev["definitions"]["n_dead"] == ev["definitions"]["n_almost_dead"] == definition
+        assert f"{ev['dead_window_tokens']:,} tokens" in definition and "at least 1,000,000 tokens" in definition
+        summary = jload(os.path.join(d, "visuals", "summary.json"))
+        assert (summary["n_dead"], summary["n_almost_dead"], summary["dead_definition"]) == (
+            ev["n_dead"], ev["n_almost_dead"], definition)  # fmt: skip
+        line = f"{ev['n_dead']:,} dead, {ev['n_almost_dead']:,} almost dead ({definition})"
+        for page in (os.path.join(d, "visuals", "index.html"), os.path.join(d, VISUALS_PAGE)):
+            text = read_text(page)
+            assert f"<td>dead / almost-dead latents</td><td>{line}</td>" in text
+            assert ">dead latents<" not in text and "dead %" not in text
+        card = read_text(os.path.join(export_saelens(d, tmp_path / "card" / os.path.basename(d)), "README.md"))
+        assert f"| n_dead | {ev['n_dead']} |" in card and f"| n_almost_dead | {ev['n_almost_dead']} |" in card
+        assert f"n_dead, n_almost_dead: {definition}." in card
     # the Pareto views, each with its caption
     pareto = jload(sweep / "sweep.json")["pareto_points"]
     assert {p["fvu"] for p in pareto} == {jload(os.path.join(d, "eval.json"))["fvu"] for d in dirs}

@@ -40,3 +40,34 @@ def test_page_gets_each_latents_best_class_and_the_best_latent_table():
     assert '<a href="#latent-3">latent 3</a></td><td>0.995</td>' in out and "k=1: 0.900" in out
     assert out.index("Best latent per class") < out.index("<h2>Latents</h2>")
     assert annotate_page(page, None) == page
+
+
+def test_saes_of_different_layers_token_sets_or_splits_get_their_own_panels(tmp_path):
+    import json
+    import os
+
+    from actcache.rundir import EVAL_FILE, Run
+    from actcache.visuals_pareto import panels, pareto_points
+
+    def run(name, layer, patches, n_held):
+        d = tmp_path / name
+        os.makedirs(d)
+        ev = {"l0": 4.0 + layer, "fvu": 0.2, "split": "random", "n_heldout_images": n_held}
+        (d / EVAL_FILE).write_text(json.dumps(ev))
+        return Run(str(d), {"sae_id": name}, "c", "abc", layer, patches, False)
+
+    runs = [run("a", 7, "image", 10), run("b", 7, "image", 10), run("c", 9, "image", 10), run("d", 7, "all", 10),
+            run("e", 7, "image", 12)]  # fmt: skip
+    points = pareto_points(runs)
+    groups = panels(points)
+    assert sorted(sorted(p["sae_id"] for p in g) for g in groups.values()) == [["a", "b"], ["c"], ["d"], ["e"]]
+    assert all(f"layer {r.layer}" in p["label"] for r, p in zip(runs, points, strict=True))
+    os.makedirs(tmp_path / "four")
+    os.makedirs(tmp_path / "one")
+    write_pareto(points, str(tmp_path / "four"))
+    write_pareto(points[:2], str(tmp_path / "one"))
+    with (
+        PIL.Image.open(tmp_path / "four" / "pareto_l0_fvu.png") as four,
+        PIL.Image.open(tmp_path / "one" / "pareto_l0_fvu.png") as one,
+    ):
+        assert four.size[1] > 3 * one.size[1]  # a panel each

@@ -238,6 +238,31 @@ def test_end_to_end_trained_saes_visuals_and_report(done_project, report_html):
     assert all(t["sae_id"] in text for t in p["training"])
 
 
+def test_after_actcache_eval_a_dry_run_lists_the_page_to_render_again(done_project):
+    """`actcache eval` rewrites eval.json, which the page shows: its rule is stale to Snakemake."""
+    from actcache.cli import main as actcache_main
+    from actcache.rundir import spliced_mark_of
+
+    root, cfg = done_project
+    (p,) = plan_json(cfg)
+    run = p["training"][0]["dir"]
+    run = run if os.path.isabs(run) else os.path.join(root, run)
+    mark = spliced_mark_of(run)
+    before, content = os.stat(mark).st_mtime_ns, open(mark, "rb").read()
+    try:
+        assert actcache_main(["eval", run, "--device", "cpu", "--max-images", "4"]) == 0
+        dry = snakemake(cfg, "-n")
+        out = dry.stdout + dry.stderr
+        assert dry.returncode == 0, out
+        assert job_counts(out).get("report") == 2 and f"{os.path.basename(run)}/visuals.html" in out, out[-3000:]
+        assert "spliced_eval" not in job_counts(out) and "train" not in job_counts(out)
+    finally:
+        with open(mark, "wb") as fd:  # the other tests expect a finished project
+            fd.write(content)
+        os.utime(mark, ns=(before, before))
+    assert job_counts(snakemake(cfg, "-n").stdout) == {}
+
+
 # In the page of report.html: each HTML result in an iframe on its data: URL, as the report's viewer
 # shows it (named by its result path), and each image result's width once loaded (0: it failed).
 SHOW_RESULTS_JS = """(async () => {

@@ -189,14 +189,22 @@ CARD_METRICS = {
     "nmse": "1.0 (always predicting the mean activation)",
     "l0": "0 (no latent fires)",
     "n_dead": "the number of latents (no latent fires)",
+    "n_almost_dead": "0 (no latent fires: all are dead)",
     "n_dense": "0",
     "n_tokens": "",
 }
 
 
+def _dead_note(ev: dict) -> str:
+    """n_dead and n_almost_dead's one definition (eval.json's), under the metrics table."""
+    return f"\nn_dead, n_almost_dead: {ev['dead_definition']}.\n" if ev.get("dead_definition") else ""
+
+
 def _metric_rows(ev: dict) -> str:
     defs = ev.get("definitions") or {}
     defs = {"nmse": defs.get("fvu", ""), "n_tokens": "held-out tokens the metrics are computed over", **defs}
+    for k in ("n_dead", "n_almost_dead"):
+        defs[k] = defs.get(k) or "see the definition under the table"
     rows = []
     for name, chance in CARD_METRICS.items():
         if name in ev:
@@ -247,7 +255,7 @@ Computed on the held-out split of the training cache (the tokens no training ste
 | metric | value | definition | trivial SAE scores |
 |---|---|---|---|
 {rows or "| (no held-out evaluation) | | | |"}
-
+{_dead_note(ev)}
 ## Load
 
 ```python

@@ -92,6 +92,11 @@ def checkpoint_step(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def spliced_mark_of(directory: str) -> str:
+    """The spliced evaluation's mark of the cache whose SAE lives in the run directory ``directory``."""
+    return os.path.join(os.path.dirname(os.path.abspath(directory)), GROUPS_DIR, SPLICED_MARK)
+
+
 def sweep_dir(runs_to: str | os.PathLike, cache_hash: str) -> str:
     """Where the sweep plots over every SAE of one cache go."""
     return os.path.join(os.fspath(runs_to), cache_hash, VISUALS_DIR)

@@ -206,15 +206,14 @@ class _CacheContext:
     """What the runs of one cache share: the cache, its images and the ViT."""
 
     def __init__(self, run, device, batch_images: int):
-        from actcache.ckptid import checkpoint_source
         from actcache.models import load_vit
         from actcache.visuals import image_source, open_cache
 
         self.cache = open_cache(run)
         md = self.cache.metadata
-        src = image_source(md, no_images=False, cache_dir=self.cache.path)
+        src = image_source(md, no_images=False)
         self.ds, self.batch_images = src.dataset, batch_images
-        self.vit = load_vit(md.vit_family, checkpoint_source(md.vit_ckpt, self.cache.path), device)
+        self.vit = load_vit(md.vit_family, md.vit_ckpt, device)
 
     def batches(self, held: np.ndarray):
         for s in range(0, len(held), self.batch_images):
@@ -350,10 +349,10 @@ def heldout_metrics(cache, run, device) -> dict:
     split in its run.json: the fields `actcache train` writes into eval.json."""
     import os
 
-    from actcache.sae.evaluate import evaluate_many
+    from actcache.sae.evaluate import DEAD_WINDOW_TOKENS, evaluate_many
     from actcache.sae.modeling import SAE
     from actcache.sae.probes import probe_labels
-    from actcache.sae.split import RULE, HeldoutBatches
+    from actcache.sae.split import RULE, HeldoutBatches, window_batches
 
     held = heldout_of(run, None, cache.metadata.n_imgs)
     cfg = run.info.get("run", {})
@@ -362,7 +361,10 @@ def heldout_metrics(cache, run, device) -> dict:
     batches = HeldoutBatches(cache, held, run.patches, run.layer, run.scale_norm, 16384, max_tokens=tokens)
     found = probe_labels(cache, held)  # image labels, or a saev cache's per-patch labels
     labels = None if found is None else (*found, cache.metadata.n_patches_per_img)
-    (res,) = evaluate_many([sae], batches, dense_frac=[cfg.get("dense_frac", 0.1)], max_tokens=tokens, labels=labels)
+    wide = (run.patches, run.layer, run.scale_norm, 16384)
+    window = window_batches(cache, held, batches.imgs, *wide, DEAD_WINDOW_TOKENS)
+    (res,) = evaluate_many([sae], batches, dense_frac=[cfg.get("dense_frac", 0.1)], max_tokens=tokens, labels=labels,
+                           window=window)  # fmt: skip
     where = {"cache": os.path.abspath(cache.path), "split": RULE, "n_heldout_images": int(len(held))}
     return {**where, "layer": run.layer, "patches": run.patches, **res}
 

@@ -173,6 +173,11 @@ def display_transform(md, cache_dir: str | None = None):
 # The pass
 
 
+def dead_line(ev: dict) -> str:
+    """The dead and almost-dead counts with their one definition (eval.json's), as every view shows them."""
+    return f"{ev['n_dead']:,} dead, {ev.get('n_almost_dead', 0):,} almost dead ({ev.get('dead_definition', '')})"
+
+
 def heldout_rows(ev: dict) -> dict[str, str]:
     """The page's rows of held-out statistics: eval.json's values with their definitions (the
     one place they are computed is actcache.sae.evaluate)."""
@@ -180,11 +185,17 @@ def heldout_rows(ev: dict) -> dict[str, str]:
         return {"held-out eval": "none (eval.json has no held-out statistics)"}
     defs = ev.get("definitions", {})
     rows = {}
-    for name, key, fmt in (("FVU (= NMSE)", "nmse", "{:.4f}"), ("L0", "l0", "{:.2f}"), ("dead latents", "n_dead", "{:,}"),
-                           ("dense latents", "n_dense", "{:,}"), ("cos(x, x_hat)", "cos_x_xhat", "{:.4f}")):  # fmt: skip
+    for name, key, fmt in (("FVU (= NMSE)", "nmse", "{:.4f}"), ("L0", "l0", "{:.2f}"), ("dense latents", "n_dense", "{:,}"),
+                           ("cos(x, x_hat)", "cos_x_xhat", "{:.4f}")):  # fmt: skip
         if isinstance(ev.get(key), (int, float)):
             why = defs.get("fvu" if key == "nmse" else key)
             rows[name] = fmt.format(ev[key]) + (f" ({why})" if why else "")
+    if isinstance(ev.get("n_dead"), int):
+        rows["dead / almost-dead latents"] = dead_line(ev)
+    for kind, st in (ev.get("by_token_kind") or {}).items():
+        rows[f"{kind} tokens"] = (f"FVU {st['fvu']:.4f}, MSE per token {st['mse_per_token']:.4g}, mean ||x|| "
+                                  f"{st['mean_norm_x']:.4g}, mean ||x_hat|| {st['mean_norm_x_hat']:.4g} "
+                                  f"on {st['n_tokens']:,} tokens")  # fmt: skip
     sp = ev.get("spliced") or {}
     if isinstance(sp.get("fraction_recovered_zero"), (int, float)):
         rows["spliced in"] = (f"fraction recovered {sp['fraction_recovered_zero']:.4f} (vs zero-ablation), "
@@ -367,19 +378,22 @@ def write_visuals(run: Run, cache, res: LatentSummary, src, opts, timings: dict)
             "images / tokens (this page)": f"{res.n_imgs:,} / {res.n_tokens:,}",
             **heldout_rows(ev),
         }  # fmt: skip
-        page = vh.render_page(res, latents, info, labels, pot, heat, src.dataset is not None, plots, notes)
+        dense_frac = float(ev.get("dense_frac", cfg.get("dense_frac", 0.1)))
+        page = vh.render_page(res, latents, info, labels, pot, heat, src.dataset is not None, plots, notes,
+                              dense_frac=dense_frac)  # fmt: skip
         from actcache.visuals_probes import annotate_page
 
         page = annotate_page(page, ev.get("probes"))
         vh.write_page(os.path.join(tmp, PAGE_FILE), page)
         standalone, one_file = one_file_page(res, latents, info, labels, pot, heat, src.dataset is not None, plots,
                                              notes, tmp, os.path.abspath(os.path.join(final, PAGE_FILE)),
-                                             probes=ev.get("probes"))  # fmt: skip
+                                             probes=ev.get("probes"), dense_frac=dense_frac)  # fmt: skip
         summary = {
             "version": 1, "sae_id": run.name, "run_dir": os.path.abspath(run.dir), "cache": run.cache,
             "cache_hash": md.hash, "layer": run.layer, "patches": run.patches, "scale_norm": run.scale_norm,
             "k": int(res.top_img.shape[1]), "width": res.width, "n_imgs": res.n_imgs, "n_tokens": res.n_tokens,
-            "n_dead": ev.get("n_dead"), "n_dead_definition": ev.get("definitions", {}).get("n_dead"),
+            "n_dead": ev.get("n_dead"), "n_almost_dead": ev.get("n_almost_dead"),
+            "dead_definition": ev.get("dead_definition"),
             "latents_shown": [int(s) for s in latents], "one_file_latents": [int(s) for s in one_file],
             "sae_weights": _weights_stamp(run.dir), "reused": timings.pop("reused", False), "seconds": timings,
             "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -345,13 +345,13 @@ def _card(s: int, res: LatentSummary, labels: dict[int, str], patch_of_token: np
 
 def render_page(res: LatentSummary, latents: np.ndarray, info: dict, labels: dict[int, str],
                 patch_of_token: np.ndarray, heat: bool, images: bool, plots: list[str], notes: list[str],
-                lazy: bool = True) -> str:  # fmt: skip
+                lazy: bool = True, dense_frac: float = 0.1) -> str:  # fmt: skip
     """The whole index.html as a string (``info``: rows of the header table; ``lazy``: images load
-    as they scroll into view)."""
+    as they scroll into view; ``dense_frac``: the run's, for the list of dense latents)."""
     esc = html.escape
     rows = "".join(f"<tr><td>{esc(str(k))}</td><td>{esc(str(v))}</td></tr>" for k, v in info.items())
     dead = np.flatnonzero(res.fire_count == 0)
-    dense = np.flatnonzero(res.freq > 0.1)
+    dense = np.flatnonzero(res.freq > dense_frac)
     cards = "\n".join(_card(int(s), res, labels, patch_of_token, heat, images, lazy) for s in latents)
     options = "".join(f'<option value="{v}">{esc(t)}</option>' for v, t in SORTS)
     plot_html = "".join(f'<img src="{esc(p)}" alt="{esc(p)}">' for p in plots)
@@ -359,12 +359,14 @@ def render_page(res: LatentSummary, latents: np.ndarray, info: dict, labels: dic
     title = f"SAE {info.get('SAE', '')} latents"
     dead_html = (
         f"<details><summary>{len(dead):,} latents silent in this page's pass (no firing on its {res.n_tokens:,} "
-        f"tokens of {res.n_imgs:,} images; the dead count above is eval.json's, on the held-out split)</summary>"
+        f"tokens of {res.n_imgs:,} images; the dead and almost-dead counts above are eval.json's, over their "
+        "window)</summary>"
         f'<div class="ids">{esc(id_ranges(dead))}</div></details>'
         if len(dead) else f"<p>Every latent fired on this page's {res.n_tokens:,} tokens.</p>"
     )  # fmt: skip
     dense_html = (
-        f"<details><summary>{len(dense):,} dense latents (fire on more than 10% of tokens)</summary>"
+        f"<details><summary>{len(dense):,} latents firing on more than {dense_frac:g} of this page's "
+        f"{res.n_tokens:,} tokens (the run's dense_frac)</summary>"
         f'<div class="ids">{esc(id_ranges(dense))}</div></details>'
         if len(dense) else ""
     )  # fmt: skip

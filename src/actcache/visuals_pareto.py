@@ -6,9 +6,12 @@
 
 Each view puts L0 (latents per token on the held-out split; fewer is better) on x and one
 quality on y: FVU (lower is better), the spliced fraction recovered against zero-ablation
-(higher is better) and the k-sparse label-probe accuracy at k = PROBE_K (higher is better). The
-frontier joins the SAEs that no other SAE beats on both axes; an SAE off it has a sibling that is
-at least as sparse and at least as good. CAPTIONS says the same under each plot.
+(higher is better) and the k-sparse label-probe balanced accuracy at k = PROBE_K (higher is
+better; chance 0.5). Only SAEs that read the same thing are compared: one panel per (cache, layer,
+token set, scale_norm, held-out split), each with its own frontier. The frontier joins the SAEs
+that no other SAE of the panel beats on both axes; an SAE off it has a sibling that is at least as
+sparse and at least as good. Each point's label names its layer. CAPTIONS says the same under
+each plot.
 """
 
 from __future__ import annotations
@@ -20,17 +23,23 @@ PROBE_K = 5
 VIEWS = {
     PARETO_FVU_PLOT: ("fvu", "FVU (held-out, lower is better)", False),
     PARETO_SPLICED_PLOT: ("spliced_recovered", "spliced fraction recovered vs zero-ablation (higher is better)", True),
-    PARETO_PROBE_PLOT: ("probe_acc", f"{PROBE_K}-sparse label-probe accuracy (higher is better)", True),
+    PARETO_PROBE_PLOT: ("probe_acc", f"{PROBE_K}-sparse label-probe balanced accuracy (higher is better)", True),
 }
+CHANCE = {"probe_acc": 0.5}  # the chance level drawn on a view (balanced accuracy: 0.5)
 CAPTIONS = {
     PARETO_FVU_PLOT: "Reconstruction against sparsity: each dot is one SAE (held-out FVU against L0); the line "
     "joins the SAEs no other SAE beats on both. Pick from the line: down and left is better.",
     PARETO_SPLICED_PLOT: "Downstream faithfulness against sparsity: the fraction of the final-embedding change "
     "under zero-ablation that splicing the SAE's reconstruction in avoids (1 = as clean, 0 = no better than "
     "zeroing), against L0. Up and left is better; the line is the frontier.",
-    PARETO_PROBE_PLOT: f"Concepts against sparsity: accuracy of a {PROBE_K}-latent probe for each class (mean "
-    "over classes, held-out images), against L0. Up and left is better; the line is the frontier.",
+    PARETO_PROBE_PLOT: f"Concepts against sparsity: balanced accuracy of a {PROBE_K}-latent probe for each class "
+    "(mean over classes, on the test half of the held-out images; the dashed line is chance, 0.5), against L0. "
+    "Up and left is better; the line is the frontier.",
 }
+_SAME = (
+    " One panel per (cache, layer, token set, scale_norm, held-out split): SAEs of different panels are not compared."
+)
+CAPTIONS = {name: text + _SAME for name, text in CAPTIONS.items()}
 
 
 def _num(v) -> float | None:
@@ -47,11 +56,30 @@ def pareto_points(runs: list[Run]) -> list[dict]:
             continue
         spliced, probes = ev.get("spliced") or {}, ev.get("probes") or {}
         pts.append({
-            "sae_id": r.name, "label": r.label(), "imported": r.imported, "l0": l0, "fvu": _num(ev.get("fvu", ev.get("nmse"))),
+            "sae_id": r.name, "label": f"{r.label()} layer {r.layer}", "panel": panel_of(r, ev), "imported": r.imported,
+            "l0": l0, "fvu": _num(ev.get("fvu", ev.get("nmse"))),
             "spliced_recovered": _num(spliced.get("fraction_recovered_zero")),
             "probe_acc": _num((probes.get("sparse_probe_acc") or {}).get(str(PROBE_K))),
         })  # fmt: skip
     return pts
+
+
+def panel_of(run: Run, ev: dict) -> str:
+    """What a point is comparable on: cache, layer, token set, scale_norm and held-out split."""
+    split = ev.get("split", "?")
+    if ev.get("n_heldout_images") is not None:
+        split = f"{split}, {ev['n_heldout_images']:,} images"
+    cache = (run.cache_hash or "?")[:12]
+    return (f"cache {cache} | layer {run.layer} | tokens {run.patches} | scale_norm {bool(run.scale_norm)} | "
+            f"split: {split}")  # fmt: skip
+
+
+def panels(points: list[dict]) -> dict[str, list[dict]]:
+    """Points by panel (sorted by panel name); a point without one joins the panel "all"."""
+    out: dict[str, list[dict]] = {}
+    for p in points:
+        out.setdefault(p.get("panel") or "all", []).append(p)
+    return dict(sorted(out.items()))
 
 
 def pareto_front(points: list[dict], key: str, higher: bool) -> list[dict]:

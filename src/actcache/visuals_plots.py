@@ -13,7 +13,7 @@ from actcache.errors import ActCacheError
 from actcache.fsutil import atomic_write_bytes
 from actcache.rundir import CURVES_PLOT, NMSE_L0_PLOT, PAGE_FILE, SWEEP_FILE, VISUALS_DIR, Run, read_metrics
 from actcache.topk import LatentSummary
-from actcache.visuals_pareto import CAPTIONS, pareto_front, pareto_points
+from actcache.visuals_pareto import CAPTIONS, CHANCE, panels, pareto_front, pareto_points
 from actcache.visuals_pareto import VIEWS as PARETO_VIEWS
 
 
@@ -37,7 +37,8 @@ def _width(run: Run) -> int | None:
 
 
 def plot_curves(runs: list[Run], path: str) -> bool:
-    """NMSE, L0 and dead % against training step, one line per run; False when no metrics."""
+    """NMSE, L0 and inactive % (the trainer's AuxK window, not the dead count) against training
+    step, one line per run; False when no metrics."""
     data = [(r, read_metrics(r.dir)) for r in runs]
     data = [(r, m) for r, m in data if m]
     if not data:
@@ -49,7 +50,8 @@ def plot_curves(runs: list[Run], path: str) -> bool:
         width = _width(r)
         series = {
             "NMSE": [x.get("nmse") for x in m], "L0": [x.get("l0") for x in m],
-            "dead %": [100.0 * x["n_dead"] / width if width and x.get("n_dead") is not None else None for x in m],
+            "inactive % (training window)": [100.0 * x["n_dead"] / width if width and x.get("n_dead") is not None
+                                             else None for x in m],  # fmt: skip
         }  # fmt: skip
         for ax, (name, ys) in zip(axes, series.items(), strict=True):
             pts = [(s, y) for s, y in zip(step, ys, strict=True) if s is not None and y is not None]
@@ -191,24 +193,54 @@ def write_sweep(runs: list[Run], out: str) -> dict:
 
 
 def plot_pareto(points: list[dict], key: str, ylabel: str, higher: bool, path: str) -> bool:
-    """One Pareto view (actcache.visuals_pareto) into ``path``; False when no SAE has ``key``."""
+    """One Pareto view (actcache.visuals_pareto) into ``path``, one panel per comparable set of
+    SAEs (visuals_pareto.panels), each with its own frontier, its points numbered and the numbers
+    listed beside it; False when no SAE has ``key``."""
     have = [p for p in points if p.get(key) is not None]
     if not have:
         return False
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 4.2))
-    front = pareto_front(have, key, higher)
-    own = [p for p in have if not p.get("imported")]
-    imported = [p for p in have if p.get("imported")]  # `actcache import`: published SAEs, ranked beside
-    ax.scatter([p["l0"] for p in own], [p[key] for p in own], color="#9aa9bf", label="SAE")
-    if imported:
-        ax.scatter([p["l0"] for p in imported], [p[key] for p in imported], color="#2c7fb8", marker="D",
-                   label="imported SAE")  # fmt: skip
-    ax.plot([p["l0"] for p in front], [p[key] for p in front], "o-", color="#c0392b", label="Pareto frontier")
-    _l0_axis(ax, have, key, "L0 (held-out latents per token, lower is better)")
-    ax.set_ylabel(ylabel, fontsize=8)
-    _save_with_legend(plt, fig, ax, path)
+    groups = panels(have)
+    fig, axes = plt.subplots(len(groups), 1, figsize=(9, 3.8 * len(groups)), squeeze=False)
+    for ax, (title, pts) in zip(axes[:, 0], groups.items(), strict=True):
+        front = pareto_front(pts, key, higher)
+        own = [p for p in pts if not p.get("imported")]
+        imported = [p for p in pts if p.get("imported")]  # `actcache import`: published SAEs, ranked beside
+        ax.scatter([p["l0"] for p in own], [p[key] for p in own], color="#9aa9bf", label="SAE")
+        if imported:
+            ax.scatter([p["l0"] for p in imported], [p[key] for p in imported], color="#2c7fb8", marker="D",
+                       label="imported SAE")  # fmt: skip
+        ax.plot([p["l0"] for p in front], [p[key] for p in front], "o-", color="#c0392b", label="Pareto frontier")
+        if key in CHANCE:
+            ax.axhline(CHANCE[key], color="#555", ls="--", lw=1, label=f"chance ({CHANCE[key]:g})")
+        _numbered(ax, pts, key)
+        ax.set_xlabel("L0 (held-out latents per token, lower is better)")
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.set_title(title, fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90, bbox_inches="tight")  # "tight": the numbers' listing right of the axes
+    plt.close(fig)
     return True
+
+
+_OFFSETS = ((4, 4), (4, -10), (-12, 4), (-12, -10))  # points near each other take turns around their dot
+
+
+def _numbered(ax, points: list[dict], key: str) -> None:
+    """Each point numbered beside its dot (offsets alternate by rank of L0) and the numbers' labels
+    listed to the right of the axes, so that long labels never overlap one another."""
+    order = sorted(range(len(points)), key=lambda i: (points[i]["l0"], points[i][key]))
+    for rank, i in enumerate(order):
+        p = points[i]
+        ax.annotate(str(i + 1), (p["l0"], p[key]), fontsize=7, xytext=_OFFSETS[rank % 4], textcoords="offset points")
+    l0 = [p["l0"] for p in points if p["l0"] > 0]
+    if l0 and max(l0) / min(l0) > 20:
+        ax.set_xscale("log")
+    ax.margins(x=0.2, y=0.15)
+    listing = "\n".join(f"{i + 1}: {p['label']}" for i, p in enumerate(points))
+    ax.text(1.02, 1.0, listing, transform=ax.transAxes, fontsize=6, va="top", family="monospace")
 
 
 def write_pareto(points: list[dict], out: str) -> dict[str, bool]:

@@ -1,5 +1,6 @@
 """The label-probe parts of an SAE's page (eval.json "probes", actcache.sae.probes): each latent's
-best class on its card, and a table of the best latent per class with the k-sparse probe accuracy.
+best class on its card, and a table of the best latent per class with the k-sparse probe balanced
+accuracy, each with its n, chance level and bootstrap 95% interval.
 
     page = annotate_page(page, ev.get("probes"))   # the rendered page, with both added
 
@@ -20,21 +21,30 @@ def _class_name(probes: dict, c: int) -> str:
     return names[c] if 0 <= c < len(names) else str(c)
 
 
+def _ci(ci) -> str:
+    return f"[{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "n/a"
+
+
 def best_latent_table(probes: dict) -> str:
     esc = html.escape
     rows = "".join(
         f'<tr><td>{esc(b["name"])}</td><td><a href="#latent-{b["latent"]}">latent {b["latent"]}</a></td>'
-        f"<td>{b['ap']:.3f}</td><td>{b['n_images']:,}</td></tr>"
+        f"<td>{b['ap']:.3f}</td><td>{_ci(b.get('ci95'))}</td><td>{b.get('chance', float('nan')):.3f}</td>"
+        f"<td>{b['n_images']:,} of {b.get('n', 0):,}</td></tr>"
         for b in probes.get("best_latent_per_class", [])
     )
-    acc = probes.get("sparse_probe_acc") or {}
-    accs = ", ".join(f"k={k}: {v:.3f}" for k, v in acc.items() if isinstance(v, (int, float)))
+    acc, ci = probes.get("sparse_probe_acc") or {}, probes.get("sparse_probe_ci95") or {}
+    accs = "; ".join(f"k={k}: {v:.3f} {_ci(ci.get(k))}" for k, v in acc.items() if isinstance(v, (int, float)))
+    n_fit, n_test = probes.get("n_fit", "?"), probes.get("n_test", "?")
     return (
-        '<h2>Best latent per class</h2><p class="note">On the held-out images: per class, the latent whose '
-        "per-image max activation ranks that class's images first (average precision, AP); k-sparse probe "
-        f"balanced accuracy (mean over classes): {esc(accs) or 'n/a'}.</p>"
-        f'<table class="info"><tr><td>class</td><td>best latent</td><td>AP</td><td>held-out images</td></tr>'
-        f"{rows}</table>"
+        '<h2>Best latent per class</h2><p class="note">On the held-out images the evaluation visited whole, cut '
+        f"at random into a fit half ({n_fit} images) and a test half ({n_test}): per class, the latent whose "
+        "per-image max activation ranks that class's images first on the fit half (tie-aware average precision, "
+        "AP), with its AP on the test half, the bootstrap 95% interval and the chance level (the class's share "
+        "of the test images). k-sparse probe balanced accuracy on the test half (mean over classes; chance "
+        f"0.5), with its bootstrap 95% interval: {esc(accs) or 'n/a'}.</p>"
+        '<table class="info"><tr><td>class</td><td>best latent</td><td>test AP</td><td>95% interval</td>'
+        f"<td>chance AP</td><td>class images of test images</td></tr>{rows}</table>"
     )
 
 

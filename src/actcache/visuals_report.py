@@ -102,7 +102,7 @@ def spread(latents: np.ndarray, m: int) -> np.ndarray:
 def one_file_page(res: LatentSummary, latents: np.ndarray, info: dict, labels: dict[int, str],
                   patch_of_token: np.ndarray, heat: bool, images: bool, plots: list[str], notes: list[str],
                   base_dir: str, full_page: str, budget: int | None = None,
-                  probes: dict | None = None) -> tuple[str, np.ndarray]:  # fmt: skip
+                  probes: dict | None = None, dense_frac: float = 0.1) -> tuple[str, np.ndarray]:  # fmt: skip
     """(page, latents shown): the page of ``base_dir`` (a visuals folder) in one file of at most
     ``budget`` bytes (default PAGE_BUDGET) where that is possible, with as many of ``latents`` as
     fit (the page's size grows with the count of cards). ``probes`` (eval.json "probes") adds each
@@ -118,7 +118,8 @@ def one_file_page(res: LatentSummary, latents: np.ndarray, info: dict, labels: d
                 f"This one-file copy of the page shows {len(shown):,} of its {len(latents):,} latent cards, with "
                 f"small images, so that a browser can open it inside a report; the full page is {full_page}."
             )
-        page = render_page(res, shown, info, labels, patch_of_token, heat, images, plots, [*notes, *extra], lazy=False)
+        page = render_page(res, shown, info, labels, patch_of_token, heat, images, plots, [*notes, *extra], lazy=False,
+                           dense_frac=dense_frac)  # fmt: skip
         return assets.inline(annotate_page(page, probes)), shown
 
     def fits(got: tuple[str, np.ndarray]) -> bool:

@@ -10,6 +10,7 @@ rule report:
     training curves, and the HTML page."""
     input:
         mark=lambda w: visuals_group_mark(w.hash, w.sae),
+        spliced=lambda w: spliced_mark(w.hash),  # the page shows eval.json's spliced row: after `actcache eval`
     output:
         visuals=directory(os.path.join(RUNS_TO, "{hash}", "{sae}", VISUALS_DIR)),
         page=report(

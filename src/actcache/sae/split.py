@@ -102,3 +102,21 @@ class HeldoutBatches:
 
     def close(self) -> None:
         pass
+
+
+def window_batches(cache, heldout, visited, patches: str, layer, scale_norm: bool, batch_size: int,
+                   min_tokens: int) -> dict[str, HeldoutBatches]:  # fmt: skip
+    """The batches that widen a capped held-out pass over ``visited`` into the dead count's firing
+    window (actcache.sae.evaluate): the held-out images the pass skipped, then a seeded random
+    sample of the other images until the window holds ``min_tokens`` examples (or every image)."""
+    from actcache.loaders.common import Selection
+
+    per_img = Selection(cache.metadata, patches, layer).per_img
+    heldout = np.asarray(heldout, np.int64)
+    rest = np.setdiff1d(heldout, np.asarray(visited, np.int64))
+    others = np.setdiff1d(np.arange(cache.n_imgs, dtype=np.int64), heldout)
+    need = max(0, -(-(min_tokens - len(heldout) * per_img) // per_img))
+    pick = np.sort(others[np.random.default_rng([SPLIT_SEED, 2]).permutation(len(others))[:need]])
+    args = (patches, layer, scale_norm, batch_size)
+    out = {"held-out": HeldoutBatches(cache, rest, *args)} if len(rest) else {}
+    return out | ({"training": HeldoutBatches(cache, pick, *args)} if len(pick) else {})

@@ -543,24 +543,30 @@ class GroupTrainer:
 
         kw = {"batch_size": run.batch_size, "patches": run.patches, "layer": self.layer, "scale_norm": run.scale_norm,
               "n_readers": run.n_readers, "batch_timeout_s": run.batch_timeout_s}  # fmt: skip
+        from actcache.sae.evaluate import DEAD_WINDOW_TOKENS
         from actcache.sae.probes import probe_labels
+        from actcache.sae.split import window_batches
 
+        wide = (run.patches, self.layer, run.scale_norm, run.batch_size)
         if run.eval_cache is not None:
             where = {"cache": os.path.abspath(run.eval_cache), "split": "eval_cache"}
-            loader = OrderedLoader(run.eval_cache, **kw)
+            loader = OrderedLoader(run.eval_cache, **kw)  # read whole: its tokens past eval_tokens widen the window
             eval_on, held = loader.cache, np.arange(loader.cache.n_imgs)
+            more = DEAD_WINDOW_TOKENS - loader.cache.n_imgs * loader.geom.per_img
+            window = window_batches(cache, [], [], *wide, more)
         else:
             from actcache.sae.split import RULE, HeldoutBatches
 
             where = {"cache": os.path.abspath(self.cache_dir), "split": RULE, "n_heldout_images": self.n_eval}
             loader = HeldoutBatches(cache, self.heldout, run.patches, self.layer, run.scale_norm, run.batch_size,
                                     max_tokens=run.eval_tokens)  # fmt: skip
+            window = window_batches(cache, self.heldout, loader.imgs, *wide, DEAD_WINDOW_TOKENS)
             eval_on, held = cache, self.heldout  # only the held-out images are probed
-        found = probe_labels(eval_on, held)
+        found = probe_labels(eval_on, held)  # image labels, or a saev cache's per-patch labels
         labels = None if found is None else (*found, eval_on.metadata.n_patches_per_img)
         try:
             res = evaluate_many([m.sae for m in members], loader, dense_frac=[m.run.dense_frac for m in members],
-                                max_tokens=run.eval_tokens, labels=labels)  # fmt: skip
+                                max_tokens=run.eval_tokens, labels=labels, window=window)  # fmt: skip
         finally:
             loader.close()
         return [{**where, "layer": self.layer, "patches": run.patches, **r} for r in res]
