@@ -210,7 +210,8 @@ def _metric_rows(ev: dict) -> str:
         if name in ev:
             v = ev[name]
             shown = f"{v:.6g}" if isinstance(v, float) else str(v)
-            rows.append(f"| {name} | {shown} | {defs.get(name, '')} | {chance} |")
+            text = defs.get(name, "").replace("||", "\u2016").replace("|", "/")  # a "|" would split the table's cell
+            rows.append(f"| {name} | {shown} | {text} | {chance} |")
     return "\n".join(rows)
 
 
