@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -28,6 +29,9 @@ from actcache.spliced import (
     spliced_eval,
     spliced_group,
 )
+from actcache.spliced_task import task_metrics
+from actcache.visuals import spliced_row
+from actcache.visuals_pareto import pareto_points
 from actcache.writer import write_cache_from_array
 from fixtures_vit import FAMILY, D, make_checkpoint
 
@@ -232,3 +236,31 @@ def test_a_block_whose_patch_tokens_cannot_reach_the_pooled_head_reads_the_patch
     assert ident["fraction_recovered_zero"] == pytest.approx(1.0, abs=1e-5)
     assert neg["d_sae"] > 0 and neg["kl_sae"] > 1e-3 and neg["kl_recovered_mean"] < 0
     assert sum("note: layer -1" in line for line in lines) == 2
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_without_labels_the_task_uses_kmeans_pseudo_labels_and_says_so():
+    rng = np.random.default_rng(0)
+    clean = np.concatenate([rng.normal(c, 0.3, (8, 6)) for c in (-2.0, 0.0, 2.0)])  # three clear groups
+    mean = np.repeat(clean.mean(0, keepdims=True), len(clean), 0)
+    noisy = clean + rng.normal(0, 0.5, clean.shape)
+    task = task_metrics(None, clean, {"sae": clean.copy(), "zero": 0 * clean, "mean": mean, "noise": noisy})
+    assert task["task_labels"].startswith("k-means pseudo-labels") and task["task_n_classes"] >= 2
+    assert task["kl_recovered_mean"] == pytest.approx(1.0) and task["kl_recovered_mean_noise"] < 1
+    few = task_metrics(None, clean[:3], {"sae": clean[:3], "zero": 0 * clean[:3], "mean": mean[:3]})
+    assert few["kl_recovered_mean"] is None and few["task_note"].startswith("no task metric: 3 held-out images")
+
+
+def test_an_sae_without_a_headline_is_counted_on_the_pareto_view_not_dropped(world, tmp_path):
+    d = tmp_path / "nohead"
+    shutil.copytree(world["identity"], d)
+    note = "no task metric: 3 held-out images, fewer than 4 (raise --max-images or eval_frac)"
+    ev = {
+        "nmse": 0.1,
+        "l0": 4.0,
+        "spliced": {"headline": "kl_recovered_mean", "kl_recovered_mean": None, "task_note": note},
+    }
+    (d / "eval.json").write_text(json.dumps(ev))
+    (point,) = pareto_points([load_run(str(d))])
+    assert point["spliced_recovered"] is None and point["spliced_recovered_why"] == note
+    assert "Note: " + note in spliced_row(ev["spliced"])

@@ -202,6 +202,10 @@ def plot_pareto(points: list[dict], key: str, ylabel: str, higher: bool, path: s
     ax.plot([p["l0"] for p in front], [p[key] for p in front], "o-", color="#c0392b", label="Pareto frontier")
     _l0_axis(ax, have, key, "L0 (held-out latents per token, lower is better)")
     ax.set_ylabel(ylabel, fontsize=8)
+    why = sorted({p[key + "_why"] for p in points if p.get(key) is None and p.get(key + "_why")})
+    if why:  # an SAE without a value is counted, never dropped silently
+        n = sum(1 for p in points if p.get(key) is None and p.get(key + "_why"))
+        fig.text(0.01, 0.005, f"{n} SAE(s) not shown: " + "; ".join(why)[:300], fontsize=6, wrap=True)
     _save_with_legend(plt, fig, ax, path)
     return True
 
@@ -213,5 +217,6 @@ def write_pareto(points: list[dict], out: str) -> dict[str, bool]:
         path = os.path.join(out, name)
         made[name] = plot_pareto(points, key, ylabel, higher, path)
         if not made[name]:
-            _placeholder(path, f"no SAE of this sweep has {key} in its eval.json yet")
+            why = sorted({p[key + "_why"] for p in points if p.get(key + "_why")})
+            _placeholder(path, f"no SAE of this sweep has {key} in its eval.json yet" + "".join(f"; {w}" for w in why))
     return made
