@@ -312,7 +312,8 @@ def spliced_group(ctx: _CacheContext, runs: list, held: np.ndarray, sae_budget_b
     clean, ablated = _passes(ctx, members, sites, means, held, sae_budget_bytes, noise_fvu)
     lab = read_labels(ctx.cache.path, ctx.cache.metadata.n_imgs)
     labels = lab[0][held] if lab is not None else None
-    return {m.run.dir: _member_doc(m, clean, ablated[m.key], labels, len(held), noise_fvu) for m in members}
+    tasks: dict = {}  # one classifier per set of clean features (pooled+patch_mean, or patch_mean)
+    return {m.run.dir: _member_doc(m, clean, ablated[m.key], labels, tasks, noise_fvu) for m in members}
 
 
 def _passes(ctx, members, sites, means, held, budget, noise_fvu):
@@ -378,14 +379,14 @@ def _views(batches: list[tuple], blind: bool) -> tuple:
     return (patch, patch) if blind else (pooled, torch.cat([pooled, patch], dim=1))
 
 
-def _member_doc(m: _Member, clean: list, ablated: dict, labels, n_images: int, noise_fvu) -> dict:
+def _member_doc(m: _Member, clean: list, ablated: dict, labels, tasks: dict, noise_fvu) -> dict:
     """One SAE's "spliced" section: distances and the task metric on the heads its tokens reach."""
     import torch
 
-    from actcache.spliced_task import HEADLINE, task_metrics
+    from actcache.spliced_task import HEADLINE, Task
 
     blind = _blind(_cat(clean, 0), _cat(ablated["zero"], 0), _cat(ablated["mean"], 0))
-    doc = {"n_images": int(n_images), "layer": m.run.layer, "patches": m.run.patches,
+    doc = {"n_images": len(_cat(clean, 0)), "layer": m.run.layer, "patches": m.run.patches,
            "head": "patch_mean" if blind else "pooled", "task_head": "patch_mean" if blind else "pooled+patch_mean"}  # fmt: skip
     if blind:
         doc["head_note"] = (f"layer {m.run.layer}: the '{m.run.patches}' tokens cannot reach the pooled embedding "
@@ -403,9 +404,11 @@ def _member_doc(m: _Member, clean: list, ablated: dict, labels, n_images: int, n
         **{f"d_{k}": v for k, v in d.items()},
         "fvu_spliced": fvu, "noise_fvu": noise_fvu if noise_fvu is not None else fvu,
     })  # fmt: skip
-    doc.update(task_metrics(labels, c_task.numpy(), {k: v[1].numpy() for k, v in views.items()}))
+    if blind not in tasks:
+        tasks[blind] = Task(labels, c_task.numpy())
+    doc.update(tasks[blind].metrics({k: v[1].numpy() for k, v in views.items()}))
     doc["headline"] = HEADLINE
-    doc["definitions"] = _definitions(n_images, doc.get("task_n_test"))
+    doc["definitions"] = _definitions(doc["n_images"], doc.get("task_n_test"))
     return doc
 
 

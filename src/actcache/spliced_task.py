@@ -115,37 +115,51 @@ def _recovered(ablate: float, sae: float, clean: float) -> float | None:
     return (ablate - sae) / (ablate - clean) if ablate - clean > 1e-12 else None
 
 
-def task_metrics(labels: np.ndarray | None, clean_ND: np.ndarray, variants: dict[str, np.ndarray]) -> dict:
-    """The task section for one SAE: ``variants`` maps "sae", "zero", "mean", "noise" to the
-    final embeddings (same images, same order as ``clean_ND``) with that edit spliced in."""
-    import torch
+class Task:
+    """The classifier of one set of clean embeddings (fitted once, read for every SAE of a group):
+    ``Task(labels, clean_ND).metrics(variants)``; ``note`` says why there is none."""
 
-    y, source = task_labels(labels, clean_ND)
-    if y is None:
-        return {"task_labels": source, HEADLINE: None, "task_note": source}
-    fit, test = halves(len(y), y >= 0)
-    n_classes = int(y.max()) + 1
-    logits = fit_classifier(clean_ND[fit], y[fit], n_classes)
-    yt = torch.as_tensor(y[test])
-    logp_clean = torch.log_softmax(logits(clean_ND[test]), 1)
-    p_clean = logp_clean.exp()
-    out = {"task_labels": source, "task_n_fit": int(len(fit)), "task_n_test": int(len(test)),
-           "task_n_classes": n_classes, "ce_clean": float(torch.nn.functional.nll_loss(logp_clean, yt)),
-           "acc_clean": float((logp_clean.argmax(1) == yt).double().mean())}  # fmt: skip
-    for name, e_ND in variants.items():
-        logp = torch.log_softmax(logits(e_ND[test]), 1)
-        out[f"ce_{name}"] = float(torch.nn.functional.nll_loss(logp, yt))
-        out[f"kl_{name}"] = float((p_clean * (logp_clean - logp)).sum(1).mean())
-        out[f"acc_{name}"] = float((logp.argmax(1) == yt).double().mean())
-    freq = np.bincount(y[test], minlength=n_classes) / len(test)
-    out["ce_const"] = float(-(freq[freq > 0] * np.log(freq[freq > 0])).sum())
-    p_bar = p_clean.mean(0, keepdim=True)
-    out["kl_const"] = float((p_clean * (logp_clean - p_bar.log())).sum(1).mean())
+    def __init__(self, labels: np.ndarray | None, clean_ND: np.ndarray):
+        import torch
+
+        self.y, self.source = task_labels(labels, clean_ND)
+        self.note = None if self.y is not None else self.source
+        if self.note:
+            return
+        self.fit, self.test = halves(len(self.y), self.y >= 0)
+        self.n_classes = int(self.y.max()) + 1
+        self.logits = fit_classifier(clean_ND[self.fit], self.y[self.fit], self.n_classes)
+        self.yt = torch.as_tensor(self.y[self.test])
+        self.logp_clean = torch.log_softmax(self.logits(clean_ND[self.test]), 1)
+
+    def metrics(self, variants: dict[str, np.ndarray]) -> dict:
+        """The task section for one SAE: ``variants`` maps "sae", "zero", "mean", "noise" to the
+        final embeddings (same images, same order as the clean ones) with that edit spliced in."""
+        import torch
+
+        if self.note:
+            return {"task_labels": self.source, HEADLINE: None, "task_note": self.note}
+        nll, logp_clean, yt = torch.nn.functional.nll_loss, self.logp_clean, self.yt
+        p_clean = logp_clean.exp()
+        out = {"task_labels": self.source, "task_n_fit": int(len(self.fit)), "task_n_test": int(len(self.test)),
+               "task_n_classes": self.n_classes, "ce_clean": float(nll(logp_clean, yt)),
+               "acc_clean": float((logp_clean.argmax(1) == yt).double().mean())}  # fmt: skip
+        for name, e_ND in variants.items():
+            logp = torch.log_softmax(self.logits(e_ND[self.test]), 1)
+            out[f"ce_{name}"] = float(nll(logp, yt))
+            out[f"kl_{name}"] = float((p_clean * (logp_clean - logp)).sum(1).mean())
+            out[f"acc_{name}"] = float((logp.argmax(1) == yt).double().mean())
+        freq = np.bincount(self.y[self.test], minlength=self.n_classes) / len(self.test)
+        out["ce_const"] = float(-(freq[freq > 0] * np.log(freq[freq > 0])).sum())
+        out["kl_const"] = float((p_clean * (logp_clean - p_clean.mean(0, keepdim=True).log())).sum(1).mean())
+        return _fractions(out)
+
+
+def _fractions(out: dict) -> dict:
+    """The recovered fractions of a task section, and a note for each that is null."""
     for a in ("zero", "mean", "const"):
         if f"ce_{a}" in out:
             out[f"ce_recovered_{a}"] = _recovered(out[f"ce_{a}"], out["ce_sae"], out["ce_clean"])
-    for a in ("zero", "mean", "const"):
-        if f"kl_{a}" in out:
             out[f"kl_recovered_{a}"] = _recovered(out[f"kl_{a}"], out["kl_sae"], 0.0)
     if "ce_noise" in out:
         out["ce_recovered_mean_noise"] = _recovered(out["ce_mean"], out["ce_noise"], out["ce_clean"])
@@ -159,6 +173,11 @@ def task_metrics(labels: np.ndarray | None, clean_ND: np.ndarray, variants: dict
     if notes:
         out["task_note"] = "; ".join(notes)
     return out
+
+
+def task_metrics(labels: np.ndarray | None, clean_ND: np.ndarray, variants: dict[str, np.ndarray]) -> dict:
+    """:meth:`Task.metrics` of a classifier fitted for this one call."""
+    return Task(labels, clean_ND).metrics(variants)
 
 
 WHAT = {"sae": "the SAE's reconstruction", "zero": "zeros", "mean": "each token's per-position held-out mean",
