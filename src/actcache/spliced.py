@@ -170,7 +170,7 @@ class _Splice:
             h = h_BTD.clone()
             x_BTD = h[:, self.tokens].float()
             sd = (sse_of(x_BTD) / x_BTD.numel()) ** 0.5
-            eps = torch.randn(x_BTD.shape, generator=generator).to(h.device)
+            eps = torch.randn(x_BTD.shape, generator=generator, device=h.device)
             h[:, self.tokens] = (x_BTD + sd * eps).to(h.dtype)
             return h
 
@@ -276,7 +276,7 @@ class _Member:
         self.out: list = []  # per batch, (pooled, patch-mean) final embeddings with the SAE spliced in
         self.noise: list = []  # the same with the noise control spliced in
         self.tally: _Tally | None = None
-        self.generator = torch.Generator().manual_seed(0)
+        self.generator = torch.Generator(device=vit.device).manual_seed(0)  # the noise control's, per SAE
 
 
 def _chunks(members: list[_Member], budget_bytes: int) -> list[list[_Member]]:
