@@ -235,6 +235,7 @@ def test_a_block_whose_patch_tokens_cannot_reach_the_pooled_head_reads_the_patch
     assert ident["kl_recovered_mean"] == pytest.approx(1.0, abs=1e-6)
     assert ident["fraction_recovered_zero"] == pytest.approx(1.0, abs=1e-5)
     assert neg["d_sae"] > 0 and neg["kl_sae"] > 1e-3 and neg["kl_recovered_mean"] < 0
+    assert neg["noise_fvu"] == neg["fvu_spliced"] > 1  # by default the noise control has the SAE's own FVU
     assert sum("note: layer -1" in line for line in lines) == 2
 
 

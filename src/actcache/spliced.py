@@ -3,18 +3,24 @@
     docs = spliced_eval(run_dirs, device="cpu")   # per run: the "spliced" section of eval.json
 
 For each group of runs that share a cache, the ViT is loaded with the dump's own code
-(actcache.models.load_vit) and run on the run's held-out images (run.json "split") four ways: clean;
-with the recorded layer's output replaced by the SAE's reconstruction on the tokens it was trained
-on (the other tokens untouched); and with those tokens zeroed, or set to their mean over the
-held-out images (zero- and mean-ablation). Each run is carried to the model's final embedding
-(``pooler_output``: CLS after the final norm, or the family's pooled head). The clean pass runs
-once per batch of images and keeps the spliced block's output; the ablations and every SAE resume
-from it, so each SAE costs only the blocks after its own (:func:`spliced_group`).
-- cos_spliced_clean: mean cosine between the spliced and the clean final embedding.
-- fraction_recovered_zero / _mean: (d_ablate - d_sae) / d_ablate, with d the mean L2 distance of
-  the final embedding from the clean one (1: as clean; 0: no better than the ablation).
-- probe_acc_clean / probe_acc_spliced (labelled caches): a linear probe fitted on the clean final
-  embeddings of half the held-out images, scored on the other half clean and spliced.
+(actcache.models.load_vit) and run on the run's held-out images (run.json "split"): clean; with the
+recorded layer's output replaced by the SAE's reconstruction on the tokens it was trained on (the
+other tokens untouched); with those tokens zeroed, or each set to its position's mean over the
+held-out images (zero- and mean-ablation); and, per SAE, with isotropic Gaussian noise of the SAE's
+own squared error added to them (the noise control). Each pass is carried to two final embeddings:
+the pooled one (``pooler_output``: CLS after the final norm, or the family's pooled head) and the
+mean of the last hidden state's patch tokens. The clean pass runs once per batch of images and
+keeps the spliced block's output; the ablations and every SAE resume from it, so each SAE costs
+only the blocks after its own (:func:`spliced_group`).
+- the task metric (actcache.spliced_task): a logistic regression fitted on the clean [pooled ;
+  patch mean] embeddings of half the held-out images (labels, else k-means pseudo-labels), read on
+  the other half: KL and CE against the clean predictions and labels; the headline
+  kl_recovered_mean = (KL_mean - KL_sae) / KL_mean, unbounded below, with the noise control beside it;
+- the embedding distances: fraction_recovered_<a> = (d_a - d_sae) / d_a, d the mean L2 distance
+  from the clean embedding, against zero, per-position mean and the best constant (the mean clean
+  embedding); cos_spliced_clean.
+Where ablating the tokens leaves the pooled embedding unchanged (patch tokens at the last block of
+a CLS-pooled model), one line (head_note) says so and every number reads the patch mean instead.
 A scale_norm SAE sees its activations scaled as in training; its reconstruction is scaled back.
 """
 

@@ -80,7 +80,8 @@ def task_labels(labels: np.ndarray | None, clean_ND: np.ndarray) -> tuple[np.nda
             None,
             "no task metric: the clean embeddings of the fit half form one k-means cluster (no labels in the cache)",
         )
-    return y, f"k-means pseudo-labels (k={k}) of the clean embeddings: the cache has no labels"
+    why = "the cache has no labels" if labels is None else "the cache's labels give the fit half one class"
+    return y, f"k-means pseudo-labels (k={k}) of the clean embeddings: {why}"
 
 
 def fit_classifier(x_ND: np.ndarray, y: np.ndarray, n_classes: int, l2: float = 1e-2, steps: int = 200):
