@@ -205,8 +205,9 @@ def main() -> None:
         "spliced = one SAE's passes as `actcache eval` runs them: its splice and its noise control (isotropic "
         "noise of the SAE's squared error), each from the clean pass's output of the spliced block through the "
         "blocks after it, keeping the pooled and the mean patch embedding; full-forward splice = the whole ViT "
-        "with the edit; eval of 1 SAE = clean pass + zero and per-position mean ablations + the SAE's passes; "
-        "per SAE of 8 = the same for a sweep of 8 SAEs of one cache, divided by 8.",
+        "with the edit.",
+        "eval of 1 SAE = clean pass + zero and per-position mean ablations + the SAE's passes; per SAE of 8 = "
+        "the same for a sweep of 8 SAEs of one cache, divided by 8.",
         "Not timed: the task classifier (one logistic regression per cache and split, shared by every SAE) and "
         "its reads, which are on n_images x (2 d) features.",
     ]  # fmt: skip
