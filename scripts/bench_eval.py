@@ -10,11 +10,15 @@
    contiguous images as the window holds plus the SAE's own forward (encode + decode) on each
    batch. Target: eval <= 1.5x that floor. Cache: d=768, 197 tokens, 1 layer, synthetic.
    ``--heldout-only`` runs this part alone and records it as its own section (eval-window).
-2. spliced: the ViT's final embedding with a layer's patch tokens replaced by an SAE's
-   reconstruction, as `actcache eval` computes it (actcache.spliced.resume_embedding from the clean
-   pass's block output), against a plain forward over the same preprocessed images, at the
-   second-to-last and the middle block. Target: one SAE's spliced pass <= 1.3x plain. The ViT is
-   a random-init CLIP vision model of ``--vit`` size (base: 12 blocks, d=768, 224 px, 16 px patches).
+2. spliced: the ViT's final embeddings (pooled and mean patch token) with a layer's patch tokens
+   replaced by an SAE's reconstruction and by its noise control, as `actcache eval` computes them
+   (actcache.spliced.resume_embedding from the clean pass's block output), against a plain forward
+   over the same preprocessed images, at the second-to-last and the middle block. Target: one
+   SAE's passes (splice + noise control) <= 1.3x plain. The ViT is a random-init CLIP vision model
+   of ``--vit`` size (base: 12 blocks, d=768, 224 px, 16 px patches).
+
+``--only spliced`` skips part 1 (no cache is written) and records its own section,
+"eval-downstream", leaving the summary table to the full run.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import json
 import os
 import sys
 import time
+import types
 
 import numpy as np
 
@@ -105,6 +110,7 @@ def bench_spliced(vit_size: str, n_images: int, dev, rounds: int, sweep: int = 8
 
     class _Vit:  # the attributes actcache.spliced uses
         device = torch.device(dev.name)
+        dims = types.SimpleNamespace(n_registers=0, cls_token=True)
         blocks = _find_blocks(model, cfg.num_hidden_layers)
 
         @staticmethod
@@ -115,11 +121,11 @@ def bench_spliced(vit_size: str, n_images: int, dev, rounds: int, sweep: int = 8
     d, n = cfg.hidden_size, cfg.num_hidden_layers
     sae = SAE(SAEConfig(d_vit=d, width=16 * d, activation="topk", k=32, seed=0)).to(dev.name).eval()
     splice = _Splice(torch.arange(1, 197, device=dev.name))
-    mean_D = torch.zeros(d, device=dev.name)
+    mean_TD = torch.randn(196, d, device=dev.name)  # the per-position mean ablation's values
     batches = list(torch.randn(n_images, 3, 224, 224).split(32))
     rows = []
     for block in (n - 2, n // 2 - 1):
-        t = _time_block(dev, _Vit, batches, block, splice, sae, mean_D, rounds)
+        t = _time_block(dev, _Vit, batches, block, splice, sae, mean_TD, rounds)
 
         def ratio(f, t=t):
             return float(np.median([f(r) / r["plain"] for r in t]))
@@ -131,11 +137,12 @@ def bench_spliced(vit_size: str, n_images: int, dev, rounds: int, sweep: int = 8
     return rows
 
 
-def _time_block(dev, vit, batches, block, splice, sae, mean_D, rounds) -> list[dict]:
+def _time_block(dev, vit, batches, block, splice, sae, mean_TD, rounds) -> list[dict]:
     """Per round, the seconds of: a plain forward, the old full forward with the edit, the clean
-    pass keeping the block's output, the two ablation tails and one SAE's tail (after one warm-up
-    on a single batch)."""
-    from actcache.spliced import capture, final_embedding, resume_embedding
+    pass keeping the block's output, the two ablation tails and one SAE's tails (its splice and its
+    noise control), every pass keeping both heads as `actcache eval` does (after one warm-up on a
+    single batch)."""
+    from actcache.spliced import _Tally, capture, final_embedding, resume_embedding
 
     got = []
 
@@ -148,23 +155,26 @@ def _time_block(dev, vit, batches, block, splice, sae, mean_D, rounds) -> list[d
             final_embedding(vit, px, block, splice.sae(sae))
 
     def clean():
-        got[:] = [capture(vit, px, [block])[0][block] for px in batches]
+        got[:] = [capture(vit, px, [block], heads=True)[0][block] for px in batches]
 
     def ablations():
         for px, (h, form) in zip(batches, got, strict=True):
-            for v in (mean_D, mean_D + 1):
-                resume_embedding(vit, px, block, h, form, splice.const(v))
+            for v in (torch.zeros_like(mean_TD), mean_TD):
+                resume_embedding(vit, px, block, h, form, splice.const(v), heads=True)
 
     def per_sae():
+        tally, gen = _Tally(mean_TD.mean(0)), torch.Generator(device=mean_TD.device).manual_seed(0)
         for px, (h, form) in zip(batches, got, strict=True):
-            resume_embedding(vit, px, block, h, form, splice.sae(sae))
+            resume_embedding(vit, px, block, h, form, splice.sae(sae, tally), heads=True)
+            resume_embedding(vit, px, block, h, form, splice.noise(lambda x: tally.batch, gen), heads=True)
 
     steps = (("plain", plain), ("full", full_edit), ("clean", clean), ("abl", ablations), ("sae", per_sae))
     warm, batches[:] = batches[:], batches[:1]
-    for _, fn in steps:
-        fn()
-    batches[:] = warm
-    return [{name: _timed(dev, fn) for name, fn in steps} for _ in range(rounds)]
+    with torch.inference_mode():  # as `actcache eval` runs its passes
+        for _, fn in steps:
+            fn()
+        batches[:] = warm
+        return [{name: _timed(dev, fn) for name, fn in steps} for _ in range(rounds)]
 
 
 def main() -> None:
@@ -178,35 +188,47 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds; figures are medians")
     ap.add_argument("--no-record", action="store_true")
     ap.add_argument("--heldout-only", action="store_true", help="the held-out eval alone, as section eval-window")
+    ap.add_argument("--only", choices=("spliced",), help="only the spliced part, into its own section")
     args = ap.parse_args()
     dev = benchlib.Device(args.device)
-    cache = build_cache(args.out, args.size_gib)
-    ev = bench_eval(cache, args.width, dev, args.rounds)
-    print(json.dumps(ev), flush=True)
-    if args.heldout_only:
-        return record_heldout(args, dev, ev)
+    ev = None
+    if args.only is None:
+        ev = bench_eval(build_cache(args.out, args.size_gib), args.width, dev, args.rounds)
+        print(json.dumps(ev), flush=True)
+        if args.heldout_only:
+            return record_heldout(args, dev, ev)
     sp = bench_spliced(args.vit, args.images, dev, args.rounds)
     print(json.dumps(sp), flush=True)
     checks = [
-        benchlib.check("held-out eval <= 1.5 x (ordered pass + SAE forward)", ev["eval / floor"], 1.5, "x floor",
-                       at_least=False),
-        *(benchlib.check(f"spliced pass of one SAE <= 1.3 x plain ViT forward ({r['layer']})", r["spliced / plain"],
-                         1.3, "x plain", at_least=False) for r in sp),
+        *([benchlib.check("held-out eval <= 1.5 x (ordered pass + SAE forward)", ev["eval / floor"], 1.5, "x floor",
+                          at_least=False)] if ev else []),
+        *(benchlib.check(f"spliced passes of one SAE (splice + noise control) <= 1.3 x plain ViT forward "
+                         f"({r['layer']})", r["spliced / plain"], 1.3, "x plain", at_least=False) for r in sp),
     ]  # fmt: skip
     setup = [
-        f"Cache: {args.size_gib} GiB synthetic (d={D}, {T} tokens, 1 layer); held-out split {EVAL_FRAC:.0%} of "
-        f"the images; a random-init TopK SAE (k=32) of width {args.width:,}; on {dev.words}.",
-        f"Spliced: random-init CLIP vision model ({args.vit}), {args.images} images of 224 px; the SAE "
-        "(16 x d, k=32) spliced in on the patch tokens after the second-to-last block and after the middle one.",
-        "spliced = one SAE's pass as `actcache eval` runs it: from the clean pass's output of the spliced block "
-        "through the blocks after it; full-forward splice = the whole ViT with the edit (how eval ran before); "
-        "eval of 1 SAE = clean pass + zero and mean ablations + the SAE's pass; per SAE of 8 = the same for a "
-        "sweep of 8 SAEs of one cache, divided by 8.",
-    ]
-    body = benchlib.section_body(setup, [benchlib.table([ev]), benchlib.table(sp)], [c.bullet() for c in checks])
+        *([f"Cache: {args.size_gib} GiB synthetic (d={D}, {T} tokens, 1 layer); held-out split {EVAL_FRAC:.0%} of "
+           f"the images; a random-init TopK SAE (k=32) of width {args.width:,}; on {dev.words}."] if ev else []),
+        f"Spliced: random-init CLIP vision model ({args.vit}), {args.images} images of 224 px, {args.rounds} rounds "
+        "(medians of per-round ratios); the SAE (16 x d, k=32) spliced in on the patch tokens after the "
+        f"second-to-last block and after the middle one; on {dev.words}.",
+        "spliced = one SAE's passes as `actcache eval` runs them: its splice and its noise control (isotropic "
+        "noise of the SAE's squared error), each from the clean pass's output of the spliced block through the "
+        "blocks after it, keeping the pooled and the mean patch embedding; full-forward splice = the whole ViT "
+        "with the edit.",
+        "eval of 1 SAE = clean pass + zero and per-position mean ablations + the SAE's passes; per SAE of 8 = "
+        "the same for a sweep of 8 SAEs of one cache, divided by 8.",
+        "Not timed: the task classifier (one logistic regression per cache and split, shared by every SAE) and "
+        "its reads, which are on n_images x (2 d) features.",
+    ]  # fmt: skip
+    tables = [*([benchlib.table([ev])] if ev else []), benchlib.table(sp)]
+    body = benchlib.section_body(setup, tables, [c.bullet() for c in checks])
     if not args.no_record:
-        benchlib.record(*dev.section("eval", "held-out eval and the spliced-in pass vs their floors"), body,
-                        checks=checks)  # fmt: skip
+        if args.only:  # its own section; the summary rows stay the full run's
+            benchlib.record(*dev.section("eval-downstream", "the downstream pass per SAE vs a plain ViT forward"),
+                            body)  # fmt: skip
+        else:
+            benchlib.record(*dev.section("eval", "held-out eval and the spliced-in pass vs their floors"), body,
+                            checks=checks)  # fmt: skip
     print(body)
 
 

@@ -3,18 +3,24 @@
     docs = spliced_eval(run_dirs, device="cpu")   # per run: the "spliced" section of eval.json
 
 For each group of runs that share a cache, the ViT is loaded with the dump's own code
-(actcache.models.load_vit) and run on the run's held-out images (run.json "split") four ways: clean;
-with the recorded layer's output replaced by the SAE's reconstruction on the tokens it was trained
-on (the other tokens untouched); and with those tokens zeroed, or set to their mean over the
-held-out images (zero- and mean-ablation). Each run is carried to the model's final embedding
-(``pooler_output``: CLS after the final norm, or the family's pooled head). The clean pass runs
-once per batch of images and keeps the spliced block's output; the ablations and every SAE resume
-from it, so each SAE costs only the blocks after its own (:func:`spliced_group`).
-- cos_spliced_clean: mean cosine between the spliced and the clean final embedding.
-- fraction_recovered_zero / _mean: (d_ablate - d_sae) / d_ablate, with d the mean L2 distance of
-  the final embedding from the clean one (1: as clean; 0: no better than the ablation).
-- probe_acc_clean / probe_acc_spliced (labelled caches): a linear probe fitted on the clean final
-  embeddings of half the held-out images, scored on the other half clean and spliced.
+(actcache.models.load_vit) and run on the run's held-out images (run.json "split"): clean; with the
+recorded layer's output replaced by the SAE's reconstruction on the tokens it was trained on (the
+other tokens untouched); with those tokens zeroed, or each set to its position's mean over the
+held-out images (zero- and mean-ablation); and, per SAE, with isotropic Gaussian noise of the SAE's
+own squared error added to them (the noise control). Each pass is carried to two final embeddings:
+the pooled one (``pooler_output``: CLS after the final norm, or the family's pooled head) and the
+mean of the last hidden state's patch tokens. The clean pass runs once per batch of images and
+keeps the spliced block's output; the ablations and every SAE resume from it, so each SAE costs
+only the blocks after its own (:func:`spliced_group`).
+- the task metric (actcache.spliced_task): a logistic regression fitted on the clean [pooled ;
+  patch mean] embeddings of half the held-out images (labels, else k-means pseudo-labels), read on
+  the other half: KL and CE against the clean predictions and labels; the headline
+  kl_recovered_mean = (KL_mean - KL_sae) / KL_mean, unbounded below, with the noise control beside it;
+- the embedding distances: fraction_recovered_<a> = (d_a - d_sae) / d_a, d the mean L2 distance
+  from the clean embedding, against zero, per-position mean and the best constant (the mean clean
+  embedding); cos_spliced_clean.
+Where ablating the tokens leaves the pooled embedding unchanged (patch tokens at the last block of
+a CLS-pooled model), one line (head_note) says so and every number reads the patch mean instead.
 A scale_norm SAE sees its activations scaled as in training; its reconstruction is scaled back.
 """
 
@@ -45,13 +51,19 @@ class _Stop(Exception):
     """Raised by a hook to end a forward pass once the blocks it needs have run."""
 
 
-def _embedding(vit, pixels_B3HW):
+def _embedding(vit, pixels_B3HW, heads: bool = False):
+    """The pooled final embedding (B, D_out); with ``heads``, (pooled, mean-pooled patch tokens of the
+    last hidden state) for a block whose patch tokens cannot reach the pooled head."""
     import torch
 
     with torch.inference_mode():
         out = vit.model(**vit._model_inputs(pixels_B3HW.to(vit.device, torch.float32)))
     pooled = getattr(out, "pooler_output", None)
-    return (pooled if pooled is not None else out.last_hidden_state[:, 0]).float()
+    pooled = (pooled if pooled is not None else out.last_hidden_state[:, 0]).float()
+    if not heads:
+        return pooled
+    first = vit.dims.n_registers + int(vit.dims.cls_token)
+    return pooled, out.last_hidden_state[:, first:].float().mean(1)
 
 
 def final_embedding(vit, pixels_B3HW, block: int | None = None, edit=None):
@@ -65,10 +77,11 @@ def final_embedding(vit, pixels_B3HW, block: int | None = None, edit=None):
         hook.remove()
 
 
-def capture(vit, pixels_B3HW, blocks, full: bool = True):
+def capture(vit, pixels_B3HW, blocks, full: bool = True, heads: bool = False):
     """Run the ViT once, keeping the output of each block in ``blocks``: returns ({block: (h_BTD,
     form)}, final embedding or None). ``full=False`` stops after the deepest of them. ``form`` is
-    the block's output with its tensor left out, for :func:`resume_embedding`."""
+    the block's output with its tensor left out, for :func:`resume_embedding`; ``heads`` as in
+    :func:`_embedding`."""
     got: dict[int, tuple] = {}
     last = max(blocks)
 
@@ -83,7 +96,7 @@ def capture(vit, pixels_B3HW, blocks, full: bool = True):
 
     hooks = [vit.blocks[i].register_forward_hook(hook_for(i)) for i in set(blocks)]
     try:
-        emb = _embedding(vit, pixels_B3HW)
+        emb = _embedding(vit, pixels_B3HW, heads)
     except _Stop:
         emb = None
     finally:
@@ -92,7 +105,7 @@ def capture(vit, pixels_B3HW, blocks, full: bool = True):
     return got, emb
 
 
-def resume_embedding(vit, pixels_B3HW, block: int, h_BTD, form, edit=None):
+def resume_embedding(vit, pixels_B3HW, block: int, h_BTD, form, edit=None, heads: bool = False):
     """The final embedding with block ``block``'s output set to ``edit(h_BTD)`` (its output as
     captured by :func:`capture`), without running blocks 0..block again: each is swapped for a
     pass-through for the call. The embedding layer still runs on the pixels (cheap)."""
@@ -108,7 +121,7 @@ def resume_embedding(vit, pixels_B3HW, block: int, h_BTD, form, edit=None):
         saved.append((m, m.__dict__.get("forward")))
         m.forward = passthrough if i < block else (lambda *a, **k: out)
     try:
-        return _embedding(vit, pixels_B3HW)
+        return _embedding(vit, pixels_B3HW, heads)
     finally:
         for m, fwd in saved:
             del m.forward
@@ -126,61 +139,71 @@ def model_tokens(md, patches: str, n_registers: int) -> np.ndarray:
 
 
 class _Splice:
-    """The edits of one batch at one block: SAE reconstruction, zero or mean on the chosen tokens."""
+    """The edits of one batch at one block, on the chosen tokens: the SAE's reconstruction, a
+    constant per position (zero- or mean-ablation) or the noise control."""
 
     def __init__(self, tokens, scale: float = 1.0):
         self.tokens, self.scale = tokens, scale
 
-    def sae(self, sae):
+    def sae(self, sae, tally: _Tally | None = None):
         def edit(h_BTD):
             h = h_BTD.clone()
-            x = h[:, self.tokens].reshape(-1, h.shape[-1]) * self.scale
-            x_hat, _, _ = sae(x.to(sae.W_dec.dtype))
-            h[:, self.tokens] = (x_hat.float() / self.scale).reshape(h.shape[0], len(self.tokens), -1).to(h.dtype)
+            x_BTD = h[:, self.tokens]
+            x_hat, _, _ = sae((x_BTD.reshape(-1, h.shape[-1]) * self.scale).to(sae.W_dec.dtype))
+            x_hat_BTD = (x_hat.float() / self.scale).reshape(x_BTD.shape).to(h.dtype)
+            if tally is not None:
+                tally.add(x_BTD, x_hat_BTD)
+            h[:, self.tokens] = x_hat_BTD
             return h
 
         return edit
 
-    def const(self, value_D):
+    def const(self, value):
+        """``value``: one vector (D,) or one per chosen token (T, D)."""
+
         def edit(h_BTD):
             h = h_BTD.clone()
-            h[:, self.tokens] = value_D.to(h.dtype)
+            h[:, self.tokens] = value.to(h.dtype)
+            return h
+
+        return edit
+
+    def noise(self, sse_of, generator):
+        """x + isotropic Gaussian noise whose squared error on the batch is ``sse_of(x_BTD)``."""
+        import torch
+
+        def edit(h_BTD):
+            h = h_BTD.clone()
+            x_BTD = h[:, self.tokens].float()
+            sd = (sse_of(x_BTD) / x_BTD.numel()) ** 0.5
+            eps = torch.randn(x_BTD.shape, generator=generator, device=h.device)
+            h[:, self.tokens] = (x_BTD + sd * eps).to(h.dtype)
             return h
 
         return edit
 
 
-def _fraction(d_ablate: float, d_sae: float) -> float:
-    return (d_ablate - d_sae) / d_ablate if d_ablate > 0 else float("nan")
+class _Tally:
+    """One SAE's squared error on the tokens it is spliced into: the last batch's (its noise
+    control's size) and the totals, for its FVU against the held-out mean ``mu_D``."""
+
+    def __init__(self, mu_D):
+        self.mu_D, self.batch, self.sse, self.var = mu_D, 0.0, 0.0, 0.0
+
+    def add(self, x_BTD, x_hat_BTD) -> None:
+        self.batch = float((x_hat_BTD.double() - x_BTD.double()).pow(2).sum())
+        self.sse += self.batch
+        self.var += self.dev(x_BTD)
+
+    def dev(self, x_BTD) -> float:
+        return float((x_BTD.double() - self.mu_D.double()).pow(2).sum())
+
+    def fvu(self) -> float | None:
+        return self.sse / self.var if self.var > 0 else None
 
 
-def linear_probe_acc(train_ND, train_y, tests: list, steps: int = 200) -> list[float]:
-    """Multinomial logistic regression (standardised features, L2) fitted on ``train_ND``; its
-    accuracy on each (x_ND, y) of ``tests``."""
-    import torch
-
-    x = torch.as_tensor(train_ND, dtype=torch.float32)
-    y = torch.as_tensor(train_y, dtype=torch.int64)
-    mu, sd = x.mean(0), x.std(0).clamp_min(1e-6)
-    C = int(max(int(y.max()), *(int(t[1].max()) for t in tests))) + 1
-    lin = torch.nn.Linear(x.shape[1], C)
-    opt = torch.optim.LBFGS(lin.parameters(), max_iter=steps, line_search_fn="strong_wolfe")
-    xs = (x - mu) / sd
-
-    def closure():
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(lin(xs), y) + 1e-3 * lin.weight.pow(2).sum()
-        loss.backward()
-        return loss
-
-    with torch.enable_grad():
-        opt.step(closure)
-    out = []
-    with torch.no_grad():
-        for tx, ty in tests:
-            pred = lin((torch.as_tensor(tx, dtype=torch.float32) - mu) / sd).argmax(1)
-            out.append(float((pred == torch.as_tensor(ty)).double().mean()))
-    return out
+def _fraction(d_ablate: float, d_sae: float) -> float | None:
+    return (d_ablate - d_sae) / d_ablate if d_ablate > 0 else None
 
 
 def heldout_of(run, max_images: int | None, n_imgs: int | None = None) -> np.ndarray:
@@ -220,16 +243,18 @@ class _CacheContext:
             yield self.vit.preprocess([self.ds[int(i)][0] for i in held[s : s + self.batch_images]])
 
 
-def _mean_vector(cache, held, patches, layer):
+def _position_means(cache, held, patches, layer):
+    """The held-out mean of each chosen token position, (T, D) float32: the mean-ablation's values."""
     import torch
 
     from actcache.sae.split import HeldoutBatches
 
+    batches = HeldoutBatches(cache, held, patches, layer, False, batch_size=1 << 16)
     total, n = None, 0
-    for b in HeldoutBatches(cache, held, patches, layer, False, batch_size=1 << 16):
-        s = b["act"].double().sum(0)
-        total, n = (s if total is None else total + s), n + b["act"].shape[0]
-    return (total / n).float() if total is not None else torch.zeros(cache.metadata.d_vit)
+    for b in batches:
+        s = b["act"].double().reshape(-1, batches.sel.per_img, b["act"].shape[-1]).sum(0)
+        total, n = (s if total is None else total + s), n + b["act"].shape[0] // batches.sel.per_img
+    return (total / n).float() if total is not None else torch.zeros(batches.sel.per_img, cache.metadata.d_vit)
 
 
 class _Member:
@@ -254,7 +279,10 @@ class _Member:
 
             self.scale = scale_factors(ctx.cache, Selection(md, run.patches, run.layer))[0]
         self.n_bytes = 4 * (2 * run.info.get("d_vit", md.d_vit) + 1) * run.info.get("width", 0)
-        self.out: list = []
+        self.out: list = []  # per batch, (pooled, patch-mean) final embeddings with the SAE spliced in
+        self.noise: list = []  # the same with the noise control spliced in
+        self.tally: _Tally | None = None
+        self.generator = torch.Generator(device=vit.device).manual_seed(0)  # the noise control's, per SAE
 
 
 def _chunks(members: list[_Member], budget_bytes: int) -> list[list[_Member]]:
@@ -268,79 +296,155 @@ def _chunks(members: list[_Member], budget_bytes: int) -> list[list[_Member]]:
     return out
 
 
-def spliced_group(ctx: _CacheContext, runs: list, held: np.ndarray, sae_budget_bytes: int = 4 << 30) -> dict:
+def spliced_group(ctx: _CacheContext, runs: list, held: np.ndarray, sae_budget_bytes: int = 4 << 30,
+                  noise_fvu: float | None = None) -> dict:  # fmt: skip
     """The "spliced" section of eval.json for each of ``runs`` (one cache, one held-out split).
 
     Per batch of images, one clean pass keeps the output of every block an SAE reads; the
-    ablations and each SAE's splice restart from there (:func:`resume_embedding`), so a sweep of
-    n SAEs costs one forward plus n passes through the blocks after the spliced one. SAEs are
-    loaded in chunks of at most ``sae_budget_bytes``; each further chunk reruns the prefix only."""
-    import torch
-
+    ablations, each SAE's splice and its noise control restart from there (:func:`resume_embedding`),
+    so a sweep of n SAEs costs one forward plus 2n passes through the blocks after the spliced one.
+    SAEs are loaded in chunks of at most ``sae_budget_bytes``; each further chunk reruns the prefix
+    only. ``noise_fvu`` sets the noise control's FVU (default: each SAE's own, batch by batch)."""
     from actcache.labels import read_labels
-    from actcache.sae.modeling import SAE
 
-    vit, md = ctx.vit, ctx.cache.metadata
     members = [_Member(ctx, r) for r in runs]
     sites = {m.key: m for m in members}  # one member per (layer, patches) stands for its ablations
-    means = {(layer, patches): _mean_vector(ctx.cache, held, patches, layer).to(vit.device) for layer, patches in sites}
+    means = {
+        (layer, patches): _position_means(ctx.cache, held, patches, layer).to(ctx.vit.device)
+        for layer, patches in sites
+    }
+    for m in members:
+        m.tally = _Tally(means[m.key].mean(0))
+    clean, ablated = _passes(ctx, members, sites, means, held, sae_budget_bytes, noise_fvu)
+    lab = read_labels(ctx.cache.path, ctx.cache.metadata.n_imgs)
+    labels = lab[0][held] if lab is not None else None
+    tasks: dict = {}  # one classifier per set of clean features (pooled+patch_mean, or patch_mean)
+    return {m.run.dir: _member_doc(m, clean, ablated[m.key], labels, tasks, noise_fvu) for m in members}
+
+
+def _passes(ctx, members, sites, means, held, budget, noise_fvu):
+    """Every pass of a group: the clean final embeddings (both heads), per site the zero- and
+    mean-ablated ones, and (into each member) its spliced and noise-control ones."""
+    import torch
+
+    from actcache.sae.modeling import SAE
+
+    vit = ctx.vit
     blocks = sorted({m.block for m in members})
-    clean, zero, mean = [], {k: [] for k in sites}, {k: [] for k in sites}
-    for ci, chunk in enumerate(_chunks(members, sae_budget_bytes)):
+    clean, ablated = [], {k: {"zero": [], "mean": []} for k in sites}
+    for ci, chunk in enumerate(_chunks(members, budget)):
         saes = [SAE.load(m.run.dir).to(vit.device).eval() for m in chunk]
         with torch.inference_mode():
             for px in ctx.batches(held):
-                got, emb = capture(vit, px, blocks, full=ci == 0)
+                got, emb = capture(vit, px, blocks, full=ci == 0, heads=True)
                 if ci == 0:
-                    clean.append(emb.cpu())
+                    clean.append(_cpu(emb))
                     for k, m in sites.items():
-                        ablate = _Splice(m.tokens)
-                        for value_D, into in ((torch.zeros_like(means[k]), zero[k]), (means[k], mean[k])):
-                            into.append(resume_embedding(vit, px, m.block, *got[m.block], ablate.const(value_D)).cpu())
+                        splice = _Splice(m.tokens)
+                        for name, value in (("zero", torch.zeros_like(means[k])), ("mean", means[k])):
+                            e = resume_embedding(vit, px, m.block, *got[m.block], splice.const(value), heads=True)
+                            ablated[k][name].append(_cpu(e))
                 for m, sae in zip(chunk, saes, strict=True):
-                    edit = _Splice(m.tokens, m.scale).sae(sae)
-                    m.out.append(resume_embedding(vit, px, m.block, *got[m.block], edit).cpu())
+                    splice, tally = _Splice(m.tokens, m.scale), m.tally
+                    e = resume_embedding(vit, px, m.block, *got[m.block], splice.sae(sae, tally), heads=True)
+                    m.out.append(_cpu(e))
+                    sse = (
+                        (lambda x, t=tally: noise_fvu * t.dev(x))
+                        if noise_fvu is not None
+                        else (lambda x, t=tally: t.batch)
+                    )
+                    e = resume_embedding(vit, px, m.block, *got[m.block], splice.noise(sse, m.generator), heads=True)
+                    m.noise.append(_cpu(e))
         del saes
-    clean = torch.cat(clean)
-    lab = read_labels(ctx.cache.path, md.n_imgs)
-    docs = {}
-    for m in members:
-        e_sae, e_zero, e_mean = torch.cat(m.out), torch.cat(zero[m.key]), torch.cat(mean[m.key])
-        d = {k: float((e - clean).norm(dim=1).mean()) for k, e in (("sae", e_sae), ("zero", e_zero), ("mean", e_mean))}
-        doc = {
-            "n_images": int(len(held)), "layer": m.run.layer, "patches": m.run.patches,
-            "cos_spliced_clean": float(torch.nn.functional.cosine_similarity(e_sae, clean, dim=1).mean()),
-            "fraction_recovered_zero": _fraction(d["zero"], d["sae"]),
-            "fraction_recovered_mean": _fraction(d["mean"], d["sae"]),
-            "d_sae": d["sae"], "d_zero": d["zero"], "d_mean": d["mean"],
-        }  # fmt: skip
-        if lab is not None:
-            doc.update(_probe(lab[0][held], clean.numpy(), e_sae.numpy()))
-        doc["definitions"] = _definitions(len(held))
-        docs[m.run.dir] = doc
-    return docs
+    return clean, ablated
 
 
-def _probe(y: np.ndarray, clean: np.ndarray, spliced: np.ndarray) -> dict:
-    """Linear probe fitted on the clean embeddings of half the labelled images, scored on the rest."""
-    ok = np.flatnonzero(y >= 0)
-    perm = ok[np.random.default_rng(1).permutation(len(ok))]
-    fit, test = perm[: len(perm) // 2], perm[len(perm) // 2 :]
-    if len(test) == 0 or len(np.unique(y[fit])) < 2:
-        return {"probe_skipped": "fewer than two classes among the labelled held-out images"}
-    acc_clean, acc_spliced = linear_probe_acc(clean[fit], y[fit], [(clean[test], y[test]), (spliced[test], y[test])])
-    return {"probe_acc_clean": acc_clean, "probe_acc_spliced": acc_spliced, "probe_n_test": int(len(test))}
+def _cpu(heads: tuple) -> tuple:
+    return tuple(e.cpu() for e in heads)
 
 
-def _definitions(n: int) -> dict[str, str]:
+def _cat(batches: list[tuple], head: int):
+    import torch
+
+    return torch.cat([b[head] for b in batches])
+
+
+def _blind(clean_ND, *ablated_ND) -> bool:
+    """Whether ablating the tokens leaves the embedding unchanged on every image (they cannot reach it)."""
+    scale = float(clean_ND.abs().max()) or 1.0
+    return all(float((e - clean_ND).abs().max()) <= 1e-6 * scale for e in ablated_ND)
+
+
+def _views(batches: list[tuple], blind: bool) -> tuple:
+    """(the embedding distances read, the task classifier's features): the pooled embedding and
+    [pooled ; patch mean] (the CLS + mean-patch head of DINOv2's linear evaluation), or the patch
+    mean for both where the tokens cannot reach the pooled embedding."""
+    import torch
+
+    pooled, patch = _cat(batches, 0), _cat(batches, 1)
+    return (patch, patch) if blind else (pooled, torch.cat([pooled, patch], dim=1))
+
+
+def _member_doc(m: _Member, clean: list, ablated: dict, labels, tasks: dict, noise_fvu) -> dict:
+    """One SAE's "spliced" section: distances and the task metric on the heads its tokens reach."""
+    import torch
+
+    from actcache.spliced_task import HEADLINE, Task
+
+    blind = _blind(_cat(clean, 0), _cat(ablated["zero"], 0), _cat(ablated["mean"], 0))
+    doc = {"n_images": len(_cat(clean, 0)), "layer": m.run.layer, "patches": m.run.patches,
+           "head": "patch_mean" if blind else "pooled", "task_head": "patch_mean" if blind else "pooled+patch_mean"}  # fmt: skip
+    if blind:
+        doc["head_note"] = (f"layer {m.run.layer}: the '{m.run.patches}' tokens cannot reach the pooled embedding "
+                            "(ablating them leaves it unchanged on every image); every number here reads the "
+                            "mean-pooled patch tokens of the last hidden state instead")  # fmt: skip
+    c, c_task = _views(clean, blind)
+    views = {"sae": _views(m.out, blind), "zero": _views(ablated["zero"], blind),
+             "mean": _views(ablated["mean"], blind), "noise": _views(m.noise, blind)}  # fmt: skip
+    d = {k: float((v[0] - c).norm(dim=1).mean()) for k, v in views.items()}
+    d["const"] = float((c - c.mean(0)).norm(dim=1).mean())
+    fvu = m.tally.fvu()
+    doc.update({
+        "cos_spliced_clean": float(torch.nn.functional.cosine_similarity(views["sae"][0], c, dim=1).mean()),
+        **{f"fraction_recovered_{a}": _fraction(d[a], d["sae"]) for a in ("zero", "mean", "const")},
+        **{f"d_{k}": v for k, v in d.items()},
+        "fvu_spliced": fvu, "noise_fvu": noise_fvu if noise_fvu is not None else fvu,
+    })  # fmt: skip
+    if blind not in tasks:
+        tasks[blind] = Task(labels, c_task.numpy())
+    doc.update(tasks[blind].metrics({k: v[1].numpy() for k, v in views.items()}))
+    doc["headline"] = HEADLINE
+    doc["definitions"] = _definitions(doc["n_images"], doc.get("task_n_test"))
+    return doc
+
+
+def _definitions(n: int, n_test: int | None) -> dict[str, str]:
+    from actcache.spliced_task import definitions
+
     on = f"the {n:,} held-out images"
     return {
+        "head": "the final embedding the distances read: pooled (the model's pooler_output: CLS after the final "
+        "norm, or the family's pooled head) or patch_mean (the mean of the last hidden state's patch tokens, used "
+        "when the SAE's tokens cannot reach the pooled one)",
+        "task_head": "the task classifier's features: [pooled ; patch_mean] (the CLS + mean-patch head of DINOv2's "
+        "linear evaluation, which a per-token rescale cannot slip past), or patch_mean where head is patch_mean",
         "cos_spliced_clean": f"mean cosine between the final embedding with the SAE spliced in and the clean one, over {on}",
         "fraction_recovered_zero": "(d_zero - d_sae) / d_zero, d = mean L2 distance of the final embedding from the "
-        f"clean one over {on}; d_zero with the SAE's tokens zeroed",
-        "fraction_recovered_mean": "as fraction_recovered_zero, the tokens set to their held-out mean instead",
-        "probe_acc_clean": f"linear probe on clean final embeddings of half of {on}, accuracy on the other half",
-        "probe_acc_spliced": "the same probe's accuracy on the spliced final embeddings of that half",
+        f"clean one over {on}; d_zero with the SAE's tokens zeroed; unbounded below, not clipped",
+        "fraction_recovered_mean": "as fraction_recovered_zero, each token set to its position's held-out mean instead",
+        "fraction_recovered_const": "as fraction_recovered_zero against the best constant embedding, the mean clean "
+        "embedding (d_const: the clean embeddings' mean distance from it)",
+        "fvu_spliced": f"the SAE's FVU on the tokens it is spliced into, over {on} (as fvu, in the model's units)",
+        "d_sae": f"mean L2 distance of the final embedding (head) with the SAE spliced in from the clean one over {on}",
+        "d_zero": "the same with the SAE's tokens zeroed",
+        "d_mean": "the same with each of the SAE's tokens set to its position's held-out mean",
+        "d_const": "the clean embeddings' mean distance from their mean (the best constant embedding)",
+        "d_noise": "the same with the noise control spliced in",
+        "noise_fvu": "the noise control's FVU: the tokens plus isotropic Gaussian noise with the same squared error as "
+        "the SAE's reconstruction on each batch (so fvu_spliced), unless a fixed FVU was asked for",
+        "head_note": "why head is patch_mean, in one line",
+        "headline": "the field pages and Pareto views rank by",
+        **definitions(n_test),
     }
 
 
@@ -409,6 +513,19 @@ def spliced_eval(run_dirs: list[str], device: str | None = None, batch_images: i
                 doc = docs[r.dir]
                 write_eval(r.dir, {**r.eval(), **heldout_metrics(ctx.cache, r, device), "spliced": doc})
                 out[r.dir] = doc
-                report(f"{r.dir}: spliced cos {doc['cos_spliced_clean']:.4f}, fraction recovered "
-                       f"{doc['fraction_recovered_zero']:.4f} (zero) {doc['fraction_recovered_mean']:.4f} (mean)")  # fmt: skip
+                report(_summary(r.dir, doc))
     return out
+
+
+def _summary(run_dir: str, doc: dict) -> str:
+    """One line per SAE: the headline with its noise control, the head it reads and any note."""
+
+    def f(v):
+        return "n/a" if v is None else f"{v:.4f}"
+
+    line = (f"{run_dir}: CE recovered vs mean-ablation {f(doc.get('ce_recovered_mean'))} (noise control at FVU "
+            f"{f(doc.get('noise_fvu'))}: {f(doc.get('ce_recovered_mean_noise'))}), KL {f(doc.get('kl_sae'))}, "
+            f"embedding fraction recovered {f(doc.get('fraction_recovered_mean'))} (mean), "
+            f"cos {f(doc.get('cos_spliced_clean'))} [{doc['head']} head]")  # fmt: skip
+    notes = [doc[k] for k in ("head_note", "task_note") if doc.get(k)]
+    return "\n".join([line, *(f"  note: {n}" for n in notes)])

@@ -197,11 +197,25 @@ def heldout_rows(ev: dict) -> dict[str, str]:
                                   f"{st['mean_norm_x']:.4g}, mean ||x_hat|| {st['mean_norm_x_hat']:.4g} "
                                   f"on {st['n_tokens']:,} tokens")  # fmt: skip
     sp = ev.get("spliced") or {}
-    if isinstance(sp.get("fraction_recovered_zero"), (int, float)):
-        rows["spliced in"] = (f"fraction recovered {sp['fraction_recovered_zero']:.4f} (vs zero-ablation), "
-                              f"{sp.get('fraction_recovered_mean', float('nan')):.4f} (vs mean), "
-                              f"cos {sp.get('cos_spliced_clean', float('nan')):.4f} on {sp.get('n_images', 0):,} images")  # fmt: skip
+    if sp:
+        rows["spliced in"] = spliced_row(sp)
     return rows
+
+
+def spliced_row(sp: dict) -> str:
+    """The page's "spliced in" row: the headline (eval.json's "headline" field) with its noise
+    control and chance level, then the embedding distance; a null value shows its note."""
+
+    def f(v):
+        return f"{v:.4f}" if isinstance(v, (int, float)) and v == v else "n/a"
+
+    key = sp.get("headline", "fraction_recovered_zero")
+    row = (f"{key} {f(sp.get(key))} (1 = as clean, 0 = as mean-ablation: chance; unbounded below), noise control "
+           f"at the SAE's FVU {f(sp.get(key + '_noise'))}; embedding fraction recovered vs mean "
+           f"{f(sp.get('fraction_recovered_mean'))}, cos {f(sp.get('cos_spliced_clean'))}; "
+           f"{sp.get('n_images', 0):,} images, test half {sp.get('task_n_test', 0):,}")  # fmt: skip
+    notes = [sp[k] for k in ("head_note", "task_note") if sp.get(k)]
+    return row + "".join(f". Note: {n}" for n in notes)
 
 
 def compute_stats(cache, saes: list, patches: str, layer: int, scale_norm: bool, k: int = 16,

@@ -219,6 +219,10 @@ def plot_pareto(points: list[dict], key: str, ylabel: str, higher: bool, path: s
         ax.set_title(title, fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="best")
+    why = sorted({p[key + "_why"] for p in points if p.get(key) is None and p.get(key + "_why")})
+    if why:  # an SAE without a value is counted, never dropped silently
+        n = sum(1 for p in points if p.get(key) is None and p.get(key + "_why"))
+        fig.text(0.01, 0.005, f"{n} SAE(s) not shown: " + "; ".join(why)[:300], fontsize=6, wrap=True)
     fig.tight_layout()
     fig.savefig(path, dpi=90, bbox_inches="tight")  # "tight": the numbers' listing right of the axes
     plt.close(fig)
@@ -250,5 +254,6 @@ def write_pareto(points: list[dict], out: str) -> dict[str, bool]:
         path = os.path.join(out, name)
         made[name] = plot_pareto(points, key, ylabel, higher, path)
         if not made[name]:
-            _placeholder(path, f"no SAE of this sweep has {key} in its eval.json yet")
+            why = sorted({p[key + "_why"] for p in points if p.get(key + "_why")})
+            _placeholder(path, f"no SAE of this sweep has {key} in its eval.json yet" + "".join(f"; {w}" for w in why))
     return made
