@@ -41,7 +41,7 @@ import torch
 from actcache.errors import ConfigError, LoaderError, TrainError, os_error_text
 from actcache.feed import StagedFeed
 from actcache.fsutil import atomic_write_bytes
-from actcache.rundir import DONE_FILE, EVAL_FILE, METRICS_FILE, RUN_FILE, done_path, is_done, run_dir
+from actcache.rundir import DONE_FILE, EVAL_FILE, METRICS_FILE, RUN_FILE, done_path, is_done, run_dir, weights_records
 from actcache.sae import checkpoint as ckpt
 from actcache.sae import ddp
 from actcache.sae.batched import BatchedSAEs, batch_key, choose_batching
@@ -530,7 +530,7 @@ class GroupTrainer:
             done = {"sae_id": m.run.sae_id, "group_id": self.group_id, "cache_hash": self.md.hash,
                     "steps": run.steps, "tokens": run.steps * run.batch_size, "final": m.last_line,
                     "eval": {k: ev.get(k) for k in ("n_tokens", "nmse", "l0", "n_dead", "n_dense")},
-                    "finished": _now()}  # fmt: skip
+                    "finished": _now(), "files": weights_records(m.dir)}  # fmt: skip
             with _writing(DONE_FILE, m.dir):
                 _write_json(done_path(m.dir), done)
             log.info("SAE %s done: %s", m.run.sae_id, done_path(m.dir))
