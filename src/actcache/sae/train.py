@@ -42,6 +42,7 @@ from actcache.errors import ConfigError, LoaderError, TrainError, os_error_text
 from actcache.feed import StagedFeed
 from actcache.fsutil import atomic_write_bytes
 from actcache.rundir import DONE_FILE, EVAL_FILE, METRICS_FILE, RUN_FILE, done_path, is_done, run_dir, weights_records
+from actcache.runlock import RunLock
 from actcache.sae import checkpoint as ckpt
 from actcache.sae import ddp
 from actcache.sae.batched import BatchedSAEs, batch_key, choose_batching
@@ -213,7 +214,8 @@ class GroupTrainer:
     """Trains the SAEs of one group on a cache (see the module docstring)."""
 
     def __init__(self, cache_dir: str, runs: list[RunConfig], runs_to: str, device: str | None = None,
-                 stop: Callable[[], bool] | None = None, ctx: ddp.DistContext | None = None):  # fmt: skip
+                 stop: Callable[[], bool] | None = None, ctx: ddp.DistContext | None = None,
+                 wait_for_lock: bool = False):  # fmt: skip
         if not runs:
             raise ConfigError("train_group: no SAEs to train")
         keys = {json.dumps(r.group_key, sort_keys=True) for r in runs}
@@ -221,6 +223,7 @@ class GroupTrainer:
             raise ConfigError("train_group: the SAEs do not share a stream of batches (use config.groups)")
         self.cache_dir, self.runs, self.runs_to = os.fspath(cache_dir), list(runs), os.fspath(runs_to)
         self.stop = stop or (lambda: False)
+        self.wait_for_lock = wait_for_lock  # another train owns a run: wait for it (else TrainError)
         self.ctx = ctx or ddp.env_context()
         self.device = ddp.device_for(self.ctx, device)
         self.group_id = runs[0].group_id
@@ -309,9 +312,10 @@ class GroupTrainer:
         """Train every unfinished SAE of the group; returns their run directories."""
         cache = self._open_cache()
         joined = ddp.init(self.ctx, self.device)  # a group the caller joined stays theirs
+        lock = RunLock()
         try:
             dirs = [(r, run_dir(self.runs_to, self.md.hash, r)) for r in self.runs]
-            pending = [(r, d) for r, d in dirs if not is_done(d)]
+            pending = self._own([(r, d) for r, d in dirs if not is_done(d)], lock)
             for r, d in dirs:
                 if (r, d) not in pending:
                     log.info("SAE %s is done (%s); skipped", r.sae_id, done_path(d))
@@ -327,8 +331,20 @@ class GroupTrainer:
                 self._train_pass(cache, start, members)
             return [d for _, d in dirs]
         finally:
+            lock.close()
             if joined:
                 ddp.shutdown(self.ctx)
+
+    def _own(self, pending: list[tuple[RunConfig, str]], lock: RunLock) -> list[tuple[RunConfig, str]]:
+        """Lock the run directories of ``pending`` (main rank; actcache.runlock) and return those still
+        unfinished: a train waited for (wait_for_lock) may have finished them."""
+
+        def take():
+            for _, d in sorted(pending, key=lambda p: p[1]):  # one order: two waiting trains cannot deadlock
+                lock.acquire(d, wait=self.wait_for_lock)
+
+        ddp.on_main(self.ctx, self.device, "the run directories' locks", take)
+        return [(r, d) for r, d in pending if not is_done(d)]
 
     def _loader(self, cache, start: int):
         from actcache.loaders import ShuffledLoader
@@ -593,13 +609,13 @@ def _wandb_log(trainer: GroupTrainer, members: list[_Member], step: int) -> None
 
 
 def train_group(cache_dir: str, runs: list[RunConfig], runs_to: str, device: str | None = None,
-                stop: Callable[[], bool] | None = None) -> list[str]:  # fmt: skip
+                stop: Callable[[], bool] | None = None, wait_for_lock: bool = False) -> list[str]:  # fmt: skip
     """Train one group of SAEs (see the module docstring); returns the run directories."""
-    return GroupTrainer(cache_dir, runs, runs_to, device=device, stop=stop).run()
+    return GroupTrainer(cache_dir, runs, runs_to, device=device, stop=stop, wait_for_lock=wait_for_lock).run()
 
 
 def train_groups(cache_dir: str, by_group: dict[str, list[RunConfig]], runs_to: str, device: str | None = None,
-                 stop: Callable[[], bool] | None = None) -> list[str]:  # fmt: skip
+                 stop: Callable[[], bool] | None = None, wait_for_lock: bool = False) -> list[str]:  # fmt: skip
     """Train each group of ``by_group`` (group id -> its SAEs) in turn; returns the run directories.
     SIGTERM or SIGUSR2 (a Slurm preemption) makes the current group write a checkpoint and raise
     :class:`Preempted`; so does ``stop()`` returning True."""
@@ -616,7 +632,8 @@ def train_groups(cache_dir: str, by_group: dict[str, list[RunConfig]], runs_to: 
         for gid, runs in by_group.items():
             log.info("training group %s (%d SAE(s)) on %s", gid, len(runs), cache_dir)
             dirs += train_group(cache_dir, runs, runs_to, device=device,
-                                stop=lambda: stopping["flag"] or (stop is not None and stop()))  # fmt: skip
+                                stop=lambda: stopping["flag"] or (stop is not None and stop()),
+                                wait_for_lock=wait_for_lock)  # fmt: skip
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
