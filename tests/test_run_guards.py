@@ -221,3 +221,30 @@ def test_fuzzed_safetensors_headers_give_one_line(trained, tmp_path_factory, at,
         SAE.load(d)
     except ActCacheError as err:
         assert "\n" not in str(err) and (WEIGHTS_FILE in str(err) or CONFIG_FILE in str(err))
+
+
+# ---- a checkpoint that matches its manifest but will not load ----------------------------------
+
+
+def test_an_unloadable_checkpoint_falls_back_to_the_one_before(trained, tmp_path, caplog):
+    import argparse
+    import shutil
+
+    import torch
+
+    from actcache.sae import checkpoint as ckpt
+
+    cache, train_file, runs_to, d0 = trained
+    shutil.copytree(runs_to, tmp_path / "runs")
+    d = str(tmp_path / "runs" / os.path.relpath(d0, runs_to))
+    for name in (DONE_FILE, EVAL_FILE):
+        os.remove(os.path.join(d, name))
+    assert ckpt.steps(d) == [2, 4]
+    step4 = ckpt.step_dir(d, 4)
+    torch.save({"optimizer": argparse.Namespace(a=1)}, os.path.join(step4, "state.pt"))  # not weights-only
+    with open(os.path.join(step4, "manifest.json"), "wb") as fh:
+        fh.write(ckpt._manifest(step4, 4))  # the manifest matches: only loading can tell
+    with caplog.at_level(logging.WARNING):
+        train_on_cache(cache, train_file, runs_to=str(tmp_path / "runs"))
+    assert "cannot be loaded" in caplog.text and os.path.isdir(step4 + ".invalid")
+    assert os.path.exists(os.path.join(d, DONE_FILE)) and [m["step"] for m in read_metrics(d)] == [2, 4]

@@ -210,6 +210,14 @@ def _write_json(path: str, doc: dict) -> None:
     atomic_write_bytes(path, (json.dumps(doc, indent=2) + "\n").encode())
 
 
+class _Unloadable(Exception):
+    """Checkpoint ``step`` of ``dir`` passed its manifest but failed to load (``why``)."""
+
+    def __init__(self, directory: str, step: int, why: str):
+        super().__init__(why)
+        self.dir, self.step, self.why = directory, step, why
+
+
 class GroupTrainer:
     """Trains the SAEs of one group on a cache (see the module docstring)."""
 
@@ -327,13 +335,36 @@ class GroupTrainer:
                         ckpt.clean_temps(d)
 
             ddp.on_main(self.ctx, self.device, RUN_FILE, write_run_jsons)
-            for start, members in self._passes(pending):
-                self._train_pass(cache, start, members)
+            todo = self._passes(pending)
+            while todo:
+                start, members = todo.pop(0)
+                try:
+                    self._train_pass(cache, start, members)
+                except _Unloadable as bad:  # set aside like a checkpoint failing its manifest; plan again
+                    self._set_aside(bad)
+                    todo = self._passes(members) + todo
             return [d for _, d in dirs]
         finally:
             lock.close()
             if joined:
                 ddp.shutdown(self.ctx)
+
+    def _set_aside(self, bad: _Unloadable) -> None:
+        """A checkpoint whose files match its manifest but do not load (say, a state.pt that is not a
+        weights-only pickle): renamed aside, so the run resumes from the one before it, if any."""
+        d = ckpt.step_dir(bad.dir, bad.step)
+        log.warning("checkpoint %s passes its manifest but cannot be loaded (%s); setting it aside", d, bad.why)
+
+        def move():
+            if ckpt._set_aside(d) is None:
+                raise TrainError(f"{bad.why}; and it cannot be renamed aside: move it away by hand.")
+
+        ddp.on_main(self.ctx, self.device, f"the rename of {d}", move)
+        if not ckpt.steps(bad.dir):
+            raise TrainError(
+                f"no valid checkpoint to resume {bad.dir} from: {bad.why}. Restore one from a backup, or delete "
+                f"{os.path.join(bad.dir, ckpt.CKPT_DIR)} to train this SAE again from the start."
+            )
 
     def _own(self, pending: list[tuple[RunConfig, str]], lock: RunLock) -> list[tuple[RunConfig, str]]:
         """Lock the run directories of ``pending`` (main rank; actcache.runlock) and return those still
@@ -372,7 +403,10 @@ class GroupTrainer:
         members = [_Member(r, d, self.md.d_vit, self.device, self.sync_free) for r, d in pending]
         for m in members:
             if start > 0:
-                _, extra = ckpt.load(m.dir, start, m.sae, m.opt, m.obj)
+                try:
+                    _, extra = ckpt.load(m.dir, start, m.sae, m.opt, m.obj)
+                except TrainError as err:
+                    raise _Unloadable(m.dir, start, str(err)) from None
                 m.acc_sum.copy_(extra["metric_sum"])
                 m.acc_n = extra["metric_n"]
             if self.ctx.is_main:
