@@ -248,3 +248,17 @@ def test_an_unloadable_checkpoint_falls_back_to_the_one_before(trained, tmp_path
         train_on_cache(cache, train_file, runs_to=str(tmp_path / "runs"))
     assert "cannot be loaded" in caplog.text and os.path.isdir(step4 + ".invalid")
     assert os.path.exists(os.path.join(d, DONE_FILE)) and [m["step"] for m in read_metrics(d)] == [2, 4]
+
+
+def test_visuals_reuse_recomputes_a_truncated_latents_npz(trained, tmp_path, caplog):
+    d = copy_run(trained[3], tmp_path / "run")
+    assert cli.main(["visuals", d, "--latents", "3", "--no-images", "--device", "cpu"]) == 0
+    npz = os.path.join(d, "visuals", "latents.npz")
+    os.truncate(npz, os.path.getsize(npz) // 2)
+    with caplog.at_level(logging.WARNING):
+        assert cli.main(["visuals", d, "--latents", "3", "--no-images", "--device", "cpu", "--reuse"]) == 0
+    assert "latents.npz is damaged" in caplog.text
+    with open(os.path.join(d, "visuals", "summary.json")) as fh:
+        assert json.load(fh)["reused"] is False
+    with open(npz, "rb") as fh:
+        assert fh.read(2) == b"PK" and os.path.getsize(npz) > 0  # written whole again
