@@ -262,3 +262,26 @@ def test_visuals_reuse_recomputes_a_truncated_latents_npz(trained, tmp_path, cap
         assert json.load(fh)["reused"] is False
     with open(npz, "rb") as fh:
         assert fh.read(2) == b"PK" and os.path.getsize(npz) > 0  # written whole again
+
+
+# ---- verify reads labels the way train does ----------------------------------------------------
+
+
+@pytest.mark.parametrize("damage", ["truncate", "fifo", "float"])
+def test_verify_refuses_labels_train_would_refuse(tmp_path, capsys, damage):
+    import numpy as np
+
+    labels = np.arange(6) % 2
+    cache, _, _ = make_cache(tmp_path / "c", n_imgs=6, layers=(7,), labels=labels, class_names=["a", "b"])
+    assert cli.main(["verify", cache]) == 0
+    npy = os.path.join(cache, "labels.npy")
+    if damage == "truncate":
+        os.truncate(npy, 100)
+    elif damage == "fifo":  # np.load would block on it
+        os.remove(npy)
+        os.mkfifo(npy)
+    else:
+        np.save(npy, labels.astype(np.float32))
+    capsys.readouterr()
+    assert cli.main(["verify", cache]) == 1
+    assert "labels.npy" in capsys.readouterr().out
