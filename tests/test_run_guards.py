@@ -285,3 +285,12 @@ def test_verify_refuses_labels_train_would_refuse(tmp_path, capsys, damage):
     capsys.readouterr()
     assert cli.main(["verify", cache]) == 1
     assert "labels.npy" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("data", [["a", "b"], "images", [["kind", "image_folder"], ["root", "x"]], 3])
+def test_experiment_data_that_is_not_a_mapping_is_one_line(tmp_path, capsys, data):
+    exp = tmp_path / "e.yaml"
+    exp.write_text(yaml.safe_dump({"vit": {"family": "clip", "ckpt": "x", "layers": [1]}, "data": data}))
+    assert cli.main(["plan", "--experiment", str(exp), "--dump-to", str(tmp_path), "--runs-to", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{exp}: key 'data' is" in err and "give a mapping" in err and len(err.strip().splitlines()) == 1

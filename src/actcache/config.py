@@ -212,6 +212,11 @@ def experiment_from_dict(doc: object, source: str = "<dict>", base_dir: str | No
         cache = CacheConfig(**read_section(cache, CacheConfig, source, "cache."))
     from actcache.images import data_config_from_dict
 
+    if not isinstance(top["data"], dict):
+        raise ConfigError(
+            f"{source}: key 'data' is {type(top['data']).__name__} {str(top['data'])[:60]!r}; give a mapping, "
+            "e.g. data: {kind: image_folder, root: DIR}."
+        )
     data = data_config_from_dict(dict(top["data"]), where=f"{source}: data")
     name = top["name"]
     if name is None:
