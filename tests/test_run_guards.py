@@ -294,3 +294,22 @@ def test_experiment_data_that_is_not_a_mapping_is_one_line(tmp_path, capsys, dat
     assert cli.main(["plan", "--experiment", str(exp), "--dump-to", str(tmp_path), "--runs-to", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert f"{exp}: key 'data' is" in err and "give a mapping" in err and len(err.strip().splitlines()) == 1
+
+
+# ---- ENOSPC names the file ---------------------------------------------------------------------
+
+
+def test_a_full_disk_during_convert_names_the_shard(tmp_path):
+    import sys
+
+    from conftest import in_mount_namespace
+
+    cache, md, _ = make_cache(tmp_path / "c", n_imgs=40, layers=(7,), n_patches=16, d=64, imgs_per_shard=10)
+    out = tmp_path / "out"
+    out.mkdir()
+    script = f'mount -t tmpfs -o size=80k tmpfs {out} || exit 99; "$@"'  # room for 2 of the 4 shards
+    got = in_mount_namespace(script, [sys.executable, "-m", "actcache.cli", "convert", cache, "--dtype", "float16",
+                                      "--to", out])  # fmt: skip
+    assert got.returncode == 2 and "Traceback" not in got.stderr, got.stderr
+    (line,) = [ln for ln in got.stderr.splitlines() if "error:" in ln]
+    assert "No space left on device" in line and "/acts00000" in line and ".bin:" in line, line
