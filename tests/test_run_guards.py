@@ -313,3 +313,29 @@ def test_a_full_disk_during_convert_names_the_shard(tmp_path):
     assert got.returncode == 2 and "Traceback" not in got.stderr, got.stderr
     (line,) = [ln for ln in got.stderr.splitlines() if "error:" in ln]
     assert "No space left on device" in line and "/acts00000" in line and ".bin:" in line, line
+
+
+# ---- bounds at plan time -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("train,want", [
+    ({"width": 2**40}, "key 'width' must be in [1, "), ({"exp_factor": 1e300}, "key 'exp_factor' must be in (0, 4096]"),
+    ({"lr": 1e308}, "key 'lr' must be in (0, 1]"), ({"aux_coeff": 1e9}, "key 'aux_coeff' must be in [0, 10000]"),
+    ({"width": 2**24}, "needs 2,048.3 GiB to train (weights, gradients and Adam's two moments: 4 x 137,455,734,784 "),
+])  # fmt: skip
+def test_unbounded_train_settings_are_refused_with_the_figure(train, want):
+    from actcache.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^x\.yaml: train: ") as got:
+        expand_train_section({"steps": 10, **train}, "x.yaml", d_vit=4096)
+    assert want in str(got.value)
+    if "GiB" in want:
+        assert "more than the 192 GiB of the largest device" in str(got.value)
+
+
+def test_a_million_dump_workers_is_refused_by_plan(tmp_path, capsys):
+    exp = tmp_path / "e.yaml"
+    exp.write_text(yaml.safe_dump({"vit": {"family": "clip", "ckpt": "x", "layers": [1]},
+                                   "data": {"kind": "image_folder", "root": "x"}, "cache": {"n_workers": 1000000}}))  # fmt: skip
+    assert cli.main(["plan", "--experiment", str(exp), "--dump-to", str(tmp_path), "--runs-to", str(tmp_path)]) == 2
+    assert "key 'cache.n_workers' must be in [0, 256], got 1000000" in capsys.readouterr().err

@@ -44,6 +44,9 @@ def _vit(help: str, **kw):
     return key(help=help, scope="vit", required=True, **kw)
 
 
+MAX_WORKERS = 256  # the stated cap of cache.n_workers (dump also cuts it to the node's CPUs)
+
+
 def _cache(default, help: str, **kw):
     return key(default, help, scope="cache", hashed=False, **kw)
 
@@ -90,7 +93,8 @@ class CacheConfig:
         choices=DTYPE_NAMES,
     )
     batch_size: int = _cache(256, "images per forward pass in `actcache dump`", ge=1)
-    n_workers: int = _cache(4, "image decoding processes (the workflow passes the job's threads instead)", ge=0)
+    n_workers: int = _cache(4, "image decoding processes (the workflow passes the job's threads instead); more than the node's CPUs are cut to them",
+                            ge=0, le=MAX_WORKERS)  # fmt: skip
     shards_per_job: int = _cache(1, "shards per dump job: one Slurm job per range of this many shards", ge=1)
     device: str = _cache("auto", "`auto` (CUDA when present), `cpu`, `cuda`, `cuda:1`")
 

@@ -264,11 +264,31 @@ class GroupTrainer:
                 r.sae_config(md.d_vit)
             except ConfigError as err:
                 raise ConfigError(f"SAE {r.sae_id} on this cache (d_vit={md.d_vit}): {err}") from None
+        self._check_memory(md.d_vit)
         self.md = md
         self.heldout = self._heldout(cache, run)
         self.n_eval = len(self.heldout)
         self.n_train = md.n_imgs - self.n_eval
         return cache
+
+    def _check_memory(self, d_vit: int) -> None:
+        """Refuse a group whose SAEs' training state (SAEConfig.train_bytes, together) exceeds the
+        device's memory, before anything is allocated: one line with the figures."""
+        if self.device.type == "cuda":
+            limit = torch.cuda.get_device_properties(self.device).total_memory
+        elif self.device.type == "cpu":
+            limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        else:
+            return
+        cfgs = [r.sae_config(d_vit) for r in self.runs]
+        need = sum(c.train_bytes for c in cfgs)
+        if need > limit:
+            widths = ", ".join(f"{c.width:,}" for c in cfgs)
+            raise TrainError(
+                f"group {self.group_id}: its {len(cfgs)} SAE(s) (width {widths}, d_vit {d_vit}) need "
+                f"{need / 2**30:,.1f} GiB to train (weights, gradients, Adam's two moments), more than the "
+                f"{limit / 2**30:,.1f} GiB of {self.device}; lower width or exp_factor, or split the group."
+            )
 
     @staticmethod
     def _heldout(cache, run: RunConfig):
