@@ -531,7 +531,8 @@ class SAE(nn.Module):
         cfg_path, w_path = os.path.join(directory, CONFIG_FILE), os.path.join(directory, WEIGHTS_FILE)
         for p in (cfg_path, w_path):
             if not os.path.isfile(p):
-                raise ConfigError(f"{directory} is not a saved SAE: missing {os.path.basename(p)}")
+                what = "not a regular file" if os.path.lexists(p) else "missing"
+                raise ConfigError(f"{directory} is not a saved SAE: {os.path.basename(p)} {what}")
         check_weights(directory)
         cfg = _read_config(cfg_path, w_path)
         sae = cls(cfg)
