@@ -14,6 +14,12 @@ Rows (``--only kill-dump,fuzz-cache``; ``--trials`` replaces every row's default
                        wrong rows (10 trials of each of the 6 combinations)
   verify-corrupt (12)  flipped bytes, zeroed, duplicated, swapped shards: `verify --deep` exits 1
   concurrent-dumps (4) two dumps of overlapping ranges: at most 1.05x the needed shard writes
+  damaged-weights (48) a finished run's sae.safetensors flipped, cut, grown, zeroed or swapped:
+                       export and SAE.load refuse it in one line (done.json records its sha256)
+  concurrent-trains (9) two trains of one run: the second exits 2 within 1 s naming the first, or
+                       waits (--wait-for-lock); metrics.jsonl strictly increasing, one done.json
+  unbounded-files (7)  7 run files x (/dev/zero, FIFO, oversized, 64 GiB sparse, directory) x 3
+                       readers: exit 0 or one line, under 8 GiB of address space
 A row whose feature is not in this build (``keep_checkpoints``, ``actcache seal``) reports
 "not built". Fuzz cases are judged by scripts/fuzzlib.py (no traceback, no hang, exit 1 or 2
 with one error line).
@@ -427,6 +433,271 @@ def row_concurrent_dumps(work: str, n: int, rng: random.Random) -> Row:
     return row
 
 
+# ---- the run directory: final weights, one owner, bounded files (issue #55 items 4-6) ---------
+
+RUN_TRAIN = {"layer": 7, "batch_size": 16, "steps": 4, "log_every": 2, "ckpt_every": 2, "eval_frac": 0.2,
+             "b_dec_init": "mean", "buffer_bytes": 20000, "saes": [{"activation": "topk", "width": 12, "k": 3}]}  # fmt: skip
+
+
+def _tiny_run(work: str, train: dict) -> tuple[str, str, str]:
+    """(cache, train file, run directory) of one tiny SAE trained here on a random cache."""
+    import yaml
+
+    from actcache.sae.on_cache import train_on_cache
+    from conftest import make_cache
+
+    cache, _, _ = make_cache(os.path.join(work, "cache"), n_imgs=40, layers=(7,), n_patches=4, d=8, imgs_per_shard=10)
+    train_file = os.path.join(work, "train.yaml")
+    Path(train_file).write_text(yaml.safe_dump({"train": train}))
+    (d,) = train_on_cache(cache, train_file, runs_to=os.path.join(work, "runs"))
+    return cache, train_file, d
+
+
+def _cli(argv: list[str]) -> tuple[int | str, str]:
+    """`actcache ARGV` in this process: (exit status, or "traceback: ..." for an uncaught exception; stderr)."""
+    import contextlib
+    import io
+    import logging
+
+    from actcache import cli
+
+    err = io.StringIO()
+    root = logging.getLogger()
+    handlers = root.handlers[:]
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            rc: int | str = cli.main(argv)
+    except BaseException as e:  # noqa: BLE001 - judged: a traceback is a failure
+        rc = f"traceback: {type(e).__name__}: {e}"
+    finally:
+        root.handlers[:] = handlers
+    return rc, err.getvalue()
+
+
+WEIGHT_DAMAGE = ("flip-data", "flip-header", "truncate", "append", "zero-tail", "swap")
+
+
+def _damage_weights(path: str, how: str, rng: random.Random, other: bytes) -> None:
+    data = bytearray(Path(path).read_bytes())
+    hlen = 8 + int.from_bytes(data[:8], "little")
+    if how == "flip-data":
+        data[rng.randrange(hlen, len(data))] ^= 1 << rng.randrange(8)
+    elif how == "flip-header":
+        data[rng.randrange(0, hlen)] ^= 1 << rng.randrange(8)
+    elif how == "truncate":
+        del data[rng.randrange(len(data)) :]
+    elif how == "append":
+        data += os.urandom(rng.randrange(1, 64))
+    elif how == "zero-tail":
+        at = rng.randrange(hlen, len(data))
+        data[at:] = bytes(len(data) - at)
+    else:  # another SAE's weights of the same shape
+        data = bytearray(other)
+    Path(path).write_bytes(bytes(data))
+
+
+def row_damaged_weights(work: str, n: int, rng: random.Random) -> Row:
+    """A finished run's sae.safetensors damaged: `export` and SAE.load (what eval and visuals call)
+    exit 2 / raise one line naming the file. With done.json's record every damage is caught; a run
+    without it (an older actcache) is only held to no traceback (a flipped weight passes there)."""
+    from actcache.errors import ActCacheError
+    from actcache.rundir import DONE_FILE, WEIGHTS_FILE
+    from actcache.sae.modeling import SAE
+
+    row = Row("damaged-weights")
+    _, _, d = _tiny_run(os.path.join(work, "a"), RUN_TRAIN)
+    _, _, other = _tiny_run(os.path.join(work, "b"), {**RUN_TRAIN, "data_seed": 1})
+    other_bytes = Path(other, WEIGHTS_FILE).read_bytes()
+    for i in range(n):
+        row.trials += 1
+        how, recorded = WEIGHT_DAMAGE[i % len(WEIGHT_DAMAGE)], i % 4 != 3
+        t = os.path.join(work, f"t{i}")
+        shutil.copytree(d, t, ignore=shutil.ignore_patterns("checkpoints"))
+        if not recorded:
+            done = json.loads(Path(t, DONE_FILE).read_text())
+            done.pop("files")
+            Path(t, DONE_FILE).write_text(json.dumps(done))
+        _damage_weights(os.path.join(t, WEIGHTS_FILE), how, rng, other_bytes)
+        rc, err = _cli(["export", t, "--to", "saelens", os.path.join(t, "out")])
+        try:
+            SAE.load(t)
+            loaded = None
+        except ActCacheError as e:
+            loaded = str(e)
+        except Exception as e:  # noqa: BLE001 - judged
+            row.fail(f"trial {i} ({how}): SAE.load: traceback {type(e).__name__}: {e}")
+            continue
+        lines = [ln for ln in err.splitlines() if "error:" in ln]
+        if isinstance(rc, str) or rc not in (0, 2) or (rc == 2 and len(lines) != 1):
+            row.fail(f"trial {i} ({how}, recorded={recorded}): export exit {rc}: {err[-200:]!r}")
+        elif recorded and (rc != 2 or WEIGHTS_FILE not in lines[0] or loaded is None or WEIGHTS_FILE not in loaded):
+            row.fail(f"trial {i} ({how}): damaged weights not refused (export exit {rc}, load {loaded!r})")
+        shutil.rmtree(t, ignore_errors=True)
+    return row
+
+
+TRAIN_CLI = "import sys; from actcache.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def _train_cli(cache: str, train_file: str, runs_to: str, *extra: str) -> subprocess.Popen:
+    argv = [sys.executable, "-c", TRAIN_CLI, "train", "--cache", cache, "--train", train_file, "--runs-to", runs_to,
+            "--device", "cpu", *extra]  # fmt: skip
+    return subprocess.Popen(argv, env={**ENV, "OMP_NUM_THREADS": "1"}, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def row_concurrent_trains(work: str, n: int, rng: random.Random) -> Row:
+    """Two trains of one run. "later": a second train (in this process, timed) while a first one
+    (a process) owns the run: exit 2 within 1 s naming the first's host and pid. "race": both
+    started together: one trains (exit 0), the other exits 2. "wait": the second with
+    --wait-for-lock waits, then finds the run done (exit 0). Always: one done.json, metrics.jsonl
+    steps strictly increasing."""
+    import socket
+
+    import yaml
+
+    from actcache.rundir import DONE_FILE, LOCK_FILE, read_metrics, run_dir
+    from actcache.sae.config import expand_train_section
+
+    row = Row("concurrent-trains")
+    long = {**RUN_TRAIN, "steps": 3000, "log_every": 100, "ckpt_every": 1000}
+    cache, train_file, _ = _tiny_run(os.path.join(work, "base"), RUN_TRAIN)
+    Path(train_file).write_text(yaml.safe_dump({"train": long}))
+    (run,) = expand_train_section(long, train_file, layers=(7,), d_vit=8)
+    waits = []
+    for i in range(n):
+        row.trials += 1
+        kind = ("later", "race", "wait")[i % 3]
+        runs_to = os.path.join(work, f"t{i}")
+        d = run_dir(runs_to, os.path.basename(cache), run)
+        first = _train_cli(cache, train_file, runs_to)
+        second = _train_cli(cache, train_file, runs_to) if kind == "race" else None
+        if kind != "race":  # the first owns the run before the second starts
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and first.poll() is None:
+                lock = Path(d, LOCK_FILE)
+                if lock.exists() and lock.read_text().split()[1:] == [str(first.pid)]:
+                    break
+                time.sleep(0.02)
+        if kind == "wait":
+            second = _train_cli(cache, train_file, runs_to, "--wait-for-lock")
+        note = ""
+        if kind == "later":
+            t0 = time.monotonic()
+            rc, err = _cli(["train", "--cache", cache, "--train", train_file, "--runs-to", runs_to, "--device", "cpu"])
+            dt = time.monotonic() - t0
+            waits.append(dt)
+            if first.poll() is not None:
+                note = "the first train ended before the second started; "
+            want = f"host {socket.gethostname()}, pid {first.pid}"
+            if rc != 2 or want not in err or dt > 1.0:
+                row.fail(f"trial {i} (later): {note}exit {rc} after {dt:.2f} s: {err.strip()[-200:]!r}")
+        procs = [first] + ([second] if second is not None else [])
+        errs = [p.communicate(timeout=600)[1] for p in procs]
+        rcs = [p.returncode for p in procs]
+        if any("Traceback" in e for e in errs):
+            row.fail(f"trial {i} ({kind}): a traceback: {[e[-200:] for e in errs]!r}")
+        elif kind == "race" and sorted(rcs) != [0, 2]:
+            row.fail(f"trial {i} (race): exits {rcs}, want one 0 and one 2: {[e[-150:] for e in errs]!r}")
+        elif kind != "race" and any(rc != 0 for rc in rcs):
+            row.fail(f"trial {i} ({kind}): exits {rcs}: {[e[-150:] for e in errs]!r}")
+        steps = [m["step"] for m in read_metrics(d)]
+        if steps != sorted(set(steps)) or steps[-1:] != [long["steps"]] or not os.path.exists(os.path.join(d, DONE_FILE)):
+            row.fail(f"trial {i} ({kind}): metrics.jsonl steps {steps[:8]}... not strictly increasing to the end")
+        shutil.rmtree(runs_to, ignore_errors=True)
+    if waits:
+        row.notes.append(f"the second train exited after {max(waits):.2f} s at most (median "
+                         f"{sorted(waits)[len(waits) // 2]:.2f} s, n={len(waits)})")  # fmt: skip
+    return row
+
+
+UNBOUNDED_SCRIPT = r"""
+import contextlib, io, json, os, resource, shutil, sys, traceback
+resource.setrlimit(resource.RLIMIT_AS, (8 * 2**30, 8 * 2**30))
+from actcache import cli
+from actcache.errors import ActCacheError
+from actcache.rundir import load_run, read_metrics
+from actcache.sae.modeling import SAE
+pristine, work, name = sys.argv[1], sys.argv[2], sys.argv[3]
+out = []
+for how in ("dev-zero", "fifo", "oversized", "sparse-64g", "directory"):
+    t = os.path.join(work, f"{name}-{how}")
+    shutil.copytree(pristine, t, ignore=shutil.ignore_patterns("checkpoints"))
+    p = os.path.join(t, name)
+    os.remove(p)
+    if how == "dev-zero":
+        os.symlink("/dev/zero", p)
+    elif how == "fifo":
+        os.mkfifo(p)
+    elif how == "oversized":
+        with open(p, "wb") as fh:
+            fh.write(b"[" * (600 * 2**20) if name.endswith(".jsonl") else b"[" * (20 * 2**20))
+    elif how == "sparse-64g":
+        with open(p, "wb") as fh:
+            fh.truncate(64 * 2**30)
+    else:
+        os.mkdir(p)
+    for cmd in (["visuals", t, "--plots-only"], ["export", t, "--to", "saelens", os.path.join(t, "out")], "library"):
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                if cmd == "library":
+                    run = load_run(t)
+                    run.name, run.eval(), run.sae_config(), read_metrics(t)
+                    SAE.load(t)
+                    rc = 0
+                else:
+                    rc = cli.main(cmd)
+        except ActCacheError as e:
+            rc, msg = 2, str(e)
+            err.write(f"error: {msg}\n")
+        except BaseException as e:
+            rc = "traceback: " + "".join(traceback.format_exception_only(e)).strip()[-200:]
+        out.append({"how": how, "cmd": cmd if isinstance(cmd, str) else cmd[0], "rc": rc,
+                    "err": [ln for ln in err.getvalue().splitlines() if "error:" in ln]})
+        shutil.rmtree(os.path.join(t, "out"), ignore_errors=True)
+    shutil.rmtree(t, ignore_errors=True)
+print(json.dumps(out))
+"""
+
+
+def row_unbounded_files(work: str, n: int, rng: random.Random) -> Row:
+    """Each run file replaced by a symlink to /dev/zero, a FIFO, an oversized file, a 64 GiB sparse
+    file or a directory, read by `visuals --plots-only`, `export` and the library (load_run, Run.eval,
+    read_metrics, SAE.load) in a process limited to 8 GiB of address space and 120 s: exit 0 (not
+    read) or one error line naming the file; never a traceback, a hang or unbounded memory.
+    ``n`` files (of 7) x 5 damages x 3 readers trials."""
+    from actcache.rundir import CONFIG_FILE, DONE_FILE, EVAL_FILE, METRICS_FILE, RUN_FILE, WEIGHTS_FILE
+
+    row = Row("unbounded-files")
+    _, _, d = _tiny_run(os.path.join(work, "a"), RUN_TRAIN)
+    names = [RUN_FILE, DONE_FILE, EVAL_FILE, CONFIG_FILE, METRICS_FILE, WEIGHTS_FILE, "visuals/summary.json"]
+    os.makedirs(os.path.join(d, "visuals"), exist_ok=True)
+    Path(d, "visuals", "summary.json").write_text("{}")
+    for name in names[: max(1, n)]:
+        try:
+            proc = subprocess.run([sys.executable, "-c", UNBOUNDED_SCRIPT, d, work, name], env=ENV, cwd=ROOT,
+                                  capture_output=True, text=True, timeout=600)  # fmt: skip
+            results = json.loads(proc.stdout.strip().splitlines()[-1])
+        except subprocess.TimeoutExpired:
+            row.trials += 15
+            row.fail(f"{name}: the readers hung (600 s)")
+            continue
+        except (ValueError, IndexError):
+            row.trials += 15
+            row.fail(f"{name}: the reader process ended with {proc.returncode}: {proc.stderr[-300:]!r}")
+            continue
+        for r in results:
+            row.trials += 1
+            what = f"{name} as {r['how']}, {r['cmd']}"
+            shown = os.path.basename(name)
+            if isinstance(r["rc"], str) or r["rc"] not in (0, 2):
+                row.fail(f"{what}: {r['rc']}")
+            elif r["rc"] == 2 and (len(r["err"]) != 1 or shown not in r["err"][0]):
+                row.fail(f"{what}: exit 2 without one line naming {shown}: {r['err'][:2]!r}")
+    return row
+
+
 ROWS = {
     "kill-dump": (row_kill_dump, 20, "kill -9 during dump, rerun: byte-identical"),
     "kill-train": (row_kill_train, 20, "kill -9 during train, rerun: identical weights"),
@@ -440,6 +711,9 @@ ROWS = {
     ),
     "verify-corrupt": (row_verify_corrupt, 12, "flipped/zeroed/duplicated/swapped shards: verify --deep fails"),
     "concurrent-dumps": (row_concurrent_dumps, 4, "overlapping concurrent dumps: <= 1.05x shard writes"),
+    "damaged-weights": (row_damaged_weights, 48, "damaged final sae.safetensors: export/load exit 2 naming it"),
+    "concurrent-trains": (row_concurrent_trains, 9, "two trains of one run: one owner, exit 2 in <= 1 s, monotonic metrics"),
+    "unbounded-files": (row_unbounded_files, 7, "run files as /dev/zero, FIFO, oversized, sparse, directory: one line"),
 }
 
 

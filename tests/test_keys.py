@@ -71,7 +71,7 @@ def test_bad_train_value_is_one_line_naming_file_key_value_and_fix(train, want):
         ),
         ({"vit__family": "vitx"}, "x.yaml: key 'vit.family' must be one of clip, siglip, dinov2, dinov3, siglip2, got 'vitx'"),
         ({"vit__layers": [-2, -2]}, "x.yaml: key 'vit.layers' repeats an item, got (-2, -2); e.g. `layers: [-2]`"),
-        ({"cache": {"n_workers": -1}}, "x.yaml: key 'cache.n_workers' must be >= 0, got -1; e.g. `n_workers: 4`"),
+        ({"cache": {"n_workers": -1}}, "x.yaml: key 'cache.n_workers' must be in [0, 256], got -1; e.g. `n_workers: 4`"),
         ({"cache": {"batch_sz": 8}}, "x.yaml: unknown key 'cache.batch_sz'. Allowed: batch_size, device"),
         ({"name": "my exp"}, "x.yaml: key 'name' must match"),
     ],

@@ -193,7 +193,7 @@ def test_one_pass_trains_a_sweep_and_writes_every_output(small_cache, tmp_path):
     assert dirs == [run_dir(tmp_path / "runs", h, r) for r in runs]
     for r, d in zip(runs, dirs, strict=True):
         assert sorted(os.listdir(d)) == ["checkpoints", "config.json", "done.json", "eval.json", "metrics.jsonl",
-                                         "run.json", "sae.safetensors"]  # fmt: skip
+                                         "run.json", "sae.safetensors", "train.lock"]  # fmt: skip
         lines = [json.loads(x) for x in open(os.path.join(d, "metrics.jsonl"))]
         assert [x["step"] for x in lines] == [10, 20, 30]
         for key in ("mse", "nmse", "l0", "l1", "n_dead", "n_dense", "wait_s", "wait_frac", "lr", "steps_per_s"):

@@ -44,6 +44,9 @@ def _vit(help: str, **kw):
     return key(help=help, scope="vit", required=True, **kw)
 
 
+MAX_WORKERS = 256  # the stated cap of cache.n_workers (dump also cuts it to the node's CPUs)
+
+
 def _cache(default, help: str, **kw):
     return key(default, help, scope="cache", hashed=False, **kw)
 
@@ -100,7 +103,8 @@ class CacheConfig:
         choices=FORWARDS,
     )
     batch_size: int = _cache(256, "images per forward pass in `actcache dump`", ge=1)
-    n_workers: int = _cache(4, "image decoding processes (the workflow passes the job's threads instead)", ge=0)
+    n_workers: int = _cache(4, "image decoding processes (the workflow passes the job's threads instead); more than the node's CPUs are cut to them",
+                            ge=0, le=MAX_WORKERS)  # fmt: skip
     shards_per_job: int = _cache(1, "shards per dump job: one Slurm job per range of this many shards", ge=1)
     device: str = _cache("auto", "`auto` (CUDA when present), `cpu`, `cuda`, `cuda:1`")
 
@@ -259,8 +263,13 @@ def experiment_from_dict(doc: object, source: str = "<dict>", base_dir: str | No
         cache = CacheConfig(**read_section(cache, CacheConfig, source, "cache."))
     from actcache.images import data_config_from_dict
 
-    data_doc = dict(top["data"]) if isinstance(top["data"], dict) else top["data"]
-    kind = data_doc.get("kind") if isinstance(data_doc, dict) else None
+    if not isinstance(top["data"], dict):
+        raise ConfigError(
+            f"{source}: key 'data' is {type(top['data']).__name__} {str(top['data'])[:60]!r}; give a mapping, "
+            "e.g. data: {kind: image_folder, root: DIR}."
+        )
+    data_doc = dict(top["data"])
+    kind = data_doc.get("kind")
     field = _DATA_PATHS.get(kind) if isinstance(kind, str) else None
     if field is not None and isinstance(data_doc.get(field), str) and data_doc[field]:
         data_doc[field] = resolve_path(data_doc[field], base, source, f"data.{field}")

@@ -335,6 +335,15 @@ def _write_labels(path: str, ds) -> None:
     write_labels(path, labels, names)
 
 
+def _cap_workers(n_workers: int) -> int:
+    """n_workers, cut to the CPUs this process may run on (more only fork idle processes)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if n_workers > cpus:
+        log.warning("%d image-loading workers asked for, %d CPUs here: using %d", n_workers, cpus, cpus)
+        return cpus
+    return n_workers
+
+
 def _setup_error(err: OSError, what: str) -> DumpError:
     name = getattr(err, "filename", None)
     at = f" ({name})" if name and str(name) not in what else ""
@@ -380,6 +389,7 @@ def dump_shards(
         raise ConfigError(f"batch size must be >= 1, got {batch_size}")
     if n_workers < 0:
         raise ConfigError(f"workers must be >= 0, got {n_workers}")
+    n_workers = _cap_workers(n_workers)
     dev = resolve_device(device if device is not None else exp.cache.device)
     listing_cache = os.path.join(dump_to, ".listings")  # as actcache.plan.plan uses
     md = experiment_metadata(exp, listing_cache=listing_cache)  # unknown family, bad layer, no images: here

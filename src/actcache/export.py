@@ -25,9 +25,9 @@ import json
 import math
 import os
 
-from actcache.errors import ActCacheError, ConfigError, os_error_text
+from actcache.errors import ActCacheError, ConfigError
 from actcache.fsutil import atomic_write_bytes
-from actcache.rundir import DONE_FILE, EVAL_FILE, RUN_FILE
+from actcache.rundir import DONE_FILE, EVAL_FILE, RUN_FILE, load_run
 
 WEIGHTS_FILE = "sae_weights.safetensors"
 CFG_FILE = "cfg.json"
@@ -39,15 +39,15 @@ ARCHITECTURES = {
 
 
 def _read_json(path: str, what: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: missing; {what}") from None
-    except (ValueError, RecursionError) as err:  # RecursionError: nested too deeply
-        raise ConfigError(f"{path}: not valid JSON ({err}); re-run training for this SAE") from None
-    except OSError as err:
-        raise ConfigError(f"{path}: cannot read it ({os_error_text(err)}); check its permissions") from None
+    """A run file as a JSON object, read within docfiles' bounds; every failure one ConfigError line."""
+    from actcache.docfiles import load_json_file
+
+    if not os.path.lexists(path):
+        raise ConfigError(f"{path}: missing; {what}")
+    doc = load_json_file(path, ConfigError, "run file")
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: not a JSON object; re-run training for this SAE")
+    return doc
 
 
 def _cache_metadata(cache_dir: str):
@@ -282,8 +282,9 @@ def export_saelens(run_dir: str | os.PathLike, out_dir: str | os.PathLike, n_blo
     run_dir, out_dir = os.fspath(run_dir), os.fspath(out_dir)
     _read_json(os.path.join(run_dir, DONE_FILE), "the SAE has not finished training; export it once it has")
     run = _read_json(os.path.join(run_dir, RUN_FILE), "not an actcache run directory")
+    load_run(run_dir)  # run.json's fields of the wrong type: one line
     ev = _read_json(os.path.join(run_dir, EVAL_FILE), "the run has no held-out evaluation")
-    sae = SAE.load(run_dir)
+    sae = SAE.load(run_dir)  # checked against done.json's record of the weights
     md = _cache_metadata(run["cache"])
     cfg_doc = saelens_cfg(sae, run, md, n_blocks)
     scale = _scale(run, run["cache"])

@@ -45,12 +45,15 @@ def atomic_open(path: str, mode: str = "wb"):
         fd.close()
         os.replace(tmp, path)
         fsync_dir(os.path.dirname(path))
-    except BaseException:
+    except BaseException as err:
         # closing may fail again (e.g. the flush of a full disk); the temp must still go
         with contextlib.suppress(OSError):
             fd.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(err, OSError) and err.filename is None and err.errno is not None:
+            # a write, flush or fsync error (ENOSPC, EIO) names no file: name the one being written
+            raise OSError(err.errno, err.strerror or os.strerror(err.errno), path) from err
         raise
 
 

@@ -40,6 +40,20 @@ def write_labels(path: str, labels: np.ndarray, class_names: list[str] | None) -
     atomic_write_bytes(os.path.join(path, LABELS_JSON), (json.dumps(doc, indent=2) + "\n").encode())
 
 
+def _load_npy(npath: str) -> np.ndarray:
+    """labels.npy, a regular file (a FIFO would block np.load), no pickles; ProtocolError naming it."""
+    import stat
+
+    try:
+        fd = os.open(npath, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as fh:
+            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+                raise ProtocolError(f"{npath}: not a regular file. Delete labels.* or re-dump.")
+            return np.load(fh, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as err:
+        raise ProtocolError(f"{npath}: cannot read the labels array ({err}). Delete labels.* or re-dump.") from None
+
+
 def read_labels(path: str, n_imgs: int) -> tuple[np.ndarray, list[str]] | None:
     """(labels, class_names), or None when the cache has no labels."""
     jpath, npath = os.path.join(path, LABELS_JSON), os.path.join(path, LABELS_NPY)
@@ -50,10 +64,7 @@ def read_labels(path: str, n_imgs: int) -> tuple[np.ndarray, list[str]] | None:
     doc = read_json(jpath)
     if not isinstance(doc, dict) or doc.get("format") != "actcache-labels" or not isinstance(doc.get("classes"), list):
         raise ProtocolError(f"{jpath}: not an actcache labels file (needs format and classes). Delete it or re-dump.")
-    try:
-        labels = np.load(npath, allow_pickle=False)
-    except (OSError, ValueError) as err:
-        raise ProtocolError(f"{npath}: cannot read the labels array ({err}). Delete labels.* or re-dump.") from None
+    labels = _load_npy(npath)
     if labels.shape != (n_imgs,) or labels.dtype.kind != "i":
         raise ProtocolError(
             f"{npath}: holds {labels.dtype} {labels.shape}, expected int ({n_imgs},) — one label per image. "

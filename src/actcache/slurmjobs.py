@@ -85,8 +85,11 @@ def claim_path(marks_dir: str, range_tag: str) -> str:
 
 def read_claim(path: str) -> str | None:
     try:
-        with open(path) as fd:
-            job = fd.read().strip()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not block
+        try:
+            job = os.read(fd, 64).decode("ascii", "replace").strip()  # a job id: bounded (not /dev/zero)
+        finally:
+            os.close(fd)
     except OSError:
         return None
     return job if job.isdigit() else None

@@ -127,6 +127,8 @@ def check_dir(
     _check_table(path, md, shards, rep)
     if md.foreign:
         _check_saev_labels(path, md, rep)
+    else:
+        _check_labels(path, md, rep)
     _check_files(path, rep)
     if deep and rep.ok:
         deep_scan(path, md, rep, checksums_dir)
@@ -230,6 +232,16 @@ def _check_table(path: str, md: Metadata, shards: list[ShardInfo], rep: Report) 
         rep.shards.append(_stat_shard(path, s, expected, rep))
     if trailing_zero is not None:
         rep.shards.append(_stat_shard(path, trailing_zero, (full, 0), rep))
+
+
+def _check_labels(path: str, md: Metadata, rep: Report) -> None:
+    """labels.json/labels.npy, read the way train and eval read them (actcache.labels.read_labels)."""
+    from actcache.labels import read_labels
+
+    try:
+        read_labels(path, md.n_imgs)
+    except ProtocolError as err:
+        rep.problems.append(str(err))
 
 
 def _check_saev_labels(path: str, md: Metadata, rep: Report) -> None:

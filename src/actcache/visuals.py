@@ -450,7 +450,20 @@ def _reusable(run: Run, md, opts) -> LatentSummary | None:
         return None
     same = (doc.get("sae_weights") == _weights_stamp(run.dir) and doc.get("cache_hash") == md.hash
             and doc.get("layer") == run.layer and doc.get("patches") == run.patches and doc.get("k") == opts.top_k)  # fmt: skip
-    return LatentSummary.load(os.path.join(d, STATS_FILE)) if same else None
+    return _load_summary(os.path.join(d, STATS_FILE), run.sae_config().get("width"), opts.top_k) if same else None
+
+
+def _load_summary(path: str, width, k: int) -> LatentSummary | None:
+    """The saved summary, or None (recompute it) when it is damaged or not of this SAE's shape."""
+    try:
+        got = LatentSummary.load(path)
+        ok = got.fire_count.shape[0] == width and got.top_img.shape == (width, k)
+    except Exception as err:  # noqa: BLE001 - BadZipFile, EOFError, KeyError, ValueError...: recompute
+        log.warning("%s is damaged (%s: %s); computing it again", path, type(err).__name__, err)
+        return None
+    if not ok:
+        log.warning("%s does not match the SAE's width %s and --top-k %d; computing it again", path, width, k)
+    return got if ok else None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ _SET_SRC = (
     "function (i) { if (T[i.dataset.img]) { i.src = T[i.dataset.img]; } });})();</script>"
 )
 _MIME = {"png": "image/png", "jpg": "image/jpeg"}
+MAX_ASSET_BYTES = 64 * 2**20  # a plot or a top image is kilobytes; a larger file is left out of the page
 
 
 class InlineAssets:
@@ -47,7 +48,7 @@ class InlineAssets:
         if rel not in self.uris:
             path = os.path.join(self.base_dir, rel)
             self.uris[rel] = None
-            if os.path.isfile(path):
+            if os.path.isfile(path) and os.path.getsize(path) <= MAX_ASSET_BYTES:  # a regular file, bounded
                 data = self._thumbnail(path) if self._is_top_image(rel) else _read(path)
                 self.uris[rel] = f"data:{_MIME[rel.rsplit('.', 1)[1]]};base64,{base64.b64encode(data).decode()}"
         return self.uris[rel]

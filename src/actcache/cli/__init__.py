@@ -107,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--runs-to")
     s.add_argument("--group", default=None, help="train only this group of SAEs (see `actcache plan`)")
     s.add_argument("--device", default=None)
+    s.add_argument("--wait-for-lock", action="store_true",
+                   help="when another train owns a run of the group, wait for it to end (default: exit 2 naming it)")  # fmt: skip
 
     s = sub.add_parser("visuals", help="top-activating patches per latent, plots and an HTML page")
     s.add_argument(

@@ -35,7 +35,7 @@ def cmd_train(args) -> int:
     if args.group is not None:
         by_group = {args.group: by_group[args.group]}
     cache_dir = os.path.join(dump_to, experiment_metadata(exp).hash)
-    train_groups(cache_dir, by_group, runs_to, device=args.device)
+    train_groups(cache_dir, by_group, runs_to, device=args.device, wait_for_lock=args.wait_for_lock)
     return 0
 
 
@@ -52,6 +52,7 @@ def _train_cache(args) -> int:
         from actcache.preflight import COMMAND_LINE, Setting, check_writable_dir
 
         check_writable_dir(Setting(args.runs_to, COMMAND_LINE, "--runs-to"))
-    for d in train_on_cache(args.cache, args.train, runs_to=args.runs_to, group=args.group, device=args.device):
+    for d in train_on_cache(args.cache, args.train, runs_to=args.runs_to, group=args.group, device=args.device,
+                            wait_for_lock=args.wait_for_lock):
         print(d)
     return 0

@@ -30,7 +30,7 @@ import shutil
 
 import torch
 
-from actcache.errors import TrainError, os_error_text
+from actcache.errors import ActCacheError, TrainError, os_error_text
 from actcache.fsutil import atomic_write_bytes, fsync_dir, is_temp, tmp_name
 from actcache.rundir import CHECKPOINT_STATE_FILE as STATE_FILE
 from actcache.rundir import CHECKPOINTS_DIR as CKPT_DIR
@@ -154,8 +154,17 @@ def problem(run_dir: str, step: int) -> str | None:
 
 
 def _read_json(path: str):
-    with open(path, "rb") as fh:
-        return json.loads(fh.read().decode("utf-8"))
+    """A checkpoint's JSON file within docfiles' bounds (a regular file); ValueError when damaged."""
+    from actcache.docfiles import load_json_file
+
+    try:
+        return load_json_file(path, _Damaged, "checkpoint file")
+    except _Damaged as err:
+        raise ValueError(str(err)) from None
+
+
+class _Damaged(ActCacheError):
+    """A checkpoint's JSON file cannot be read (turned into ValueError: the checkpoint is damaged)."""
 
 
 def _why(err: BaseException) -> str:
@@ -279,15 +288,11 @@ def clean_temps(run_dir: str) -> None:
 
 
 def truncate_metrics(path: str, step: int) -> None:
-    """Drop the lines of a metrics.jsonl logged after ``step`` (a resume recomputes them)."""
-    if not os.path.exists(path):
+    """Drop the lines of a metrics.jsonl logged after ``step`` (a resume recomputes them), and any
+    line that is not a metrics object (cut by a kill, say). Read within rundir's bounds."""
+    from actcache.rundir import read_metrics
+
+    if not os.path.lexists(path):
         return
-    keep = []
-    with open(path, encoding="utf-8") as fh:
-        for ln in fh:
-            try:
-                if ln.strip() and json.loads(ln).get("step", 0) <= step:
-                    keep.append(ln)
-            except json.JSONDecodeError:
-                continue  # a line cut by a kill
-    atomic_write_bytes(path, "".join(keep).encode())
+    keep = [ln for ln in read_metrics(os.path.dirname(path)) if ln["step"] <= step]
+    atomic_write_bytes(path, "".join(json.dumps(ln) + "\n" for ln in keep).encode())

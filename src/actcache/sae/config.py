@@ -77,6 +77,10 @@ def _compute(default, help, **kw):  # how a group's steps are computed
     return key(default, help, scope="compute", late=True, **kw)
 
 
+MAX_COEFF = 1e4  # loss coefficients and weights: sparsity penalties in use are below 100
+MAX_TRAIN_BYTES = 192 * 2**30  # the stated cap at plan time: the memory of the largest accelerator in use (B200, MI300X)
+
+
 def _objective(default, help, **kw):  # JumpReLU / Matryoshka keys, added after ids were issued
     return _sae(default, help, late=True, **kw)
 
@@ -99,8 +103,8 @@ class RunConfig:
     eval_cache: str | None = _group(None, "evaluate on this other cache directory instead (eval_frac ignored)")
     eval_tokens: int = _group(1_000_000, "at most this many held-out examples are evaluated", ge=1)
     activation: str = _sae("topk", "the SAE's activation", choices=ACTIVATIONS)
-    width: int | None = _sae(None, "number of latents (null: from exp_factor)", ge=1, example=16384)
-    exp_factor: float | None = _sae(16.0, "width = d_vit * exp_factor (null when width is given)", gt=0)
+    width: int | None = _sae(None, "number of latents (null: from exp_factor)", ge=1, le=2**24, example=16384)
+    exp_factor: float | None = _sae(16.0, "width = d_vit * exp_factor (null when width is given)", gt=0, le=4096)
     k: int | None = _sae(32, "latents per example (topk, batchtopk, matryoshka; null for relu, jumprelu)", ge=1)
     normalize_decoder: bool | None = _sae(None, "unit-norm decoder rows (null: true for topk variants)", example=True)
     seed: int = _sae(0, "SAE init seed", ge=0)
@@ -111,19 +115,22 @@ class RunConfig:
     matryoshka_prefixes: tuple[int, ...] | None = _objective(
         None, "matryoshka: nested prefix sizes, increasing, the last = the width", ge=1, example=(64, 256, 1024)
     )
-    l1_coeff: float | None = _sae(None, "relu only: L1 coefficient (required for relu)", ge=0, example=0.001)
-    aux_coeff: float = _sae(1 / 32, "topk variants: AuxK coefficient", ge=0)
+    l1_coeff: float | None = _sae(None, "relu only: L1 coefficient (required for relu)", ge=0, le=MAX_COEFF,
+                                  example=0.001)  # fmt: skip
+    aux_coeff: float = _sae(1 / 32, "topk variants: AuxK coefficient", ge=0, le=MAX_COEFF)
     k_aux: int | None = _sae(None, "topk variants: AuxK latents (null: d_vit // 2)", ge=1, example=512)
     dead_tokens: int = _sae(10_000_000, "a latent is dead after this many tokens without firing", ge=1)
     dense_frac: float = _sae(0.1, "a latent is dense when it fires on more than this fraction", gt=0, lt=1)
     l0_coeff: float | None = _objective(
-        None, "jumprelu only (required): L0 coefficient, in fractions of variance per latent", ge=0, example=0.01
+        None, "jumprelu only (required): L0 coefficient, in fractions of variance per latent", ge=0, le=MAX_COEFF,
+        example=0.01,
     )
-    preact_coeff: float = _objective(0.0, "jumprelu: pre-activation penalty reviving latents that never fire", ge=0)
+    preact_coeff: float = _objective(0.0, "jumprelu: pre-activation penalty reviving latents that never fire", ge=0,
+                                     le=MAX_COEFF)  # fmt: skip
     matryoshka_weights: tuple[float, ...] | None = _objective(
-        None, "matryoshka: relative weight of each prefix's MSE (null: equal)", ge=0, example=(1.0, 1.0, 1.0)
+        None, "matryoshka: relative weight of each prefix's MSE (null: equal)", ge=0, le=MAX_COEFF, example=(1.0, 1.0, 1.0)
     )
-    lr: float = _sae(4e-4, "Adam learning rate", gt=0)
+    lr: float = _sae(4e-4, "Adam learning rate", gt=0, le=1)
     beta1: float = _sae(0.9, "Adam beta1", ge=0, lt=1)
     beta2: float = _sae(0.999, "Adam beta2", ge=0, lt=1)
     warmup_steps: int = _sae(0, "linear LR warm-up steps", ge=0)
@@ -358,10 +365,22 @@ def _finish(given: dict, where: str, layers: tuple[int, ...] | None, d_vit: int 
     run = RunConfig(**d)
     if d_vit is not None:
         try:  # the model's own checks (k <= width from exp_factor, integral width)
-            run.sae_config(d_vit)
+            cfg = run.sae_config(d_vit)
         except ConfigError as err:
             raise ConfigError(f"{where}: {err}") from None
+        check_fits(cfg, MAX_TRAIN_BYTES, "the largest device actcache plans for", where)
     return run
+
+
+def check_fits(cfg, limit: int, device: str, where: str, error_cls: type[ConfigError] = ConfigError) -> None:
+    """Refuse an SAE whose training memory (SAEConfig.train_bytes) exceeds ``limit`` bytes of ``device``."""
+    need = cfg.train_bytes
+    if need > limit:
+        raise error_cls(
+            f"{where}: an SAE of width {cfg.width:,} on d_vit {cfg.d_vit} needs {need / 2**30:,.1f} GiB to train "
+            f"(weights, gradients and Adam's two moments: 4 x {cfg.n_params:,} {cfg.dtype} parameters), more than the "
+            f"{limit / 2**30:,.0f} GiB of {device}; lower width or exp_factor."
+        )
 
 
 def _values(doc: dict, where: str, skip: tuple) -> dict:

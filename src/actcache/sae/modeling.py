@@ -36,11 +36,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import stat
 
 import torch
 from torch import nn
 
-from actcache.errors import ConfigError, TrainError
+from actcache.errors import ConfigError, TrainError, os_error_text
 from actcache.fsutil import atomic_write_bytes
 from actcache.rundir import CONFIG_FILE, WEIGHTS_FILE
 from actcache.sae.spec import DECODES, PRECISIONS, SAEConfig
@@ -251,6 +252,40 @@ def choose_decode(
             return "dense"
         return "hybrid" if device == "cuda" and precision in ("tf32", "bf16") else "sparse"
     return decode
+
+
+def _read_config(cfg_path: str, w_path: str) -> SAEConfig:
+    """The SAEConfig of config.json, one ConfigError line naming it when unreadable or when the
+    weights it implies are larger than the weights file beside it (checked before allocating)."""
+    from actcache.docfiles import load_json_file
+
+    doc = load_json_file(cfg_path, ConfigError, "SAE config")
+    try:
+        cfg = SAEConfig.from_dict(doc)
+    except (ConfigError, TypeError, ValueError, OverflowError, AttributeError) as err:
+        raise ConfigError(f"{cfg_path}: {err}; restore it or re-run actcache train for this SAE.") from None
+    need = 2 * cfg.width * cfg.d_vit * torch.empty((), dtype=cfg.torch_dtype).element_size()
+    if need > os.path.getsize(w_path):
+        raise ConfigError(f"{cfg_path}: width {cfg.width} x d_vit {cfg.d_vit} needs {need:,} bytes of weights, more "
+                          f"than {w_path} holds; the two files are not one SAE's: restore them.")  # fmt: skip
+    return cfg
+
+
+def _read_tensors(path: str, load_file, error_cls) -> dict:
+    """The tensors of a safetensors file (a regular file); a damaged header or body is one
+    ``error_cls`` line naming the file."""
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise error_cls(f"{path}: not a regular file; restore the SAE's weights.")
+        return load_file(path)
+    except error_cls:
+        raise
+    except OSError as err:
+        raise error_cls(f"{path}: cannot read it: {os_error_text(err)}; restore the SAE's weights.") from None
+    except Exception as err:  # noqa: BLE001 - SafetensorError and friends: a damaged file, one line
+        text = " ".join(str(err).split())[:200]
+        raise error_cls(f"{path}: not a readable safetensors file ({type(err).__name__}: {text}); restore it from "
+                        "a backup or delete done.json and re-run actcache train for this SAE.") from None
 
 
 class SAE(nn.Module):
@@ -485,17 +520,23 @@ class SAE(nn.Module):
 
     @classmethod
     def load(cls, directory: str | os.PathLike, device: str | torch.device | None = None) -> SAE:
+        """The SAE saved in ``directory``. A finished run's files are first checked against the
+        sizes and sha256 its done.json records (rundir.check_weights); a missing, damaged or
+        mismatched file is one ConfigError/RunDirError line naming it."""
         from safetensors.torch import load_file
+
+        from actcache.rundir import RunDirError, check_weights
 
         directory = os.fspath(directory)
         cfg_path, w_path = os.path.join(directory, CONFIG_FILE), os.path.join(directory, WEIGHTS_FILE)
         for p in (cfg_path, w_path):
             if not os.path.isfile(p):
-                raise ConfigError(f"{directory} is not a saved SAE: missing {os.path.basename(p)}")
-        with open(cfg_path, encoding="utf-8") as fh:
-            cfg = SAEConfig.from_json(fh.read())
+                what = "not a regular file" if os.path.lexists(p) else "missing"
+                raise ConfigError(f"{directory} is not a saved SAE: {os.path.basename(p)} {what}")
+        check_weights(directory)
+        cfg = _read_config(cfg_path, w_path)
         sae = cls(cfg)
-        tensors = load_file(w_path)
+        tensors = _read_tensors(w_path, load_file, RunDirError)
         expected = sae.state_dict()
         if set(tensors) != set(expected):
             raise ConfigError(f"{w_path}: tensors {sorted(tensors)} do not match an SAE's {sorted(expected)}")
@@ -504,6 +545,8 @@ class SAE(nn.Module):
                 raise ConfigError(
                     f"{w_path}: {name} has shape {tuple(t.shape)}, {CONFIG_FILE} implies {tuple(expected[name].shape)}"
                 )
+            if t.dtype != expected[name].dtype:
+                raise ConfigError(f"{w_path}: {name} is {t.dtype}, {CONFIG_FILE} implies {expected[name].dtype}")
         sae.load_state_dict(tensors)
         if device is not None:
             sae.to(device)

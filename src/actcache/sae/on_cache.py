@@ -33,7 +33,7 @@ def read_train_section(path: str | os.PathLike) -> tuple[dict, str | None]:
 
 def train_on_cache(cache_dir: str | os.PathLike, train_file: str | os.PathLike, runs_to: str | None = None,
                    group: str | None = None, device: str | None = None,
-                   stop: Callable[[], bool] | None = None) -> list[str]:  # fmt: skip
+                   stop: Callable[[], bool] | None = None, wait_for_lock: bool = False) -> list[str]:  # fmt: skip
     """Train every SAE (or one ``group``) of ``train_file`` on ``cache_dir``; returns the run dirs.
     SIGTERM/SIGUSR2 checkpoint and stop, as for an experiment (see sae.train.train_groups)."""
     from actcache.cache import ActivationCache
@@ -52,4 +52,4 @@ def train_on_cache(cache_dir: str | os.PathLike, train_file: str | os.PathLike, 
         raise ConfigError(f"{train_file}: no group {group!r}; groups: {', '.join(by_group)}")
     if group is not None:
         by_group = {group: by_group[group]}
-    return train_groups(cache_dir, by_group, runs_to, device=device, stop=stop)
+    return train_groups(cache_dir, by_group, runs_to, device=device, stop=stop, wait_for_lock=wait_for_lock)

@@ -22,6 +22,7 @@ NO_K = ("relu", "jumprelu")  # activations without a fixed number of latents
 PRECISIONS = ("fp32", "tf32", "bf16")
 DECODES = ("auto", "dense", "sparse", "hybrid")
 PARAM_DTYPES = ("float32", "float64", "bfloat16")  # the SAE's parameters (torch's names; the cache's: protocol.DTYPES)
+PARAM_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2}
 BATCH_MODES = ("auto", "on", "off")  # batch_saes: train a group's SAEs as one stacked module (sae/batched.py)
 DECAYS = ("linear", "cosine", "constant")  # the learning rate after warm-up (sae/optim.py)
 
@@ -142,6 +143,17 @@ class SAEConfig:
                 f"SAEConfig: width={w} disagrees with exp_factor={ef!r} * d_vit={self.d_vit} = {from_ef}; give one"
             )
         return from_ef
+
+    @property
+    def n_params(self) -> int:
+        """Parameters of the SAE: W_enc, W_dec, b_enc, b_dec (and jumprelu's per-latent threshold)."""
+        return 2 * self.width * self.d_vit + self.width + self.d_vit + (self.width if self.activation == "jumprelu" else 0)
+
+    @property
+    def train_bytes(self) -> int:
+        """Memory training holds for the SAE: weights, gradients and Adam's two moments (4 x parameters)
+        in the parameter dtype; activations and the batch come on top."""
+        return 4 * self.n_params * PARAM_BYTES[self.dtype]
 
     @property
     def torch_dtype(self) -> torch.dtype:

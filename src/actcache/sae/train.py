@@ -41,7 +41,8 @@ import torch
 from actcache.errors import ConfigError, LoaderError, TrainError, os_error_text
 from actcache.feed import StagedFeed
 from actcache.fsutil import atomic_write_bytes
-from actcache.rundir import DONE_FILE, EVAL_FILE, METRICS_FILE, RUN_FILE, done_path, is_done, run_dir
+from actcache.rundir import DONE_FILE, EVAL_FILE, METRICS_FILE, RUN_FILE, done_path, is_done, run_dir, weights_records
+from actcache.runlock import RunLock
 from actcache.sae import checkpoint as ckpt
 from actcache.sae import ddp
 from actcache.sae.batched import BatchedSAEs, batch_key, choose_batching
@@ -209,11 +210,20 @@ def _write_json(path: str, doc: dict) -> None:
     atomic_write_bytes(path, (json.dumps(doc, indent=2) + "\n").encode())
 
 
+class _Unloadable(Exception):
+    """Checkpoint ``step`` of ``dir`` passed its manifest but failed to load (``why``)."""
+
+    def __init__(self, directory: str, step: int, why: str):
+        super().__init__(why)
+        self.dir, self.step, self.why = directory, step, why
+
+
 class GroupTrainer:
     """Trains the SAEs of one group on a cache (see the module docstring)."""
 
     def __init__(self, cache_dir: str, runs: list[RunConfig], runs_to: str, device: str | None = None,
-                 stop: Callable[[], bool] | None = None, ctx: ddp.DistContext | None = None):  # fmt: skip
+                 stop: Callable[[], bool] | None = None, ctx: ddp.DistContext | None = None,
+                 wait_for_lock: bool = False):  # fmt: skip
         if not runs:
             raise ConfigError("train_group: no SAEs to train")
         keys = {json.dumps(r.group_key, sort_keys=True) for r in runs}
@@ -221,6 +231,7 @@ class GroupTrainer:
             raise ConfigError("train_group: the SAEs do not share a stream of batches (use config.groups)")
         self.cache_dir, self.runs, self.runs_to = os.fspath(cache_dir), list(runs), os.fspath(runs_to)
         self.stop = stop or (lambda: False)
+        self.wait_for_lock = wait_for_lock  # another train owns a run: wait for it (else TrainError)
         self.ctx = ctx or ddp.env_context()
         self.device = ddp.device_for(self.ctx, device)
         self.group_id = runs[0].group_id
@@ -253,11 +264,31 @@ class GroupTrainer:
                 r.sae_config(md.d_vit)
             except ConfigError as err:
                 raise ConfigError(f"SAE {r.sae_id} on this cache (d_vit={md.d_vit}): {err}") from None
+        self._check_memory(md.d_vit)
         self.md = md
         self.heldout = self._heldout(cache, run)
         self.n_eval = len(self.heldout)
         self.n_train = md.n_imgs - self.n_eval
         return cache
+
+    def _check_memory(self, d_vit: int) -> None:
+        """Refuse a group whose SAEs' training state (SAEConfig.train_bytes, together) exceeds the
+        device's memory, before anything is allocated: one line with the figures."""
+        if self.device.type == "cuda":
+            limit = torch.cuda.get_device_properties(self.device).total_memory
+        elif self.device.type == "cpu":
+            limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        else:
+            return
+        cfgs = [r.sae_config(d_vit) for r in self.runs]
+        need = sum(c.train_bytes for c in cfgs)
+        if need > limit:
+            widths = ", ".join(f"{c.width:,}" for c in cfgs)
+            raise TrainError(
+                f"group {self.group_id}: its {len(cfgs)} SAE(s) (width {widths}, d_vit {d_vit}) need "
+                f"{need / 2**30:,.1f} GiB to train (weights, gradients, Adam's two moments), more than the "
+                f"{limit / 2**30:,.1f} GiB of {self.device}; lower width or exp_factor, or split the group."
+            )
 
     @staticmethod
     def _heldout(cache, run: RunConfig):
@@ -309,9 +340,10 @@ class GroupTrainer:
         """Train every unfinished SAE of the group; returns their run directories."""
         cache = self._open_cache()
         joined = ddp.init(self.ctx, self.device)  # a group the caller joined stays theirs
+        lock = RunLock()
         try:
             dirs = [(r, run_dir(self.runs_to, self.md.hash, r)) for r in self.runs]
-            pending = [(r, d) for r, d in dirs if not is_done(d)]
+            pending = self._own([(r, d) for r, d in dirs if not is_done(d)], lock)
             for r, d in dirs:
                 if (r, d) not in pending:
                     log.info("SAE %s is done (%s); skipped", r.sae_id, done_path(d))
@@ -323,12 +355,47 @@ class GroupTrainer:
                         ckpt.clean_temps(d)
 
             ddp.on_main(self.ctx, self.device, RUN_FILE, write_run_jsons)
-            for start, members in self._passes(pending):
-                self._train_pass(cache, start, members)
+            todo = self._passes(pending)
+            while todo:
+                start, members = todo.pop(0)
+                try:
+                    self._train_pass(cache, start, members)
+                except _Unloadable as bad:  # set aside like a checkpoint failing its manifest; plan again
+                    self._set_aside(bad)
+                    todo = self._passes(members) + todo
             return [d for _, d in dirs]
         finally:
+            lock.close()
             if joined:
                 ddp.shutdown(self.ctx)
+
+    def _set_aside(self, bad: _Unloadable) -> None:
+        """A checkpoint whose files match its manifest but do not load (say, a state.pt that is not a
+        weights-only pickle): renamed aside, so the run resumes from the one before it, if any."""
+        d = ckpt.step_dir(bad.dir, bad.step)
+        log.warning("checkpoint %s passes its manifest but cannot be loaded (%s); setting it aside", d, bad.why)
+
+        def move():
+            if ckpt._set_aside(d) is None:
+                raise TrainError(f"{bad.why}; and it cannot be renamed aside: move it away by hand.")
+
+        ddp.on_main(self.ctx, self.device, f"the rename of {d}", move)
+        if not ckpt.steps(bad.dir):
+            raise TrainError(
+                f"no valid checkpoint to resume {bad.dir} from: {bad.why}. Restore one from a backup, or delete "
+                f"{os.path.join(bad.dir, ckpt.CKPT_DIR)} to train this SAE again from the start."
+            )
+
+    def _own(self, pending: list[tuple[RunConfig, str]], lock: RunLock) -> list[tuple[RunConfig, str]]:
+        """Lock the run directories of ``pending`` (main rank; actcache.runlock) and return those still
+        unfinished: a train waited for (wait_for_lock) may have finished them."""
+
+        def take():
+            for _, d in sorted(pending, key=lambda p: p[1]):  # one order: two waiting trains cannot deadlock
+                lock.acquire(d, wait=self.wait_for_lock)
+
+        ddp.on_main(self.ctx, self.device, "the run directories' locks", take)
+        return [(r, d) for r, d in pending if not is_done(d)]
 
     def _loader(self, cache, start: int):
         from actcache.loaders import ShuffledLoader
@@ -356,7 +423,10 @@ class GroupTrainer:
         members = [_Member(r, d, self.md.d_vit, self.device, self.sync_free) for r, d in pending]
         for m in members:
             if start > 0:
-                _, extra = ckpt.load(m.dir, start, m.sae, m.opt, m.obj)
+                try:
+                    _, extra = ckpt.load(m.dir, start, m.sae, m.opt, m.obj)
+                except TrainError as err:
+                    raise _Unloadable(m.dir, start, str(err)) from None
                 m.acc_sum.copy_(extra["metric_sum"])
                 m.acc_n = extra["metric_n"]
             if self.ctx.is_main:
@@ -530,7 +600,7 @@ class GroupTrainer:
             done = {"sae_id": m.run.sae_id, "group_id": self.group_id, "cache_hash": self.md.hash,
                     "steps": run.steps, "tokens": run.steps * run.batch_size, "final": m.last_line,
                     "eval": {k: ev.get(k) for k in ("n_tokens", "nmse", "l0", "n_dead", "n_dense")},
-                    "finished": _now()}  # fmt: skip
+                    "finished": _now(), "files": weights_records(m.dir)}  # fmt: skip
             with _writing(DONE_FILE, m.dir):
                 _write_json(done_path(m.dir), done)
             log.info("SAE %s done: %s", m.run.sae_id, done_path(m.dir))
@@ -596,13 +666,13 @@ def _wandb_log(trainer: GroupTrainer, members: list[_Member], step: int) -> None
 
 
 def train_group(cache_dir: str, runs: list[RunConfig], runs_to: str, device: str | None = None,
-                stop: Callable[[], bool] | None = None) -> list[str]:  # fmt: skip
+                stop: Callable[[], bool] | None = None, wait_for_lock: bool = False) -> list[str]:  # fmt: skip
     """Train one group of SAEs (see the module docstring); returns the run directories."""
-    return GroupTrainer(cache_dir, runs, runs_to, device=device, stop=stop).run()
+    return GroupTrainer(cache_dir, runs, runs_to, device=device, stop=stop, wait_for_lock=wait_for_lock).run()
 
 
 def train_groups(cache_dir: str, by_group: dict[str, list[RunConfig]], runs_to: str, device: str | None = None,
-                 stop: Callable[[], bool] | None = None) -> list[str]:  # fmt: skip
+                 stop: Callable[[], bool] | None = None, wait_for_lock: bool = False) -> list[str]:  # fmt: skip
     """Train each group of ``by_group`` (group id -> its SAEs) in turn; returns the run directories.
     SIGTERM or SIGUSR2 (a Slurm preemption) makes the current group write a checkpoint and raise
     :class:`Preempted`; so does ``stop()`` returning True."""
@@ -619,7 +689,8 @@ def train_groups(cache_dir: str, by_group: dict[str, list[RunConfig]], runs_to: 
         for gid, runs in by_group.items():
             log.info("training group %s (%d SAE(s)) on %s", gid, len(runs), cache_dir)
             dirs += train_group(cache_dir, runs, runs_to, device=device,
-                                stop=lambda: stopping["flag"] or (stop is not None and stop()))  # fmt: skip
+                                stop=lambda: stopping["flag"] or (stop is not None and stop()),
+                                wait_for_lock=wait_for_lock)  # fmt: skip
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
