@@ -254,7 +254,7 @@ EVAL_KEYS = ("nmse", "fvu", "mse", "l0", "l1", "n_dead", "n_dense", "n_tokens", 
 
 @pytest.mark.parametrize("source", ["saelens-relu", "saelens-topk", "saelens-jumprelu", "saev-relu", "saev-topk"])
 def test_imported_sae_evaluates_as_the_same_weights_trained_here(runs, tmp_path, capsys, source):
-    from actcache.rundir import find_runs, load_run
+    from actcache.rundir import check_weights, find_runs, load_run
     from actcache.visuals_pareto import pareto_points
 
     by_objective, outs, _ = runs
@@ -281,6 +281,8 @@ def test_imported_sae_evaluates_as_the_same_weights_trained_here(runs, tmp_path,
     assert run.imported and run.info["imported"]["format"] == fmt and "(imported)" in run.label()
     assert not os.access(os.path.join(out, "sae.safetensors"), os.W_OK) or os.geteuid() == 0
     assert oct(os.stat(os.path.join(out, "sae.safetensors")).st_mode & 0o777) == "0o444"
+    check_weights(out)  # done.json records the imported weights as train records its own
+    assert set(read_json(out, "done.json")["files"]) == {"sae.safetensors", "config.json"}
     shutil.copytree(run_dir, os.path.join(os.path.dirname(out), "mine"))  # beside it, on the same cache
     points = pareto_points([load_run(d) for d in find_runs([str(tmp_path / "runs")])])
     assert sorted(p["imported"] for p in points) == [False, True]

@@ -29,7 +29,7 @@ import time
 
 from actcache.errors import ConfigError
 from actcache.fsutil import atomic_write_bytes
-from actcache.rundir import CONFIG_FILE, DONE_FILE, RUN_FILE, WEIGHTS_FILE, run_dir
+from actcache.rundir import CONFIG_FILE, DONE_FILE, RUN_FILE, WEIGHTS_FILE, run_dir, weights_records
 
 SAELENS_ARCH = {"standard": "relu", "topk": "topk", "jumprelu": "jumprelu"}
 HOOK_RE = re.compile(r"^blocks\.(-?\d+)\.hook_resid_post$")
@@ -242,7 +242,7 @@ def import_sae(source: str | os.PathLike, cache_dir: str | os.PathLike, runs_to:
     write_eval(out, ev)
     done = {"sae_id": sae_id, "imported": True, "cache_hash": md.hash,
             "eval": {k: ev.get(k) for k in ("n_tokens", "nmse", "l0", "n_dead", "n_dense")},
-            "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")}  # fmt: skip
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": weights_records(out)}  # fmt: skip
     for name in (WEIGHTS_FILE, CONFIG_FILE, RUN_FILE):  # read-only: an imported SAE is never retrained
         os.chmod(os.path.join(out, name), 0o444)
     atomic_write_bytes(os.path.join(out, DONE_FILE), (json.dumps(done, indent=2) + "\n").encode())
