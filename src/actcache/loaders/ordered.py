@@ -45,7 +45,7 @@ from actcache.dtypes import to_float32
 from actcache.errors import ConfigError, LoaderError
 from actcache.loaders import kernels
 from actcache.loaders.base import BaseLoader, Iteration
-from actcache.loaders.options import LoaderOptions, check_number
+from actcache.loaders.options import DEFAULT_VERIFY_READS, LoaderOptions, check_number
 from actcache.loaders.partition import Partition
 from actcache.loaders.runtime import Stopped
 
@@ -98,7 +98,9 @@ class OrderedLoader(BaseLoader):
     (default 4), read_ahead (batches prepared ahead of the consumer), evict (also drop released
     bytes from the page cache), io ("auto", the default: per batch, "read" when its bytes are
     not cached yet, else "mmap" or "read", whichever has cost less CPU per byte lately; "read":
-    preadv into the batch buffers; "mmap": copies out of memory-mapped shards; see the module doc).
+    preadv into the batch buffers; "mmap": copies out of memory-mapped shards; see the module doc),
+    verify_reads ("first": each checksum block checked the first time this process reads it;
+    "off"; see actcache.shardguard).
     """
 
     kind = "OrderedLoader"
@@ -116,6 +118,7 @@ class OrderedLoader(BaseLoader):
         batch_timeout_s: float | None = 30.0,
         scale_norm: bool = False,
         out_dtype: str = "float32",
+        verify_reads: str = DEFAULT_VERIFY_READS,
         rank: int = 0,
         world_size: int = 1,
         worker_id: int = 0,
@@ -138,6 +141,7 @@ class OrderedLoader(BaseLoader):
             batch_timeout_s=batch_timeout_s,
             scale_norm=scale_norm,
             out_dtype=out_dtype,
+            verify_reads=verify_reads,
             rank=rank,
             world_size=world_size,
             worker_id=worker_id,
@@ -237,6 +241,7 @@ class OrderedLoader(BaseLoader):
                     it.rt.status(name, f"reading {self.cache.shards[shard].name} images {simg}-{simg + n} (batch {k})")
                     self._hook("read", shard=shard, images=(simg, simg + n), batch=k)
                     it.maps.check_intact(shard)  # removed, replaced or cut since the loader was made
+                    it.maps.verify(shard, ext[0].min(), ext[1].max())  # verify_reads: before any copy
                     if ask:
                         cached = it.maps.prefetch(shard, *ext, gap=MERGE_GAP) and cached
             finally:
