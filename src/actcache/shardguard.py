@@ -258,7 +258,9 @@ class ShardFiles:
 
     def error(self, shard: int, what: str) -> ShardChangedError:
         bad = fd_change(self.fd(shard), self.ids[shard], self.need[shard])
-        return ShardChangedError(f"shard {self.names[shard]} in {self.path} {bad or 'could not be read'} ({what}); {FIX}")
+        return ShardChangedError(
+            f"shard {self.names[shard]} in {self.path} {bad or 'could not be read'} ({what}); {FIX}"
+        )
 
     def close(self) -> None:
         with self._lock:

@@ -70,7 +70,9 @@ class LoaderOptions:
 
     def __post_init__(self) -> None:
         if self.verify_reads not in VERIFY_READS:
-            raise ConfigError(f"verify_reads={self.verify_reads!r} is not allowed; use one of {', '.join(VERIFY_READS)}")
+            raise ConfigError(
+                f"verify_reads={self.verify_reads!r} is not allowed; use one of {', '.join(VERIFY_READS)}"
+            )
         if self.out_dtype not in OUT_DTYPES:
             raise ConfigError(f"out_dtype={self.out_dtype!r} is not allowed; use one of {', '.join(OUT_DTYPES)}")
         if self.out_dtype == "stored" and self.scale_norm:
