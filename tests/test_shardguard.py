@@ -17,7 +17,7 @@ from actcache import checksums, deepscan
 from actcache.cache import ActivationCache
 from actcache.errors import LoaderError
 from actcache.loaders import OrderedLoader
-from actcache.loaders.faults import GOOD, READERS, damage_shard, run_trials
+from actcache.loaders.faults import READERS, damage_shard, run_trials
 from actcache.seal import seal
 from actcache.shardguard import ShardChangedError
 from actcache.validate import check_dir
