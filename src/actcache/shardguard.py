@@ -102,16 +102,18 @@ def fd_change(fd: int, expected: Identity, need: int) -> str | None:
 
 
 # ---- verified reads ---------------------------------------------------------------------------
-_checked: dict[tuple, bytearray] = {}  # (real cache path, shard, identity) -> 1 per block checked
+# (real cache path, shard, identity) -> (1 per block checked, a lock per block: two threads
+# reading one block check it once, threads reading different blocks check them at once)
+_checked: dict[tuple, tuple[bytearray, list[threading.Lock]]] = {}
 _checked_lock = threading.Lock()
 _scratch = threading.local()
 
 
-def _checked_blocks(key: tuple, n: int) -> bytearray:
+def _checked_blocks(key: tuple, n: int) -> tuple[bytearray, list[threading.Lock]]:
     with _checked_lock:
         got = _checked.get(key)
         if got is None:
-            got = _checked[key] = bytearray(n)
+            got = _checked[key] = (bytearray(n), [threading.Lock() for _ in range(n)])
         return got
 
 
@@ -129,6 +131,14 @@ def _hash_range(fd: int, start: int, n: int) -> int | None:
         h.update(buf[:got])
         at += got
     return h.intdigest()
+
+
+def _ask(fd: int, start: int, end: int) -> None:
+    """Ask the kernel for bytes [start, end) now (large reads, ahead of the hashing)."""
+    try:
+        os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
+    except (OSError, AttributeError):  # (only a hint)
+        pass
 
 
 class ReadVerifier:
@@ -177,22 +187,33 @@ class ReadVerifier:
         if rec is None:
             return
         B = rec.block_bytes
-        done = _checked_blocks((self._real, self.names[shard], self.ids[shard]), rec.n_blocks)
+        done, locks = _checked_blocks((self._real, self.names[shard], self.ids[shard]), rec.n_blocks)
         lo, hi = start // B, min(-(-end // B), rec.n_blocks)
-        todo = [i for i in range(lo, hi) if not done[i]]
-        if not todo:
+        if all(done[lo:hi]):
             return
-        if rec.blocks is None:  # an older record: only the whole shard can be checked
-            todo = range(rec.n_blocks)
-            got = [_hash_range(fd, i * B, min(B, rec.nbytes - i * B)) for i in todo]
-            if None in got or checksums.combine(got) != rec.digest:
-                self._mismatch(shard, 0, rec.nbytes)
-        else:
-            for i in todo:
+        if rec.blocks is None:  # an older record: only the whole shard can be checked, at once
+            with locks[0]:
+                if not all(done):
+                    self._check_whole(shard, fd, rec, done)
+            return
+        _ask(fd, lo * B, min(rec.nbytes, hi * B))
+        for i in range(lo, hi):
+            if done[i]:
+                continue
+            with locks[i]:
+                if done[i]:  # another thread checked it meanwhile
+                    continue
                 if _hash_range(fd, i * B, min(B, rec.nbytes - i * B)) != rec.block_digest(i):
                     self._mismatch(shard, i * B, min((i + 1) * B, rec.nbytes))
-        for i in todo:
-            done[i] = 1
+                done[i] = 1
+
+    def _check_whole(self, shard: int, fd: int, rec: checksums.Record, done: bytearray) -> None:
+        B = rec.block_bytes
+        _ask(fd, 0, rec.nbytes)
+        got = [_hash_range(fd, i * B, min(B, rec.nbytes - i * B)) for i in range(rec.n_blocks)]
+        if None in got or checksums.combine(got) != rec.digest:
+            self._mismatch(shard, 0, rec.nbytes)
+        done[:] = b"\x01" * rec.n_blocks
 
     def _mismatch(self, shard: int, a: int, b: int) -> None:
         name = self.names[shard]
