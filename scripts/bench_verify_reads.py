@@ -104,7 +104,8 @@ def main() -> None:
         f"medians over {args.rounds} alternating rounds of off (reference) and first.",
         "cost = 1 - (first examples/s) / (off examples/s); cold: the shards evicted (fadvise DONTNEED) before each epoch; warm: "
         "shards read through just before.",
-        f"1-minute load average at the start / end: {load0:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores.",
+        f"1-minute load average at the start / end: {load0:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores "
+        "(a negative cost is noise: other jobs slow rounds at random; first does strictly more work).",
     ]
     conclusions = [c.bullet() for c in checks][:4] + [
         f"default it justifies: verify_reads: {default} (first only if every cost is within its limit)"
