@@ -464,6 +464,9 @@ def _judge_reads(row: Row, trials: list[tuple], work: str, rng: random.Random) -
             row.fail(f"{what}: {r['outcome']} (rc {r['rc']}) {r['message'][:200]!r}")
         elif r["outcome"] == "LoaderError" and (r["shard"] not in r["message"] or "\n" in r["message"]):
             row.fail(f"{what}: the error does not name {r['shard']} in one line: {r['message'][:200]!r}")
+    if not row.failures:
+        n_err = sum(r["outcome"] == "LoaderError" for r in results)
+        row.notes.append(f"{n_err} LoaderError, {len(results) - n_err} finished with the right rows")
     return row
 
 
