@@ -156,3 +156,20 @@ def test_train_says_once_in_one_line_that_reads_are_unverified_and_how_to_seal(s
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and all("\n" not in ln for ln in lines), lines
     assert "unverified (verify_reads: off)" in lines[0] and f"`actcache seal {path}`" in lines[1]
+
+
+def test_convert_of_a_source_cut_mid_run_is_one_line_naming_the_shard(sealed, tmp_path, monkeypatch):
+    from actcache import convert as conv
+
+    path = _copy(sealed[0], tmp_path / "src")
+    opened = ActivationCache.open
+
+    def open_then_cut(*args, **kw):  # the source shard is cut after convert opened the cache
+        cache = opened(*args, **kw)
+        damage_shard(os.path.join(path, "acts000003.bin"), "truncate")
+        return cache
+
+    monkeypatch.setattr(conv.ActivationCache, "open", open_then_cut)
+    with pytest.raises(ShardChangedError) as err:
+        conv.convert(path, "float16", tmp_path / "out")
+    assert "acts000003.bin" in str(err.value) and "truncated" in str(err.value) and "\n" not in str(err.value)
