@@ -186,6 +186,15 @@ class ReadVerifier:
         rec = self.record(shard)
         if rec is None:
             return
+        try:
+            self._ensure(shard, fd, rec, start, end)
+        except OSError as err:
+            raise ShardChangedError(
+                f"shard {self.names[shard]} in {self.path} could not be read to check its checksum "
+                f"({os_error_text(err)}); {FIX}"
+            ) from None
+
+    def _ensure(self, shard: int, fd: int, rec: checksums.Record, start: int, end: int) -> None:
         B = rec.block_bytes
         done, locks = _checked_blocks((self._real, self.names[shard], self.ids[shard]), rec.n_blocks)
         lo, hi = start // B, min(-(-end // B), rec.n_blocks)
@@ -204,7 +213,7 @@ class ReadVerifier:
                 if done[i]:  # another thread checked it meanwhile
                     continue
                 if _hash_range(fd, i * B, min(B, rec.nbytes - i * B)) != rec.block_digest(i):
-                    self._mismatch(shard, i * B, min((i + 1) * B, rec.nbytes))
+                    self._mismatch(shard, fd, i * B, min((i + 1) * B, rec.nbytes))
                 done[i] = 1
 
     def _check_whole(self, shard: int, fd: int, rec: checksums.Record, done: bytearray) -> None:
@@ -212,11 +221,14 @@ class ReadVerifier:
         _ask(fd, 0, rec.nbytes)
         got = [_hash_range(fd, i * B, min(B, rec.nbytes - i * B)) for i in range(rec.n_blocks)]
         if None in got or checksums.combine(got) != rec.digest:
-            self._mismatch(shard, 0, rec.nbytes)
+            self._mismatch(shard, fd, 0, rec.nbytes)
         done[:] = b"\x01" * rec.n_blocks
 
-    def _mismatch(self, shard: int, a: int, b: int) -> None:
+    def _mismatch(self, shard: int, fd: int, a: int, b: int) -> None:
         name = self.names[shard]
+        bad = fd_change(fd, self.ids[shard], self.valid[shard])
+        if bad:  # (the file changed since it was opened: say that, not only that the bytes differ)
+            raise ShardChangedError(f"shard {name} in {self.path} {bad}; {FIX}")
         raise ShardChangedError(
             f"shard {name} in {self.path}: bytes {a:,}-{b:,} do not match their checksum record "
             f"({checksums.record_path(self.directory, name)}): they changed after they were written (a flipped "
