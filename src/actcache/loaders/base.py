@@ -70,7 +70,7 @@ class Iteration:
         t0 = time.perf_counter()
         what = f"batch {self.loader._describe_key(self.next_key)}"
         buf = self.rt.consumer_wait(self._take_ready, self.loader.batch_timeout_s, what)
-        self.maps.unchanged()  # a shard written to while the batch was copied: refused, not handed out
+        self.maps.unchanged(buf.shards)  # a shard written to while the batch was copied: refused, not handed out
         # Everything read from the set, and the tensors that mark it as used, comes before it is
         # lent: from then on the pool may hand it to a gather thread as soon as no tensor refers
         # to it (that check could run between lend() and to_torch() and see it unused).

@@ -161,10 +161,14 @@ class ShardMaps:
         if self.verifier is not None and self.verifier.on:
             self.verifier.ensure(shard, self.fd(shard), int(start), int(end))
 
-    def unchanged(self) -> None:
-        """LoaderError naming a shard opened so far whose size or change time moved (it was
-        written to): call after a batch is copied, before it is handed out. One fstat per open shard."""
-        for shard, fd in list(self._fds.items()):
+    def unchanged(self, shards=None) -> None:
+        """LoaderError naming one of ``shards`` (default: every one opened so far) whose size or
+        change time moved (it was written to): call after a batch is copied from them, before it is
+        handed out. One fstat per shard."""
+        fds = self._fds
+        for shard, fd in list(fds.items()) if shards is None else [(s, fds.get(s)) for s in shards]:
+            if fd is None:  # (not opened: nothing was read from it)
+                continue
             bad = integrity.fd_change(fd, self.identities[shard], self.sizes[shard])
             if bad:
                 raise integrity.ShardChangedError(f"shard {self.names[shard]} in {self.path} {bad}; {integrity.FIX}")

@@ -330,6 +330,7 @@ class OrderedLoader(BaseLoader):
             if job.cost is not None:
                 self.path_cost.record(job.mapped, job.cost, (job.cuts[-1] - a0) * self.geom.vec_bytes)
             buf.n, buf.key = job.cuts[-1] - a0, (0, k)
+            buf.shards = [shard for shard, _, _ in self._spans(a0, job.cuts[-1])]  # (checked before it goes out)
             with it.cond:
                 it.ready[k] = buf
                 it.done.add(k)

@@ -502,6 +502,7 @@ class ShuffledLoader(BaseLoader):
             except OSError as err:
                 raise it.maps.read_error(err, [r.shard]) from err
             pos += n
+        it.maps.check_intact(r.shard)  # written to during the read: refused before the slot is used
         if self.evict:
             os.posix_fadvise(fd, int(starts.min()), int(ends.max() - starts.min()), os.POSIX_FADV_DONTNEED)
         r.slot = slot
@@ -638,6 +639,7 @@ class ShuffledLoader(BaseLoader):
             if job.left:
                 return
             job.buf.faulted = True
+            job.buf.shards = job.shards  # (checked before it goes out; arena slots: checked when read)
             it.ready[key] = job.buf
             it.done.add(key)
             rel = []
