@@ -20,6 +20,15 @@ Rows (``--only kill-dump,fuzz-cache``; ``--trials`` replaces every row's default
                        waits (--wait-for-lock); metrics.jsonl strictly increasing, one done.json
   unbounded-files (7)  7 run files x (/dev/zero, FIFO, oversized, 64 GiB sparse, directory) x 3
                        readers: exit 0 or one line, under 8 GiB of address space
+  inplace-rewrite (4)  another shard copied over one, or one cut and re-extended, before or while
+                       the shuffled and ordered loaders, ActivationCache and IndexedDataset read a
+                       sealed cache with verify_reads: first (16 trials a round): a one-line
+                       LoaderError naming the shard, never wrong rows
+  bitflip-read (8)     one bit flipped, before or while those four read (8 trials a round): the same
+  activation-cache (4) ActivationCache read directly while a shard is truncated, replaced, made
+                       unreadable or rewritten in place (8 trials a round): the same, no SIGBUS
+  shrink-seal-verify (12) a shard cut or rewritten while `actcache seal` or `verify --deep` reads it:
+                       no traceback; seal never records bytes the shard did not hold
 A row whose feature is not in this build (``keep_checkpoints``, ``actcache seal``) reports
 "not built". Fuzz cases are judged by scripts/fuzzlib.py (no traceback, no hang, exit 1 or 2
 with one error line).
@@ -28,6 +37,7 @@ with one error line).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -698,6 +708,119 @@ def row_unbounded_files(work: str, n: int, rng: random.Random) -> Row:
     return row
 
 
+# ---- rewrites in place, bit flips, direct ActivationCache damage (shardguard.py) ---------------
+
+
+def _guard_cache(work: str) -> str:
+    """A sealed cache of 6 shards (the writer records each shard's block digests)."""
+    from conftest import make_cache
+
+    path, _, _ = make_cache(os.path.join(work, "pristine"), n_imgs=24, layers=(3,), n_patches=16, d=256,
+                            imgs_per_shard=4)  # fmt: skip
+    return path
+
+
+def _judge_reads(row: Row, trials: list[tuple], work: str, rng: random.Random) -> Row:
+    """Run reader trials (loaders/faults.py) with verify_reads: first; a failure is anything but a
+    one-line LoaderError naming the damaged shard, or every row equal to the undamaged read."""
+    from actcache.loaders.faults import run_trials
+
+    path = _guard_cache(work)
+    results = run_trials(path, trials, os.path.join(work, "t"), timeout_s=60 + 5 * len(trials),
+                         verify_reads="first", seed=rng.randrange(2**30))  # fmt: skip
+    for r in results:
+        row.trials += 1
+        what = f"{r['loader']}/{r['damage']}/{r.get('when', 'during')}"
+        if r["rc"] != 0 or r["outcome"] not in ("LoaderError", "finished"):
+            row.fail(f"{what}: {r['outcome']} (rc {r['rc']}) {r['message'][:200]!r}")
+        elif r["outcome"] == "LoaderError" and (r["shard"] not in r["message"] or "\n" in r["message"]):
+            row.fail(f"{what}: the error does not name {r['shard']} in one line: {r['message'][:200]!r}")
+    if not row.failures:
+        n_err = sum(r["outcome"] == "LoaderError" for r in results)
+        row.notes.append(f"{n_err} LoaderError, {len(results) - n_err} finished with the right rows")
+    return row
+
+
+def row_inplace_rewrite(work: str, n: int, rng: random.Random) -> Row:
+    from actcache.loaders.faults import READERS
+
+    trials = [(k, d, w) for _ in range(n) for k in READERS for d in ("rewrite", "regrow") for w in ("before", "during")]
+    return _judge_reads(Row("inplace-rewrite"), trials, work, rng)
+
+
+def row_bitflip_read(work: str, n: int, rng: random.Random) -> Row:
+    from actcache.loaders.faults import READERS
+
+    trials = [(k, "flip", w) for _ in range(n) for k in READERS for w in ("before", "during")]
+    return _judge_reads(Row("bitflip-read"), trials, work, rng)
+
+
+def row_activation_cache(work: str, n: int, rng: random.Random) -> Row:
+    from actcache.loaders.faults import DAMAGES, REWRITES
+
+    trials = [("cache", d, "during") for _ in range(n) for d in (*DAMAGES, *REWRITES)]
+    trials += [("cache", d, "before") for _ in range(n) for d in ("rewrite", "flip")]
+    return _judge_reads(Row("activation-cache"), trials, work, rng)
+
+
+def _open_shards(pid: int, path: str) -> list[str]:
+    """Shard files of ``path`` the process ``pid`` has open now."""
+    out = []
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if os.path.dirname(target) == path and os.path.basename(target).startswith("acts"):
+                    out.append(os.path.basename(target))
+    except OSError:
+        pass
+    return out
+
+
+def row_shrink_seal_verify(work: str, n: int, rng: random.Random) -> Row:
+    """`seal` (records removed first) or `verify --deep` on a cache of 8 shards of 24 MiB; once
+    the scan has a shard open, that shard (or, every other trial, a random one) is cut to a third
+    or rewritten in place. A failure: a traceback, an exit status other than 0/1 (verify) or
+    0/1/2 (seal), or a record seal wrote that differs from the one the dump wrote (a short or
+    changed read recorded). (An exit 0 is no failure by itself: the damage may land after the
+    scan of that shard; tests/test_shardguard.py damages it mid-scan deterministically.)"""
+    from actcache import checksums
+    from actcache.loaders.faults import damage_shard
+    from conftest import make_cache
+
+    row = Row("shrink-seal-verify")
+    pristine, _, _ = make_cache(os.path.join(work, "pristine"), n_imgs=160, layers=(3,), n_patches=195, d=1536,
+                                imgs_per_shard=20)  # fmt: skip
+    names = sorted(f for f in os.listdir(pristine) if f.startswith("acts"))
+    want = {m: checksums.read_record(checksums.record_dir(pristine), m) for m in names}
+    code = "import sys; from actcache.cli import main; sys.exit(main(sys.argv[1:]))"
+    for i in range(n):
+        cmd, how = ("seal", "verify")[i % 2], ("truncate", "rewrite")[(i // 2) % 2]
+        row.trials += 1
+        path = os.path.realpath(fresh_copy(pristine, work))
+        if cmd == "seal":
+            shutil.rmtree(checksums.record_dir(path))
+        argv = [sys.executable, "-c", code, cmd, path] + (["--deep"] if cmd == "verify" else [])
+        proc = subprocess.Popen(argv, env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        scanning: list[str] = []
+        while proc.poll() is None and not scanning:
+            scanning = _open_shards(proc.pid, path)
+            time.sleep(0.001)
+        victim = scanning[0] if scanning and i % 4 < 2 else rng.choice(names)
+        damage_shard(os.path.join(path, victim), how, seed=rng.randrange(2**30))
+        out, err = proc.communicate(timeout=300)
+        text = (out + err).decode(errors="replace")
+        if "Traceback" in text or proc.returncode not in ((0, 1, 2) if cmd == "seal" else (0, 1)):
+            row.fail(f"{cmd}/{how}: exit {proc.returncode} {text.strip().splitlines()[-1:]!r}")
+            continue
+        if cmd == "seal" and os.path.isdir(checksums.record_dir(path)):
+            for m in names:
+                got = checksums.read_record(checksums.record_dir(path), m)
+                if got is not None and got.digest != want[m].digest:
+                    row.fail(f"seal/{how}: recorded {m} as {got.digest}, the dump wrote {want[m].digest}")
+    return row
+
+
 ROWS = {
     "kill-dump": (row_kill_dump, 20, "kill -9 during dump, rerun: byte-identical"),
     "kill-train": (row_kill_train, 20, "kill -9 during train, rerun: identical weights"),
@@ -714,6 +837,18 @@ ROWS = {
     "damaged-weights": (row_damaged_weights, 48, "damaged final sae.safetensors: export/load exit 2 naming it"),
     "concurrent-trains": (row_concurrent_trains, 9, "two trains of one run: one owner, exit 2 in <= 1 s, monotonic metrics"),
     "unbounded-files": (row_unbounded_files, 7, "run files as /dev/zero, FIFO, oversized, sparse, directory: one line"),
+    "inplace-rewrite": (
+        row_inplace_rewrite,
+        4,
+        "shard copied over / cut and re-extended, before or while read (4 readers): error, no wrong rows",
+    ),
+    "bitflip-read": (row_bitflip_read, 8, "bit flipped before or while read, verify_reads first: error, no wrong rows"),
+    "activation-cache": (row_activation_cache, 4, "ActivationCache read while a shard is damaged: error, no SIGBUS"),
+    "shrink-seal-verify": (
+        row_shrink_seal_verify,
+        12,
+        "shard cut/rewritten during seal or verify --deep: no false record",
+    ),
 }
 
 

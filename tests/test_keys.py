@@ -92,7 +92,7 @@ def test_scopes_and_flags_give_the_identity_tables():
     logistics = {n for n, d in RUN_KEYS.items() if d.key.scope in ("logging", "loader")} | {"decode", "batch_saes"}
     assert set(LOGISTICS) == logistics
     assert set(LATE_GROUP_KEYS) == {"n_readers", "cold_read", "batch_timeout_s", "prefetch", "precision", "decode",
-                                    "keep_checkpoints", "batch_saes"}  # fmt: skip
+                                    "keep_checkpoints", "batch_saes", "verify_reads"}  # fmt: skip
     assert set(GROUP_KEYS) >= {"layer", "patches", "batch_size", "steps", *LOGISTICS}
     assert not set(GROUP_KEYS) & {"lr", "k", "activation", "width"}
 

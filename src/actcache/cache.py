@@ -9,16 +9,20 @@
     cache[{"cat": 4}]           -> 4 random images of class "cat" (needs labels), (4, L, T, D)
     cache.query(sel, form="supervised") -> {"act": ..., "label": ...}
 
-Arrays come back as numpy float32; single-image reads are read-only views of the mapping,
-multi-image reads are copies. A 16-bit cache (protocol 2.0) gives float32 copies, converted
-exactly, or with ``out_dtype="stored"`` its stored values (float16, or bfloat16's raw bits as
-uint16: :mod:`actcache.dtypes`), views where a float32 cache gives views.
+Arrays come back as numpy float32 copies (single-image reads read-only). A 16-bit cache
+(protocol 2.0) gives float32, converted exactly, or with ``out_dtype="stored"`` its stored values
+(float16, or bfloat16's raw bits as uint16: :mod:`actcache.dtypes`).
+
+Every read goes through :class:`actcache.shardguard.ShardFiles`: plain reads (a shard cut
+meanwhile is a short read, never SIGBUS), each shard checked after the read to be the file the
+cache opened, unchanged (its identity, change time included), and, with ``verify_reads="first"``,
+each checksum block checked against its record the first time the process reads it. A change is
+a one-line ShardChangedError naming the shard, never wrong values.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 
 import numpy as np
 
@@ -27,6 +31,7 @@ from actcache.errors import ConfigError
 from actcache.index import ALL, ActIndex
 from actcache.labels import read_labels
 from actcache.protocol import Metadata, ShardInfo, warn_breaking
+from actcache.shardguard import DEFAULT_VERIFY_READS, ShardFiles
 from actcache.validate import Report, validate_dir
 
 FORMS = ("plain", "supervised", "unsupervised")
@@ -49,6 +54,7 @@ class ActivationCache:
         shards: list[ShardInfo],
         report: Report | None = None,
         out_dtype: str = "float32",
+        verify_reads: str = DEFAULT_VERIFY_READS,
     ):
         check_out_dtype(out_dtype)
         self.path = path
@@ -60,15 +66,20 @@ class ActivationCache:
         self.report = report
         S = metadata.n_imgs_per_shard
         self._starts = np.arange(len(self.shards), dtype=np.int64) * S
-        self._maps: dict[int, np.ndarray] = {}
-        self._lock = threading.Lock()
+        # each shard's identity now; reads are checked against it (shardguard.py)
+        need = [s.n_imgs * metadata.bytes_per_img for s in self.shards]
+        self.files = ShardFiles(path, [s.name for s in self.shards], need, metadata.hash, verify_reads)
         self._labels: tuple[np.ndarray, list[str]] | None | bool = False
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
-    def open(cls, path: str | os.PathLike, check_hash: bool = True, out_dtype: str = "float32") -> ActivationCache:
+    def open(
+        cls, path: str | os.PathLike, check_hash: bool = True, out_dtype: str = "float32",
+        verify_reads: str = DEFAULT_VERIFY_READS,
+    ) -> ActivationCache:  # fmt: skip
         """Validate ``path`` (metadata, shard table, file sizes, hash) and open it; ``out_dtype``:
-        "float32" (default) or "stored" (a 16-bit cache's own values, see the module doc).
+        "float32" (default) or "stored" (a 16-bit cache's own values, see the module doc);
+        ``verify_reads``: "first" or "off" (see the module doc).
 
         Raises an ActCacheError subclass naming every problem. A cache of protocol 2.x gets the
         protocol's breaking warning (once).
@@ -78,7 +89,7 @@ class ActivationCache:
         rep = validate_dir(path, check_hash=check_hash)
         warn_breaking(rep.metadata, path)
         shards = [ShardInfo(s.name, s.n_imgs) for s in rep.shards]
-        return cls(path, rep.metadata, shards, rep, out_dtype)
+        return cls(path, rep.metadata, shards, rep, out_dtype, verify_reads)
 
     def __repr__(self) -> str:
         md = self.metadata
@@ -102,24 +113,37 @@ class ActivationCache:
         return self.n_imgs
 
     # ---- shards ------------------------------------------------------------------------------
-    def shard_array(self, shard_idx: int) -> np.ndarray:
-        """Read-only memmap (n_imgs_in_shard, L, T, D) of one shard's stored values (padding excluded)."""
-        arr = self._maps.get(shard_idx)
-        if arr is None:
-            with self._lock:
-                arr = self._maps.get(shard_idx)
-                if arr is None:
-                    s = self.shards[shard_idx]
-                    md = self.metadata
-                    shape = (s.n_imgs, len(md.layers), md.n_tokens_per_img, md.d_vit)
-                    arr = np.memmap(os.path.join(self.path, s.name), dtype=md.storage, mode="r", shape=shape)
-                    self._maps[shard_idx] = arr
-        return arr
+    def read_shard(self, shard_idx: int, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Images [start, stop) of one shard, stored values, (n, L, T, D): one guarded read."""
+        s = self.shards[shard_idx]
+        stop = s.n_imgs if stop is None else min(stop, s.n_imgs)
+        md = self.metadata
+        out = np.empty((max(0, stop - start), len(md.layers), md.n_tokens_per_img, md.d_vit), md.storage)
+        if out.size:
+            self.files.read_into(shard_idx, start * md.bytes_per_img, out)
+        return out
+
+    def _read_group(self, shard: int, local: np.ndarray, layer) -> np.ndarray:
+        """Stored values of images ``local`` (indices in the shard) -> (n, L, T, D), or (n, T, D)
+        when ``layer`` is one layer position (only that layer's bytes are read)."""
+        md = self.metadata
+        L, T, D = len(md.layers), md.n_tokens_per_img, md.d_vit
+        uniq, inv = np.unique(local, return_inverse=True)
+        if isinstance(layer, (int, np.integer)):
+            slab = T * D * md.itemsize
+            buf = np.empty((len(uniq), T, D), md.storage)
+            for j, img in enumerate(uniq.tolist()):
+                self.files.read_into(shard, img * md.bytes_per_img + int(layer) * slab, buf[j])
+        else:
+            buf = np.empty((len(uniq), L, T, D), md.storage)
+            runs = np.flatnonzero(np.diff(uniq) != 1) + 1  # consecutive images: one read each stretch
+            for lo, hi in zip(np.r_[0, runs].tolist(), np.r_[runs, len(uniq)].tolist(), strict=True):
+                self.files.read_into(shard, int(uniq[lo]) * md.bytes_per_img, buf[lo:hi])
+        return buf if np.array_equal(uniq, local) else buf[inv.reshape(-1)]
 
     def close(self) -> None:
-        """Drop the memory maps (they are re-opened on the next read)."""
-        with self._lock:
-            self._maps.clear()
+        """Close the shard files (they are opened again on the next read)."""
+        self.files.close()
 
     def __enter__(self) -> ActivationCache:
         return self
@@ -193,7 +217,12 @@ class ActivationCache:
             if group.size == 0:
                 continue
             sh = int(shard_of[group[0]])
-            block = self._sub(self.shard_array(sh)[img_idx[group] - sh * S], layer, token)
+            one = isinstance(layer, (int, np.integer))
+            block = self._read_group(sh, img_idx[group] - sh * S, layer if one else None)
+            if one:
+                block = block if _every(token) else block[:, token]
+            else:
+                block = self._sub(block, layer, token)
             if out is None:
                 out = np.empty((img_idx.size,) + block.shape[1:], self.out_dtype)
             out[group] = to_float32(block, self.metadata.dtype) if self.convert else block
@@ -217,12 +246,15 @@ class ActivationCache:
         if isinstance(img, (int, np.integer)) and not isinstance(img, bool):
             i = int(self._image_indices([img])[0])
             sh, local = divmod(i, self.metadata.n_imgs_per_shard)
-            view = self.shard_array(sh)[local]
-            if not isinstance(layer, slice) or layer != slice(None):
+            one = isinstance(layer, (int, np.integer))
+            view = self._read_group(sh, np.array([local]), layer if one else None)[0]
+            if not one and not _every(layer):
                 view = view[layer]
-            if not isinstance(token, slice) or token != slice(None):
+            if not _every(token):
                 view = view[token] if view.ndim == 2 else view[:, token]
-            return to_float32(view, self.metadata.dtype) if self.convert else np.asarray(view)
+            out = to_float32(view, self.metadata.dtype) if self.convert else np.ascontiguousarray(view)
+            out.flags.writeable = False  # (as the mapping's views were: a read never changes the cache)
+            return out
         return self.read_images(self._image_indices(img), layer, token)
 
     def select(self, index: ActIndex) -> np.ndarray:
@@ -310,3 +342,8 @@ class ActivationCache:
         elif form == "unsupervised":
             out["target"] = act
         return out
+
+
+def _every(sel) -> bool:
+    """Whether a layer/token selection keeps the whole axis."""
+    return isinstance(sel, slice) and sel == slice(None)

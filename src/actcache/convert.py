@@ -17,8 +17,6 @@ import dataclasses
 import logging
 import os
 
-import numpy as np
-
 from actcache.cache import ActivationCache
 from actcache.dtypes import to_float32, to_stored
 from actcache.errors import CacheIncompleteError, ConfigError
@@ -79,10 +77,11 @@ def convert(src_dir: str | os.PathLike, dtype: str, to_root: str | os.PathLike, 
 
 
 def _convert_shard(src: ActivationCache, md: Metadata, dest: str, shard: int) -> None:
-    stored = src.shard_array(shard)
+    # guarded reads (shardguard.py): a source shard cut or rewritten meanwhile is one line naming it
+    n = src.shards[shard].n_imgs
     step = max(1, CHUNK_BYTES // max(1, src.metadata.bytes_per_img))
     with open_shard_writer(dest, md, shard) as w:
-        for a in range(0, len(stored), step):
-            block = np.asarray(stored[a : a + step])
+        for a in range(0, n, step):
+            block = src.read_shard(shard, a, a + step)
             w.write(to_stored(to_float32(block, src.metadata.dtype), md.dtype))
     log.info("converted shard %d of %d", shard + 1, md.n_shards)

@@ -4,6 +4,10 @@ Per shard, in one read: NaN/Inf values (the first one located as image, layer, t
 an all-zero shard, the checksum against the shard's record (:mod:`actcache.checksums`), and
 shards holding the same bytes as another. Flipped bytes, a zeroed shard, a shard copied over
 another and two swapped shards all fail here, each naming the shard.
+
+A shard that changes while it is read (its identity: device, inode, size and change time, taken
+before and after the scan; :mod:`actcache.shardguard`), or that is shorter than its images, is a
+problem too, and its digest is not kept: ``seal`` never records a short or changed read.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import numpy as np
 from actcache import checksums
 from actcache.errors import ProtocolError
 from actcache.protocol import Metadata
+from actcache.shardguard import identity
 
 CHUNK = checksums.BLOCK  # bytes a thread takes at a time: one checksum block
 PIECE = 2**20  # bytes read, checked and hashed at once within a chunk (fits the CPU cache)
@@ -32,6 +37,7 @@ class Scan:
     first_bad: int | None  # byte offset of the first of them
     digest: str | None  # checksum of the first ``valid`` bytes (None when valid is 0)
     all_zero: bool  # every one of the first ``valid`` bytes is zero (and valid > 0)
+    blocks: list[int] = dataclasses.field(default_factory=list)  # each block's digest (checksums.py)
 
 
 def _check_floats(buf_f32: np.ndarray) -> tuple[int, int | None, bool]:
@@ -72,14 +78,18 @@ def _scan_file(
     """
     block = block or CHUNK
     width = 4 if dtype == "float32" else 2  # bytes per stored value
-    size = os.path.getsize(fpath)
-    if size == 0:
-        return Scan(0, 0, None, None, False)
     n_threads = n_threads or max(1, min(4, os.cpu_count() or 1))
-    n_chunks = -(-size // block)
     local = threading.local()
     with open(fpath, "rb", buffering=0) as fh:
         fd = fh.fileno()
+        before = identity(os.fstat(fd))
+        size = before[2]
+        if size < valid:
+            raise ProtocolError(f"{fpath}: is {size:,} bytes but its images need {valid:,} (it changed after it "
+                                "was checked); nothing is recorded for it. Run again when no process writes it.")  # fmt: skip
+        if size == 0:
+            return Scan(0, 0, None, None, False)
+        n_chunks = -(-size // block)
 
         def check(i: int):
             start = i * block
@@ -113,6 +123,7 @@ def _scan_file(
         except OSError as err:
             raise ProtocolError(f"{fpath}: read error ({err.strerror or err}); the file or the disk is damaged. "
                                 "Re-dump this shard (delete it, then rerun its dump job).") from None  # fmt: skip
+        _same_file(fpath, fd, before)
     digests = [p[3] for p in parts if p[3] is not None]
     firsts = [p[1] for p in parts if p[1] is not None]
     return Scan(
@@ -121,7 +132,22 @@ def _scan_file(
         first_bad=min(firsts) if firsts else None,
         digest=checksums.combine(digests) if digests else None,
         all_zero=bool(digests) and all(p[2] for p in parts),
+        blocks=digests,
     )
+
+
+def _same_file(fpath: str, fd: int, before) -> None:
+    """ProtocolError unless the file under ``fpath`` is still the one opened, unchanged (identity
+    after the scan equals ``before``): what was hashed is then what the file holds."""
+    try:
+        after, now = identity(os.fstat(fd)), os.stat(fpath)
+    except OSError as err:
+        raise ProtocolError(f"{fpath}: cannot be looked at after the scan ({err.strerror or err}); run again.") from None
+    if after != before or (now.st_dev, now.st_ino) != before[:2]:
+        raise ProtocolError(
+            f"{fpath}: changed while it was read (size {before[2]:,} -> {after[2]:,} bytes, or written to, or "
+            "replaced); nothing is recorded for it. Run again when no process writes it."
+        )
 
 
 def _read_exactly(fd: int, view: memoryview, at: int, fpath: str, size: int) -> None:
@@ -169,7 +195,11 @@ def deep_scan(path: str, md: Metadata, rep, checksums_dir: str | None = None) ->
         fpath = os.path.join(path, st.name)
         valid = st.n_imgs * md.bytes_per_img
         rec = _record(directory, st.name, md, rep) if valid else None
-        scan = _scan_file(fpath, valid, block=rec.block_bytes if rec else None, dtype=md.dtype)
+        try:
+            scan = _scan_file(fpath, valid, block=rec.block_bytes if rec else None, dtype=md.dtype)
+        except ProtocolError as err:  # shrank or changed while read, or unreadable: no digest kept
+            rep.problems.append(str(err))
+            continue
         rep.bytes_read += scan.size
         st.n_nonfinite = scan.n_bad
         total_bad += scan.n_bad
@@ -189,7 +219,8 @@ def deep_scan(path: str, md: Metadata, rep, checksums_dir: str | None = None) ->
                                 "shard); delete it and re-dump this shard.")  # fmt: skip
         by_digest.setdefault(scan.digest, st.name)
         block = rec.block_bytes if rec else checksums.BLOCK
-        rep.digests[st.name] = checksums.Record(st.name, valid, scan.digest, md.hash, block)
+        blocks = checksums.hex_blocks(scan.blocks)
+        rep.digests[st.name] = checksums.Record(st.name, valid, scan.digest, md.hash, block, blocks)
         if rec is None:
             unsealed.append(st.name)
         elif rec.nbytes != valid or rec.digest != scan.digest:

@@ -1,7 +1,10 @@
 """`actcache seal DIR`: add checksum records to a cache that has none, after a full verification.
 
 Every byte is read once (``verify --deep``); only a cache without problems is sealed, and only
-shards without a record get one (existing records were just checked). A cache actcache wrote
+shards without a record get one (existing records were just checked), or a record listing its
+blocks' digests where an older one did not (``verify_reads`` checks blocks). A shard that changed
+while it was read is a problem of the scan (deepscan.py): nothing is written for a short or
+changed read. A cache actcache wrote
 keeps its records in ``<DIR>/.checksums/``. A saev cache is never written into: its records go
 to a directory the user names (``--to``), and ``verify --deep --checksums`` reads them there.
 """
@@ -33,7 +36,7 @@ def seal(path: str | os.PathLike, to: str | None = None) -> tuple[Report, list[s
     if not rep.ok:
         return rep, []
     directory = to or checksums.record_dir(path)
-    new = [name for name in rep.digests if checksums.read_record(directory, name) is None]
+    new = [name for name in rep.digests if _needs_record(directory, name)]
     for name in new:
         checksums.write_record(directory, rep.digests[name])
     return rep, new
@@ -42,3 +45,8 @@ def seal(path: str | os.PathLike, to: str | None = None) -> tuple[Report, list[s
 def _inside(child: str, parent: str) -> bool:
     parent, child = os.path.realpath(parent), os.path.realpath(child)
     return os.path.commonpath([parent, child]) == parent
+
+
+def _needs_record(directory: str, name: str) -> bool:
+    rec = checksums.read_record(directory, name)
+    return rec is None or rec.blocks is None

@@ -117,7 +117,11 @@ class _ShardWriter:
 
     def record(self) -> checksums.Record:
         name = shard_name(self.shard_idx)
-        return checksums.Record(name, self.hasher.nbytes, self.hasher.digest(), self.md.hash)
+        h = self.hasher
+        blocks = h.block_digests()
+        return checksums.Record(
+            name, h.nbytes, checksums.combine(blocks), self.md.hash, h.block_bytes, checksums.hex_blocks(blocks)
+        )
 
 
 class open_shard_writer:

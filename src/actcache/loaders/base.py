@@ -21,6 +21,7 @@ from actcache.loaders.partition import World
 from actcache.loaders.plan import Geometry
 from actcache.loaders.runtime import LoaderStats, Runtime
 from actcache.protocol import LayerNotRecordedError
+from actcache.shardguard import ReadVerifier
 
 
 class Iteration:
@@ -47,6 +48,7 @@ class Iteration:
             mode=loader.map_mode,
             cold_read=loader.cold_read,
             identities=loader.shard_ids,
+            verifier=loader.verifier,
         )
         self.closed = False
         self.on_close: list = []  # loader-specific state to drop before unmapping (may hold views)
@@ -68,6 +70,7 @@ class Iteration:
         t0 = time.perf_counter()
         what = f"batch {self.loader._describe_key(self.next_key)}"
         buf = self.rt.consumer_wait(self._take_ready, self.loader.batch_timeout_s, what)
+        self.maps.unchanged(buf.shards)  # a shard written to while the batch was copied: refused, not handed out
         # Everything read from the set, and the tensors that mark it as used, comes before it is
         # lent: from then on the pool may hand it to a gather thread as soon as no tensor refers
         # to it (that check could run between lend() and to_torch() and see it unused).
@@ -165,8 +168,11 @@ class BaseLoader(abc.ABC):
         self.shard_imgs = [s.n_imgs for s in self.cache.shards]
         self.shard_sizes = [n * md.bytes_per_img for n in self.shard_imgs]
         self.shard_start = np.r_[0, np.cumsum(self.shard_imgs)].astype(np.int64)
-        # each shard's (device, inode) now: a shard replaced later is an error, never read (integrity.py)
-        self.shard_ids = integrity.identities(self.cache.path, [s.name for s in self.cache.shards])
+        # each shard's identity now: a shard replaced or written to later is an error, never read (integrity.py)
+        names = [s.name for s in self.cache.shards]
+        self.shard_ids = integrity.identities(self.cache.path, names)
+        # verify_reads: each checksum block checked the first time this process reads it
+        self.verifier = ReadVerifier(self.cache.path, names, self.shard_ids, md.hash, self.shard_sizes, o.verify_reads)
         # Reading a small part of each image (one layer of several, or CLS only): no read-around.
         self.random_access = self.geom.img_bytes * 2 < md.bytes_per_img
         self.map_mode = "random" if self.random_access else "huge"  # see ShardMaps

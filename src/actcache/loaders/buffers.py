@@ -204,6 +204,7 @@ class BatchBuffers:
         self.layer = np.empty(batch_size, np.int64)
         self.n = 0
         self.key = None  # (epoch, batch)
+        self.shards = None  # the shards the batch was copied from (None: unknown, check every open one)
         self._base = _refcounts(self.arrays())
 
     def arrays(self) -> list[np.ndarray]:

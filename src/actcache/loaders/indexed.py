@@ -1,8 +1,10 @@
 """IndexedDataset: a torch map-style Dataset over a cache (random access, one vector per item).
 
-Each item is read with one pread from the shard file, not out of a memory mapping: a shard
-truncated meanwhile then gives a short read (a LoaderError naming it), never SIGBUS, and a shard
-replaced since the dataset was made is refused when it is opened (loaders/integrity.py).
+Each item is read with one pread from the shard file through the cache's guarded reads
+(:class:`actcache.shardguard.ShardFiles`), not out of a memory mapping: a shard truncated
+meanwhile gives a short read (a LoaderError naming it), never SIGBUS; a shard replaced or written
+to since the cache was opened is refused after the read, before the item is returned; with
+``verify_reads="first"`` each checksum block is checked the first time the process reads it.
 """
 
 from __future__ import annotations
@@ -14,10 +16,9 @@ import torch
 
 from actcache.cache import ActivationCache
 from actcache.dtypes import to_float32
-from actcache.errors import LoaderError
-from actcache.loaders import integrity
 from actcache.loaders.buffers import as_tensor
 from actcache.loaders.common import Selection
+from actcache.shardguard import DEFAULT_VERIFY_READS
 
 
 class IndexedDataset(torch.utils.data.Dataset):
@@ -31,57 +32,33 @@ class IndexedDataset(torch.utils.data.Dataset):
 
     def __init__(
         self, path: str | os.PathLike | ActivationCache, patches: str = "image", layer: int | str = -2,
-        out_dtype: str = "float32", token_labels: bool = False,
+        out_dtype: str = "float32", verify_reads: str = DEFAULT_VERIFY_READS, token_labels: bool = False,
     ):  # fmt: skip
-        self.cache = path if isinstance(path, ActivationCache) else ActivationCache.open(path, out_dtype=out_dtype)
+        # (an ActivationCache given keeps its own out_dtype and verify_reads)
+        self.cache = (
+            path if isinstance(path, ActivationCache)
+            else ActivationCache.open(path, out_dtype=out_dtype, verify_reads=verify_reads)
+        )  # fmt: skip
         self.metadata = self.cache.metadata
         self.sel = Selection(self.metadata, patches, layer)
-        self._names = [s.name for s in self.cache.shards]
-        md = self.metadata
-        self._sizes = [s.n_imgs * md.bytes_per_img for s in self.cache.shards]
-        self._ids = integrity.identities(self.cache.path, self._names)
-        self._fds: dict[int, int] = {}
         self.token_labels_NP = None
         if token_labels:
             from actcache.saev import read_token_labels
 
-            self.token_labels_NP = read_token_labels(self.cache.path, md)
-
-    def __getstate__(self) -> dict:  # DataLoader workers (spawn) open their own descriptors
-        return {**self.__dict__, "_fds": {}}
-
-    def __del__(self):
-        self.close()
+            self.token_labels_NP = read_token_labels(self.cache.path, self.metadata)
 
     def close(self) -> None:
         """Close the shard files (they are opened again on the next read)."""
-        fds, self._fds = getattr(self, "_fds", {}), {}
-        for fd in fds.values():
-            os.close(fd)
+        self.cache.close()
 
     def _read(self, img: int, layer_i: int, token: int) -> np.ndarray:
         """Vector (image, layer position, token) with one pread from its shard file."""
         md = self.metadata
         shard, local = divmod(img, md.n_imgs_per_shard)
-        fd = self._fds.get(shard)
-        if fd is None:
-            fd = integrity.open_shard(self.cache.path, self._names[shard], self._ids[shard], self._sizes[shard])
-            got = self._fds.setdefault(shard, fd)
-            if got != fd:  # another thread opened it first
-                os.close(fd)
-                fd = got
-        vb = md.d_vit * md.itemsize
-        offset = ((local * len(md.layers) + layer_i) * md.n_tokens_per_img + token) * vb
-        try:
-            data = os.pread(fd, vb, offset)
-            if len(data) != vb:
-                raise LoaderError(f"short read at byte {offset:,}: {len(data)} of {vb} bytes")
-        except (OSError, LoaderError) as err:
-            raise integrity.read_error(
-                self.cache.path, self._names[shard], fd, self._ids[shard], self._sizes[shard], err
-            ) from err
-        stored = np.frombuffer(data, md.storage)
-        return to_float32(stored, md.dtype) if self.cache.convert else stored.copy()
+        offset = ((local * len(md.layers) + layer_i) * md.n_tokens_per_img + token) * md.d_vit * md.itemsize
+        stored = np.empty(md.d_vit, md.storage)
+        self.cache.files.read_into(shard, offset, stored)
+        return to_float32(stored, md.dtype) if self.cache.convert else stored
 
     @property
     def d_vit(self) -> int:

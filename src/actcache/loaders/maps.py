@@ -113,6 +113,7 @@ class ShardMaps:
         mode: str = "huge",
         cold_read: str = "fault",
         identities: list | None = None,
+        verifier=None,
     ):
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} not in {MODES}")
@@ -122,8 +123,9 @@ class ShardMaps:
         self._scratch = threading.local()  # read_uncached: each thread's READ_CHUNK buffer
         self.path, self.names, self.sizes = path, list(names), list(sizes)
         self.evict, self.mode = evict, mode
-        # (device, inode) of each shard when the loader was created: a shard opened later must match
+        # identity of each shard when the loader was created: a shard opened later must match
         self.identities = identities if identities is not None else integrity.identities(path, self.names)
+        self.verifier = verifier  # shardguard.ReadVerifier (verify_reads), or None
         self._fds: dict[int, int] = {}
         self._maps: dict[tuple[int, str], mmap.mmap] = {}
         self._arrays: dict[tuple[int, str], np.ndarray] = {}
@@ -152,6 +154,24 @@ class ShardMaps:
         fd = self.fd(shard)
         need = self.sizes[shard] if need is None else need
         integrity.check(self.path, self.names[shard], fd, self.identities[shard], need)
+
+    def verify(self, shard: int, start: int, end: int) -> None:
+        """verify_reads: check the checksum blocks under bytes [start, end) of the shard not
+        checked yet in this process (shardguard.ReadVerifier); call before their bytes are copied."""
+        if self.verifier is not None and self.verifier.on:
+            self.verifier.ensure(shard, self.fd(shard), int(start), int(end))
+
+    def unchanged(self, shards=None) -> None:
+        """LoaderError naming one of ``shards`` (default: every one opened so far) whose size or
+        change time moved (it was written to): call after a batch is copied from them, before it is
+        handed out. One fstat per shard."""
+        fds = self._fds
+        for shard, fd in list(fds.items()) if shards is None else [(s, fds.get(s)) for s in shards]:
+            if fd is None:  # (not opened: nothing was read from it)
+                continue
+            bad = integrity.fd_change(fd, self.identities[shard], self.sizes[shard])
+            if bad:
+                raise integrity.ShardChangedError(f"shard {self.names[shard]} in {self.path} {bad}; {integrity.FIX}")
 
     def shard_at(self, address: int) -> int | None:
         """The shard whose mapping holds ``address`` (a BusError's), or None."""

@@ -14,6 +14,7 @@ import dataclasses
 import math
 
 from actcache.errors import ConfigError
+from actcache.shardguard import DEFAULT_VERIFY_READS, VERIFY_READS  # verify_reads (checksum blocks)
 
 PATCHES = ("cls", "image", "all")
 # How the shuffled loader reads runs that are not in the page cache yet (maps.ShardMaps).
@@ -66,8 +67,13 @@ class LoaderOptions:
     evict: bool = False
     out_dtype: str = "float32"
     token_labels: bool = False  # a saev cache's labels.bin: batch["token_label"] (-1 for CLS)
+    verify_reads: str = DEFAULT_VERIFY_READS
 
     def __post_init__(self) -> None:
+        if self.verify_reads not in VERIFY_READS:
+            raise ConfigError(
+                f"verify_reads={self.verify_reads!r} is not allowed; use one of {', '.join(VERIFY_READS)}"
+            )
         if self.out_dtype not in OUT_DTYPES:
             raise ConfigError(f"out_dtype={self.out_dtype!r} is not allowed; use one of {', '.join(OUT_DTYPES)}")
         if self.out_dtype == "stored" and self.scale_norm:

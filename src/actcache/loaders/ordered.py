@@ -45,7 +45,7 @@ from actcache.dtypes import to_float32
 from actcache.errors import ConfigError, LoaderError
 from actcache.loaders import kernels
 from actcache.loaders.base import BaseLoader, Iteration
-from actcache.loaders.options import LoaderOptions, check_number
+from actcache.loaders.options import DEFAULT_VERIFY_READS, LoaderOptions, check_number
 from actcache.loaders.partition import Partition
 from actcache.loaders.runtime import Stopped
 
@@ -99,7 +99,9 @@ class OrderedLoader(BaseLoader):
     (default 4), read_ahead (batches prepared ahead of the consumer), evict (also drop released
     bytes from the page cache), io ("auto", the default: per batch, "read" when its bytes are
     not cached yet, else "mmap" or "read", whichever has cost less CPU per byte lately; "read":
-    preadv into the batch buffers; "mmap": copies out of memory-mapped shards; see the module doc).
+    preadv into the batch buffers; "mmap": copies out of memory-mapped shards; see the module doc),
+    verify_reads ("first": each checksum block checked the first time this process reads it;
+    "off"; see actcache.shardguard).
     """
 
     kind = "OrderedLoader"
@@ -118,6 +120,7 @@ class OrderedLoader(BaseLoader):
         scale_norm: bool = False,
         out_dtype: str = "float32",
         token_labels: bool = False,
+        verify_reads: str = DEFAULT_VERIFY_READS,
         rank: int = 0,
         world_size: int = 1,
         worker_id: int = 0,
@@ -141,6 +144,7 @@ class OrderedLoader(BaseLoader):
             scale_norm=scale_norm,
             out_dtype=out_dtype,
             token_labels=token_labels,
+            verify_reads=verify_reads,
             rank=rank,
             world_size=world_size,
             worker_id=worker_id,
@@ -240,6 +244,7 @@ class OrderedLoader(BaseLoader):
                     it.rt.status(name, f"reading {self.cache.shards[shard].name} images {simg}-{simg + n} (batch {k})")
                     self._hook("read", shard=shard, images=(simg, simg + n), batch=k)
                     it.maps.check_intact(shard)  # removed, replaced or cut since the loader was made
+                    it.maps.verify(shard, ext[0].min(), ext[1].max())  # verify_reads: before any copy
                     if ask:
                         cached = it.maps.prefetch(shard, *ext, gap=MERGE_GAP) and cached
             finally:
@@ -328,6 +333,7 @@ class OrderedLoader(BaseLoader):
             if job.cost is not None:
                 self.path_cost.record(job.mapped, job.cost, (job.cuts[-1] - a0) * self.geom.vec_bytes)
             buf.n, buf.key = job.cuts[-1] - a0, (0, k)
+            buf.shards = [shard for shard, _, _ in self._spans(a0, job.cuts[-1])]  # (checked before it goes out)
             with it.cond:
                 it.ready[k] = buf
                 it.done.add(k)

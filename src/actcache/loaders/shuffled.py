@@ -48,7 +48,7 @@ from actcache.loaders import kernels
 from actcache.loaders.base import BaseLoader, Iteration
 from actcache.loaders.buffers import BatchBuffers, populate_small
 from actcache.loaders.maps import HUGE, block_range
-from actcache.loaders.options import COLD_READS, PREFETCH_SCHEMES, LoaderOptions, check_number
+from actcache.loaders.options import COLD_READS, DEFAULT_VERIFY_READS, PREFETCH_SCHEMES, LoaderOptions, check_number
 from actcache.loaders.partition import Partition
 from actcache.loaders.plan import BatchSpec, EpochPlan, cut_points, epoch_runs, part_runs
 from actcache.loaders.runtime import Stopped
@@ -112,6 +112,8 @@ class ShuffledLoader(BaseLoader):
             The batches are the same either way.
         skip_imgs: image indices left out of every epoch (a held-out split); runs holding them
             are split around them.
+        verify_reads: "first" checks each checksum block the first time this process reads it
+            (a run's blocks before it is gathered from); "off" does not (actcache.shardguard).
     """
 
     kind = "ShuffledLoader"
@@ -134,6 +136,7 @@ class ShuffledLoader(BaseLoader):
         scale_norm: bool = False,
         out_dtype: str = "float32",
         token_labels: bool = False,
+        verify_reads: str = DEFAULT_VERIFY_READS,
         rank: int = 0,
         world_size: int = 1,
         worker_id: int = 0,
@@ -179,6 +182,7 @@ class ShuffledLoader(BaseLoader):
             scale_norm=scale_norm,
             out_dtype=out_dtype,
             token_labels=token_labels,
+            verify_reads=verify_reads,
             rank=rank,
             world_size=world_size,
             worker_id=worker_id,
@@ -462,6 +466,8 @@ class ShuffledLoader(BaseLoader):
                     self._read_into_slot(it, r, starts, ends)
                 else:
                     it.maps.make_resident(r.shard, starts, ends)
+            # verify_reads: the run's checksum blocks, before a gather thread copies from it
+            it.maps.verify(r.shard, *(r.span if r.span is not None else (starts.min(), ends.max())))
             with it.cond:
                 it.unloaded[key] -= 1
                 if not it.unloaded[key]:
@@ -498,6 +504,7 @@ class ShuffledLoader(BaseLoader):
             except OSError as err:
                 raise it.maps.read_error(err, [r.shard]) from err
             pos += n
+        it.maps.check_intact(r.shard)  # written to during the read: refused before the slot is used
         if self.evict:
             os.posix_fadvise(fd, int(starts.min()), int(ends.max() - starts.min()), os.POSIX_FADV_DONTNEED)
         r.slot = slot
@@ -634,6 +641,7 @@ class ShuffledLoader(BaseLoader):
             if job.left:
                 return
             job.buf.faulted = True
+            job.buf.shards = job.shards  # (checked before it goes out; arena slots: checked when read)
             it.ready[key] = job.buf
             it.done.add(key)
             rel = []

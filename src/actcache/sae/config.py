@@ -39,7 +39,7 @@ from typing import Any
 
 from actcache.errors import ConfigError
 from actcache.keys import Decl, ListOf, check_keys, coerce, declared, key
-from actcache.loaders.options import COLD_READS, PATCHES, PREFETCH_SCHEMES
+from actcache.loaders.options import COLD_READS, DEFAULT_VERIFY_READS, PATCHES, PREFETCH_SCHEMES, VERIFY_READS
 from actcache.sae.spec import (
     ACTIVATIONS,
     BATCH_MODES,
@@ -162,6 +162,12 @@ class RunConfig:
     )
     prefetch: str = _loader(
         "auto", "the shuffled loader's copy prefetch (auto: it times both)", choices=("auto", *PREFETCH_SCHEMES)
+    )
+    verify_reads: str = _loader(
+        DEFAULT_VERIFY_READS,
+        "first: check each checksum block of the cache the first time a process reads it (a flipped bit is an "
+        "error, not wrong rows); off: do not",
+        choices=VERIFY_READS,
     )
 
     # -- identity ---------------------------------------------------------------------------------

@@ -407,8 +407,10 @@ class GroupTrainer:
             n_epochs=None, end_at=("batch", run.steps), drop_last=True, deterministic=run.deterministic,
             scale_norm=run.scale_norm, rank=self.ctx.rank, world_size=self.ctx.world_size,
             n_readers=run.n_readers, cold_read=run.cold_read, batch_timeout_s=run.batch_timeout_s,
-            prefetch=run.prefetch,
+            prefetch=run.prefetch, verify_reads=run.verify_reads,
         )  # fmt: skip
+        if self.ctx.is_main:
+            _say_read_checks(loader, run.verify_reads)
         nb = len(loader)
         if nb == 0:
             raise TrainError(
@@ -669,6 +671,24 @@ def train_group(cache_dir: str, runs: list[RunConfig], runs_to: str, device: str
                 stop: Callable[[], bool] | None = None, wait_for_lock: bool = False) -> list[str]:  # fmt: skip
     """Train one group of SAEs (see the module docstring); returns the run directories."""
     return GroupTrainer(cache_dir, runs, runs_to, device=device, stop=stop, wait_for_lock=wait_for_lock).run()
+
+
+_told: set[tuple[str, str]] = set()  # (cache, what): each notice once per process
+
+
+def _say_read_checks(loader, mode: str) -> None:
+    """One line each, once per cache: reads are unverified (verify_reads: off); shards have no
+    checksum records to check reads against (and how to add them)."""
+    path = loader.cache.path
+    if mode == "off" and (path, "off") not in _told:
+        _told.add((path, "off"))
+        log.warning("reads of %s are unverified (verify_reads: off); set verify_reads: first to check each "
+                    "checksum block the first time it is read", path)  # fmt: skip
+    unsealed = loader.verifier.unsealed()
+    if unsealed and (path, "seal") not in _told:
+        _told.add((path, "seal"))
+        log.warning("%d of %d shard(s) of %s have no checksum records: a flipped bit in them goes unnoticed; add "
+                    "them with `actcache seal %s`", len(unsealed), len(loader.cache.shards), path, path)  # fmt: skip
 
 
 def train_groups(cache_dir: str, by_group: dict[str, list[RunConfig]], runs_to: str, device: str | None = None,
