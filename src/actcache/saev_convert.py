@@ -111,13 +111,13 @@ def saev_dir(to_root: str | os.PathLike, md: saev.SaevMetadata) -> str:
 
 
 def _chunks(src, shard: int):
-    """float32 blocks of one source shard, in order."""
+    """float32 blocks of one source shard, in order, each one guarded read (ActivationCache.read_shard)."""
     from actcache.dtypes import to_float32
 
-    stored = src.shard_array(shard)
+    n = src.shards[shard].n_imgs
     step = max(1, CHUNK_BYTES // max(1, src.metadata.bytes_per_img))
-    for a in range(0, len(stored), step):
-        yield to_float32(np.asarray(stored[a : a + step]), src.metadata.dtype)
+    for a in range(0, n, step):
+        yield to_float32(src.read_shard(shard, a, a + step), src.metadata.dtype)
 
 
 def to_saev(src_dir: str | os.PathLike, to_root: str | os.PathLike) -> tuple[str, list[str]]:
