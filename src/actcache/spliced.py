@@ -229,14 +229,15 @@ class _CacheContext:
     """What the runs of one cache share: the cache, its images and the ViT."""
 
     def __init__(self, run, device, batch_images: int):
+        from actcache.ckptid import checkpoint_source
         from actcache.models import load_vit
         from actcache.visuals import image_source, open_cache
 
         self.cache = open_cache(run)
         md = self.cache.metadata
-        src = image_source(md, no_images=False)
+        src = image_source(md, no_images=False, cache_dir=self.cache.path)
         self.ds, self.batch_images = src.dataset, batch_images
-        self.vit = load_vit(md.vit_family, md.vit_ckpt, device)
+        self.vit = load_vit(md.vit_family, checkpoint_source(md.vit_ckpt, self.cache.path), device)
 
     def batches(self, held: np.ndarray):
         for s in range(0, len(held), self.batch_images):
