@@ -212,7 +212,7 @@ def test_existing_sae_ids_do_not_change():
         ({"activation": "jumprelu", "l0_coeff": 1e-3, "k": 4}, r"key 'k' is only for activation .*not jumprelu"),
         ({"activation": "topk", "l0_coeff": 1e-3}, r"key 'l0_coeff' is only for activation jumprelu, not topk"),
         ({"activation": "relu", "l1_coeff": 1e-3, "preact_coeff": 1.0}, r"key 'preact_coeff' is only for .*jumprelu"),
-        ({"activation": "jumprelu", "l0_coeff": -1.0}, r"key 'l0_coeff' must be >= 0"),
+        ({"activation": "jumprelu", "l0_coeff": -1.0}, r"key 'l0_coeff' must be in \[0, 10000\]"),
         ({"activation": "jumprelu", "l0_coeff": 1e-3, "jumprelu_bandwidth": 0}, r"'jumprelu_bandwidth' must be > 0"),
         ({"activation": "jumprelu", "l0_coeff": 1e-3, "l0_warmup_steps": -1}, r"'l0_warmup_steps' must be >= 0"),
     ],

@@ -108,7 +108,7 @@ def test_prefixes_are_a_value_in_an_entry_and_a_grid_in_a_sweep():
         ({"matryoshka_prefixes": [32, 16, 64]}, r"must be increasing sizes"),
         ({"matryoshka_prefixes": [16, 64.5]}, r"must be list of int or null, got \[16, 64.5\]"),
         ({"matryoshka_prefixes": [16, 64], "matryoshka_weights": [1]}, r"has 1 values for 2 prefixes"),
-        ({"matryoshka_weights": [-1]}, r"'matryoshka_weights' must hold items >= 0"),
+        ({"matryoshka_weights": [-1]}, r"'matryoshka_weights' must hold items in \[0, 10000\]"),
         ({"activation": "topk", "matryoshka_prefixes": [16, 64]}, r"only for activation matryoshka, not topk"),
     ],
 )
