@@ -115,7 +115,7 @@ def test_a_shard_damaged_during_training_stops_it_with_a_loader_error_and_a_chec
 
     with pytest.raises(LoaderError) as err:
         train_group(src, runs, tmp_path / "runs", device="cpu", stop=damage_at_step_7)
-    assert "acts000001.bin" in str(err.value) and "replaced" in str(err.value) and "\n" not in str(err.value)
+    assert "acts000001.bin" in str(err.value) and "after it was opened" in str(err.value) and "\n" not in str(err.value)
     d = run_dir(tmp_path / "runs", os.path.basename(cache), runs[0])
     last = ckpt.steps(d)[-1]
     assert 7 <= last < TRAIN["steps"] and last % TRAIN["ckpt_every"] and ckpt.problem(d, last) is None
