@@ -173,3 +173,15 @@ def test_convert_of_a_source_cut_mid_run_is_one_line_naming_the_shard(sealed, tm
     with pytest.raises(ShardChangedError) as err:
         conv.convert(path, "float16", tmp_path / "out")
     assert "acts000003.bin" in str(err.value) and "truncated" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_cache_dropped_without_close_keeps_no_shard_open(sealed):
+    import gc
+
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        cache = ActivationCache.open(sealed)
+        cache[0], cache[cache.n_imgs - 1]
+        del cache
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == before

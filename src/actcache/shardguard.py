@@ -300,3 +300,12 @@ class ShardFiles:
             fds, self._fds = self._fds, {}
         for fd in fds.values():
             os.close(fd)
+
+    def __del__(self) -> None:  # a cache dropped without close() must not keep its shards open
+        fds = getattr(self, "_fds", None) or {}
+        self._fds = {}
+        for fd in fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
