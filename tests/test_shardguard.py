@@ -178,9 +178,10 @@ def test_convert_of_a_source_cut_mid_run_is_one_line_naming_the_shard(sealed, tm
 def test_a_cache_dropped_without_close_keeps_no_shard_open(sealed):
     import gc
 
+    path = sealed[0]
     before = len(os.listdir("/proc/self/fd"))
     for _ in range(20):
-        cache = ActivationCache.open(sealed)
+        cache = ActivationCache.open(path)
         cache[0], cache[cache.n_imgs - 1]
         del cache
     gc.collect()
