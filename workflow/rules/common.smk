@@ -86,6 +86,24 @@ ATTEMPT_LOG = (
     'echo "attempt {resources.attempt}, Slurm job ${{SLURM_JOB_ID:-none}}, host $(hostname)" >> {log:q} && '
 )
 
+# Fail fast on user errors: actcache exits 2 on an error every retry would meet again (a corrupt
+# image, a bad config). That attempt leaves <log without .log>.user-error; a retry (`retries:` of
+# the profile) finds it and stops at once, running nothing. Attempt 1 (a new snakemake run, after
+# the fix) deletes it. Other exit statuses (node failure, preemption, timeout, kill) are retried.
+USER_ERROR = (
+    'user_error={log:q}; user_error="${{user_error%.log}}.user-error"; '
+    'if [ {resources.attempt} -gt 1 ] && [ -e "$user_error" ]; then '
+    'msg="actcache: not retried: an earlier attempt failed with a user error (exit status 2, its log is beside '
+    '{log}); fix what it names and run snakemake again"; echo "$msg" >> {log:q}; echo "$msg" >&2; exit 2; fi; '
+    'rm -f "$user_error" && '
+)
+
+
+def fail_fast(command):
+    """`command` (a shell template, after USER_ERROR) such that its exit status 2 is recorded for the retry."""
+    return f'{{{{ {command}; }}}} || {{{{ rc=$?; [ "$rc" -ne 2 ] || touch "$user_error"; exit "$rc"; }}}}'
+
+
 # The `attempt` resource of each job (1, then 2 on the first retry, ...) names its log.
 def attempt(wildcards, attempt):
     return attempt
