@@ -1,14 +1,20 @@
-"""Retries with profiles/local: a job that fails on a user error (actcache exits 2) is not run again."""
+"""Never pay twice (profiles/local): a job failing on a user error (actcache exits 2) is not run
+again; a path a job will read that is missing stops the dry run and `actcache plan` first."""
 
 from __future__ import annotations
 
 import glob
+import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import PIL.Image
 from tests.fixtures_vit import make_checkpoint
 from tests.workflow_helpers import TWO_AT_A_TIME, snakemake, write_project
+
+TRAIN = {"layer": -1, "steps": 4, "batch_size": 16, "exp_factor": 2, "sweep": {"k": [4]}}
 
 
 def image_folder(root: str, n: int, corrupt: int) -> str:
@@ -48,3 +54,30 @@ def test_dump_failing_on_a_corrupt_image_runs_once_despite_retries(tmp_path):
     assert "actcache dump" not in second and "not retried: an earlier attempt failed with a user error" in second
     assert "not retried" in out
     assert len(glob.glob(str(tmp_path / "logs" / "dump" / "*" / "*.user-error"))) == 1
+
+
+def test_missing_eval_cache_is_one_line_in_the_dry_run_and_in_plan(tmp_path):
+    ckpt = make_checkpoint(str(tmp_path / "tiny-clip"), "clip")
+    data = {"kind": "synthetic", "n_imgs": 8, "seed": 1, "size": 40}
+    vit = {"family": "clip", "ckpt": ckpt, "layers": [-1]}
+    val = {"name": "val", "vit": vit, "data": dict(data, seed=2)}
+    cfg = write_project(str(tmp_path), {"val": val})
+    (p,) = json.loads(plan_cli(cfg, "--json").stdout)
+    good = {"name": "wf", "vit": vit, "data": data, "train": dict(TRAIN, eval_cache=p["dir"])}
+    cfg = write_project(str(tmp_path), {"val": val, "wf": good})
+    proc = snakemake(cfg, "-n")
+    assert proc.returncode == 0, proc.stderr[-3000:]  # a cache this workflow dumps is fine
+    typo = str(tmp_path / "cache" / "nope")
+    cfg = write_project(str(tmp_path), {"wf": dict(good, train=dict(TRAIN, eval_cache=typo))})
+    for proc in (snakemake(cfg, "-n"), plan_cli(cfg)):
+        out = proc.stdout + proc.stderr
+        errors = [line for line in out.splitlines() if "error" in line]
+        assert proc.returncode == 2 and len(errors) == 1, out[-3000:]
+        (line,) = errors
+        assert "wf.yaml" in line and "'train.eval_cache'" in line and repr(typo) in line and "shards.json" in line
+        assert "Traceback" not in out
+
+
+def plan_cli(cfg: str, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "actcache.cli", "plan", "--config", cfg, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=os.path.dirname(cfg))
