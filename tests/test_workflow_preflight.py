@@ -81,3 +81,29 @@ def test_missing_eval_cache_is_one_line_in_the_dry_run_and_in_plan(tmp_path):
 def plan_cli(cfg: str, *args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "actcache.cli", "plan", "--config", cfg, *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=os.path.dirname(cfg))
+
+
+def test_min_job_age_warning_uses_the_status_check_delay_in_force(tmp_path, monkeypatch):
+    """A cluster (scontrol and sacctmgr on PATH) whose MinJobAge is 60 s: the profile's 40 s delay is too long
+    (the plugin falls back to sacct under 3 x 40 s); the 20 s the warning suggests is not."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = {"scontrol": "echo 'MinJobAge               = 60 sec'", "sacctmgr": "echo proj1"}
+    for name, body in fake.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("ACTCACHE_SLURM_ACCOUNT", "proj1")
+    ckpt = make_checkpoint(str(tmp_path / "tiny-clip"), "clip")
+    exp = {
+        "name": "wf",
+        "vit": {"family": "clip", "ckpt": ckpt, "layers": [-1]},
+        "data": {"kind": "synthetic", "n_imgs": 8},
+    }
+    cfg = write_project(str(tmp_path), {"wf": exp})
+    proc = snakemake(cfg, "-n", profile="osc")
+    (line,) = [x for x in proc.stderr.splitlines() if "MinJobAge" in x]
+    assert proc.returncode == 0 and "under 3 x 40 s" in line and "--slurm-init-seconds-before-status-checks 20" in line
+    proc = snakemake(cfg, "-n", "--slurm-init-seconds-before-status-checks", "20", profile="osc")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "actcache: warning" not in proc.stderr, proc.stderr[-3000:]

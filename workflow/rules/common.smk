@@ -13,7 +13,7 @@ import yaml
 from actcache.errors import ActCacheError
 from actcache.plan import DUMP_MARKS as DUMP_MARKS_DIR
 from actcache.plan import MARK_SLOTS, dump_marks, external_caches, other_mark, plan, train_jobs
-from actcache.slurmjobs import in_flight_claims, site_warnings
+from actcache.slurmjobs import in_flight_claims, site_warnings, status_init_in_force
 from actcache.protocol import SHARDS_FILE
 from actcache.rundir import (
     CURVES_PLOT,
@@ -113,7 +113,8 @@ def attempt(wildcards, attempt):
 # squeue status check), once, on the login node: never inside a job.
 _DEFAULT_RESOURCES = workflow.resource_settings.default_resources
 if workflow.is_main_process and _DEFAULT_RESOURCES is not None and "slurm_account" in _DEFAULT_RESOURCES.keys():
-    for _w in site_warnings():
+    # against the status-check delay in force: the command line's, else the profile's
+    for _w in site_warnings(status_init_s=status_init_in_force(sys.argv)):
         print(f"actcache: warning: {_w}", file=sys.stderr)
 
 # A lock left by a snakemake that was killed (lost login session, SIGKILL): Snakemake refuses to
