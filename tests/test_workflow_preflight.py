@@ -107,3 +107,28 @@ def test_min_job_age_warning_uses_the_status_check_delay_in_force(tmp_path, monk
     proc = snakemake(cfg, "-n", "--slurm-init-seconds-before-status-checks", "20", profile="osc")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "actcache: warning" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_sbatch_extra_joins_the_site_flags_of_a_rule_and_warns_on_a_plugin_managed_one(tmp_path):
+    from actcache.slurmjobs import extra_warnings, sbatch_extra, status_init_in_force
+
+    env = {
+        "ACTCACHE_SLURM_RESERVATION": "hack day",
+        "ACTCACHE_SLURM_EXTRA": " --exclusive ",
+        "ACTCACHE_SLURM_DUMP_EXTRA": "-J x",
+    }
+    assert sbatch_extra("dump", env) == "--reservation='hack day' --exclusive -J x"
+    assert sbatch_extra("train", env) == "--reservation='hack day' --exclusive"
+    assert sbatch_extra("train", {}) is None
+    (line,) = extra_warnings(env, ["dump", "train"])  # -J is the job name, which the plugin sets
+    assert line.startswith("ACTCACHE_SLURM_DUMP_EXTRA='-J x'") and "job name" in line
+    assert extra_warnings({"ACTCACHE_SLURM_EXTRA": "--exclusive"}, ["dump"]) == []
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "profile.yaml").write_text("slurm-init-seconds-before-status-checks: 13\n")
+    site = str(tmp_path / "site")
+    assert status_init_in_force(["snakemake", "--profile", site], {}) == 13  # the profile's key
+    assert (
+        status_init_in_force(["snakemake", "--profile", site, "--slurm-init-seconds-before-status-checks=7"], {}) == 7
+    )
+    assert status_init_in_force(["snakemake"], {"SNAKEMAKE_PROFILE": site}) == 13
+    assert status_init_in_force(["snakemake"], {}) == 40  # the plugin's default
