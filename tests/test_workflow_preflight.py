@@ -4,7 +4,6 @@ again; a path a job will read that is missing stops the dry run and `actcache pl
 from __future__ import annotations
 
 import glob
-import json
 import os
 import subprocess
 import sys
@@ -13,6 +12,8 @@ import numpy as np
 import PIL.Image
 from tests.fixtures_vit import make_checkpoint
 from tests.workflow_helpers import TWO_AT_A_TIME, snakemake, write_project
+
+from actcache.plan import plan_from_config
 
 TRAIN = {"layer": -1, "steps": 4, "batch_size": 16, "exp_factor": 2, "sweep": {"k": [4]}}
 
@@ -62,8 +63,8 @@ def test_missing_eval_cache_is_one_line_in_the_dry_run_and_in_plan(tmp_path):
     vit = {"family": "clip", "ckpt": ckpt, "layers": [-1]}
     val = {"name": "val", "vit": vit, "data": dict(data, seed=2)}
     cfg = write_project(str(tmp_path), {"val": val})
-    (p,) = json.loads(plan_cli(cfg, "--json").stdout)
-    good = {"name": "wf", "vit": vit, "data": data, "train": dict(TRAIN, eval_cache=p["dir"])}
+    (p,) = plan_from_config(cfg)
+    good = {"name": "wf", "vit": vit, "data": data, "train": dict(TRAIN, eval_cache=p.cache_dir)}
     cfg = write_project(str(tmp_path), {"val": val, "wf": good})
     proc = snakemake(cfg, "-n")
     assert proc.returncode == 0, proc.stderr[-3000:]  # a cache this workflow dumps is fine
