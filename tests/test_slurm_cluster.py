@@ -203,8 +203,17 @@ def test_osc_profile_takes_site_settings_from_the_environment_with_osc_defaults(
         "ACTCACHE_SLURM_CPUS_PER_GPU": "6",
         "ACTCACHE_SLURM_DUMP_MEM_MB": "1234",
         "ACTCACHE_SLURM_TRAIN_RUNTIME": "99",
+        "ACTCACHE_SLURM_QOS": "normal",
+        "ACTCACHE_SLURM_GPU_CONSTRAINT": "a100",
+        "ACTCACHE_SLURM_RESERVATION": "hack day",
+        "ACTCACHE_SLURM_EXTRA": "--exclusive",
+        "ACTCACHE_SLURM_TRAIN_EXTRA": "--mail-type=FAIL",
     }
     res, log = _dry_run_resources("osc", tmp_path / "site", {**site})
+    assert all("qos=normal" in r for r in res.values()), res
+    assert "constraint=a100" in res["dump"] and "constraint" not in res["gather"], res
+    assert "slurm_extra=--reservation='hack day' --exclusive --mail-type=FAIL" in res["train"], res["train"]
+    assert "slurm_extra=--reservation='hack day' --exclusive," in res["dump"] + ",", res["dump"]
     assert "slurm_partition=gpu-a100" in res["dump"] and "gpu_model=a100" in res["dump"], res["dump"]
     assert "mem_mb=1234" in res["dump"] and "cpus_per_gpu=6" in res["dump"], res["dump"]
     assert "runtime=99" in res["train"] and "slurm_partition=short" in res["gather"], res
@@ -215,6 +224,7 @@ def test_osc_profile_takes_site_settings_from_the_environment_with_osc_defaults(
     assert "slurm_partition=gpu" in res["dump"] and "gpu_model" not in res["dump"], res["dump"]
     assert "mem_mb=64000" in res["dump"] and "cpus_per_gpu=8" in res["dump"], res["dump"]
     assert "runtime=720" in res["train"] and "slurm_partition=cpu" in res["gather"], res
+    assert not any(k in r for r in res.values() for k in ("qos", "constraint", "slurm_extra")), res
 
 
 @pytest.mark.slurm

@@ -1,15 +1,24 @@
 """Every error a user can cause is an ActCacheError subclass with an actionable message.
 
-The CLI catches ActCacheError and prints its message (no traceback), exiting with status 2.
+The CLI catches ActCacheError and prints its message (no traceback), exiting with the error's
+``exit_status``: 2 for an error the user must fix, which a retry would meet again (the workflow does
+not retry it), EXIT_RETRY for a stop a retry can outlive (a preemption, a batch timeout).
 """
 
 from __future__ import annotations
 
 import errno
 
+EXIT_USER = 2
+EXIT_RETRY = 75  # sysexits.h EX_TEMPFAIL: a temporary failure, retrying may succeed
+# errnos of an OSError that a retry can outlive (a flaky or lagging shared filesystem)
+TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.EAGAIN, errno.EINTR})
+
 
 class ActCacheError(Exception):
     """Base class: something the user can fix (a file, a field, a value)."""
+
+    exit_status = EXIT_USER
 
 
 class ConfigError(ActCacheError):
@@ -38,6 +47,8 @@ class LoaderError(ActCacheError):
 
 class BatchTimeoutError(LoaderError):
     """No batch arrived within batch_timeout_s."""
+
+    exit_status = EXIT_RETRY
 
 
 class TrainError(ActCacheError):

@@ -234,6 +234,28 @@ class TrainJob:
     train_args: tuple[tuple[str, ...], ...] = ()  # per file: how `actcache train` names its cache
 
 
+def check_eval_caches(planned: list) -> None:
+    """Every not-yet-done SAE's ``train.eval_cache`` is a gathered cache, or one that this plan dumps:
+    else one ConfigError naming the file, the key and the fix, before any job trains for hours and
+    fails at its evaluation. A relative path is read from the current directory, as the job does."""
+    dumped = {os.path.realpath(p.cache_dir) for p in planned if isinstance(p, Planned)}
+    seen = set()
+    for p in planned:
+        for r in p.train_runs():
+            if r.eval_cache is None or (p.source, r.eval_cache) in seen or is_done(run_dir(p.runs_to, p.hash, r)):
+                continue
+            seen.add((p.source, r.eval_cache))
+            path = os.path.abspath(os.path.expanduser(r.eval_cache))
+            if os.path.isfile(os.path.join(path, SHARDS_FILE)) or os.path.realpath(path) in dumped:
+                continue
+            where = "" if path == r.eval_cache else f" (relative to {os.getcwd()}, where the jobs run)"
+            raise ConfigError(
+                f"{p.source}: key 'train.eval_cache' is {r.eval_cache!r}{where}, which holds no {SHARDS_FILE}; "
+                "give a gathered cache directory (actcache verify DIR checks one), or delete the key to hold out "
+                "eval_frac of this cache."
+            )
+
+
 def train_jobs(planned: list, runs_to: str) -> list[TrainJob]:
     """One training job per (cache hash, group id), with its mark under ``runs_to``.
 
@@ -245,6 +267,7 @@ def train_jobs(planned: list, runs_to: str) -> list[TrainJob]:
     """
     from actcache.sae.config import groups
 
+    check_eval_caches(planned)
     by_job: dict[tuple[str, str], dict[str, list[str]]] = {}  # -> experiment file -> new SAE ids
     args: dict[str, tuple[str, ...]] = {}
     for p in planned:

@@ -3,6 +3,8 @@
 - :func:`site_warnings`: the account the profile will charge is unset or unknown to the cluster
   (``sacctmgr``), or MinJobAge is too short for the profile's ``squeue`` status check. Printed by
   the dry run and by ``actcache plan``; they warn, never fail.
+- :func:`sbatch_extra`: the extra sbatch flags of one rule's jobs, from the site's environment
+  variables (profiles/osc's ``slurm_extra``).
 - Claims: a dump job under Slurm writes its job id to ``<HASH>/.actcache-dump/<A-B>.job`` before
   it starts. :func:`in_flight_claims` finds the ranges whose claiming job is still running, or
   whose job is still queued (by the job comment the plugin sets; one ``squeue`` call), so a
@@ -19,11 +21,15 @@ import argparse
 import getpass
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
 
 ACCOUNT_VAR = "ACTCACHE_SLURM_ACCOUNT"
+RESERVATION_VAR = "ACTCACHE_SLURM_RESERVATION"
+EXTRA_VAR = "ACTCACHE_SLURM_EXTRA"  # every job; ACTCACHE_SLURM_<RULE>_EXTRA: one rule's jobs
+JOB_RULES = ("dump", "gather", "train", "spliced_eval", "report", "sweep_report")  # profiles/osc's set-resources
 CLAIM_SUFFIX = ".job"
 STATUS_INIT_S = 40  # profiles/osc: slurm-init-seconds-before-status-checks
 LIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING"}
@@ -52,8 +58,49 @@ def min_job_age_s() -> int | None:
     return int(m.group(1)) if m else None
 
 
-def site_warnings(env=None, status_init_s: int = STATUS_INIT_S) -> list[str]:
-    """One line per problem of the Slurm site settings that would show only at submission."""
+def rule_extra_var(rule: str) -> str:
+    return f"ACTCACHE_SLURM_{rule.upper()}_EXTRA"
+
+
+def sbatch_extra(rule: str, env=None) -> str | None:
+    """The extra sbatch flags of ``rule``'s jobs (the plugin's ``slurm_extra``), or None for none:
+    ``--reservation`` from ACTCACHE_SLURM_RESERVATION, then ACTCACHE_SLURM_EXTRA (every job), then
+    ACTCACHE_SLURM_<RULE>_EXTRA (none for rule ""), the last two verbatim (e.g. ``--exclusive``)."""
+    env = os.environ if env is None else env
+    parts = [f"--reservation={shlex.quote(env[RESERVATION_VAR])}"] if env.get(RESERVATION_VAR) else []
+    parts += [env.get(EXTRA_VAR) or "", (env.get(rule_extra_var(rule)) or "") if rule else ""]
+    return " ".join(p.strip() for p in parts if p.strip()) or None
+
+
+def _managed_flags():
+    """sbatch flags the Slurm plugin sets itself and refuses in slurm_extra: {regex: what}."""
+    try:
+        from snakemake_executor_plugin_slurm.validation import get_forbidden_slurm_options
+    except ImportError:
+        return {}
+    return get_forbidden_slurm_options()
+
+
+def extra_warnings(env, rules) -> list[str]:
+    """An extra-flags variable holding a flag the plugin manages (the job would fail at submission)."""
+    out = []
+    for var in dict.fromkeys([EXTRA_VAR, *(rule_extra_var(r) for r in rules)]):
+        value = env.get(var) or ""
+        for pattern, what in _managed_flags().items():
+            if re.search(pattern, value):
+                out.append(
+                    f"{var}={value!r} sets the {what}, which the Slurm plugin sets itself and refuses there; "
+                    "use the profile's variable for it (README, Slurm section) and drop it from "
+                    f"{var}."
+                )
+                break
+    return out
+
+
+def site_warnings(env=None, status_init_s: int = STATUS_INIT_S, rules=JOB_RULES) -> list[str]:
+    """One line per problem of the Slurm site settings that would show only at submission.
+    ``status_init_s``: the plugin's slurm-init-seconds-before-status-checks in force; ``rules``:
+    the rules whose ACTCACHE_SLURM_<RULE>_EXTRA to check."""
     env = os.environ if env is None else env
     out = []
     account = env.get(ACCOUNT_VAR, "")
@@ -61,7 +108,8 @@ def site_warnings(env=None, status_init_s: int = STATUS_INIT_S) -> list[str]:
     if not account:
         hint = f" (yours: {', '.join(sorted(known))})" if known else ""
         out.append(
-            f"{ACCOUNT_VAR} is not set: the Slurm plugin will guess the account from your last job; "
+            f"{ACCOUNT_VAR} is not set: jobs are submitted without an account, so Slurm charges your default "
+            "account (the Slurm plugin's guess from your last job fails with plugin 2.8); "
             f"export {ACCOUNT_VAR}=<your project>{hint}."
         )
     elif known is not None and account.lower() not in known:
@@ -72,11 +120,53 @@ def site_warnings(env=None, status_init_s: int = STATUS_INIT_S) -> list[str]:
     age = min_job_age_s()
     if age is not None and age < 3 * status_init_s:
         out.append(
-            f"Slurm's MinJobAge is {age} s, under 3 x {status_init_s} s: the plugin then checks job status with "
-            "sacct, which does not see a cancelled job as ended. Ask for a longer MinJobAge, or lower "
-            "slurm-init-seconds-before-status-checks."
+            f"Slurm's MinJobAge is {age} s, under 3 x {status_init_s} s (slurm-init-seconds-before-status-checks): "
+            "the plugin then checks job status with sacct, which does not see a cancelled job as ended. "
+            f"Run snakemake with --slurm-init-seconds-before-status-checks {max(1, age // 3)}, or ask for a "
+            f"MinJobAge of at least {3 * status_init_s} s."
         )
-    return out
+    return out + extra_warnings(env, rules)
+
+
+STATUS_INIT_FLAG = "--slurm-init-seconds-before-status-checks"
+
+
+def status_init_in_force(argv: list[str], env=None) -> int:
+    """The plugin's first status-check delay that a snakemake started with ``argv`` uses: its
+    command-line flag, else its profile's key (a profile given as a directory), else the plugin's
+    default. Read from argv because Snakemake parses the workflow before it hands the plugin its
+    settings."""
+    env = os.environ if env is None else env
+    flag, profile = _argv_value(argv, STATUS_INIT_FLAG), _argv_value(argv, "--profile") or env.get("SNAKEMAKE_PROFILE")
+    if flag is None and profile:
+        flag = _profile_value(profile, STATUS_INIT_FLAG[2:])
+    try:
+        return int(flag)
+    except (TypeError, ValueError):
+        return STATUS_INIT_S
+
+
+def _argv_value(argv: list[str], name: str) -> str | None:
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def _profile_value(profile: str, key: str):
+    import yaml
+
+    for name in ("profile.yaml", "config.yaml"):
+        try:
+            with open(os.path.join(profile, name)) as fd:
+                doc = yaml.safe_load(fd)
+        except (OSError, yaml.YAMLError):
+            continue
+        return doc.get(key) if isinstance(doc, dict) else None
+    return None
 
 
 def claim_path(marks_dir: str, range_tag: str) -> str:

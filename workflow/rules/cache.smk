@@ -37,12 +37,14 @@ rule dump:
         "".join(
             (
                 ATTEMPT_LOG,
+                USER_ERROR,
                 "rm -f {params.stale} && ",
                 'if [ -n "${{SLURM_JOB_ID:-}}" ]; then echo "$SLURM_JOB_ID" > {params.claim}; fi && ',
-                AS_TASK,
-                " {params.actcache} dump --experiment {params.experiment} --shards {params.shards} "
-                "--dump-to {params.dump_to} --workers {threads} --no-progress >> {log} 2>&1 "
-                "&& touch {output.mark}",
+                fail_fast(
+                    f"{AS_TASK} {{params.actcache}} dump --experiment {{params.experiment}} --shards {{params.shards}} "
+                    "--dump-to {params.dump_to} --workers {threads} --no-progress >> {log} 2>&1"
+                ),
+                " && touch {output.mark}",
             )
         )
 
@@ -89,7 +91,10 @@ rule gather:
         "".join(
             (
                 ATTEMPT_LOG,
-                "{params.actcache} gather $(dirname {output}) >> {log} 2>&1 && "
-                "{params.actcache} verify $(dirname {output}) >> {log} 2>&1",
+                USER_ERROR,
+                fail_fast(
+                    "{params.actcache} gather $(dirname {output}) >> {log} 2>&1 && "
+                    "{params.actcache} verify $(dirname {output}) >> {log} 2>&1"
+                ),
             )
         )

@@ -13,7 +13,7 @@ import yaml
 from actcache.errors import ActCacheError
 from actcache.plan import DUMP_MARKS as DUMP_MARKS_DIR
 from actcache.plan import MARK_SLOTS, dump_marks, external_caches, other_mark, plan, train_jobs
-from actcache.slurmjobs import in_flight_claims, site_warnings
+from actcache.slurmjobs import in_flight_claims, site_warnings, status_init_in_force
 from actcache.protocol import SHARDS_FILE
 from actcache.rundir import (
     CURVES_PLOT,
@@ -86,6 +86,24 @@ ATTEMPT_LOG = (
     'echo "attempt {resources.attempt}, Slurm job ${{SLURM_JOB_ID:-none}}, host $(hostname)" >> {log:q} && '
 )
 
+# Fail fast on user errors: actcache exits 2 on an error every retry would meet again (a corrupt
+# image, a bad config). That attempt leaves <log without .log>.user-error; a retry (`retries:` of
+# the profile) finds it and stops at once, running nothing. Attempt 1 (a new snakemake run, after
+# the fix) deletes it. Other exit statuses (node failure, preemption, timeout, kill) are retried.
+USER_ERROR = (
+    'user_error={log:q}; user_error="${{user_error%.log}}.user-error"; '
+    'if [ {resources.attempt} -gt 1 ] && [ -e "$user_error" ]; then '
+    'msg="actcache: not retried: an earlier attempt failed with a user error (exit status 2, its log is beside '
+    '{log}); fix what it names and run snakemake again"; echo "$msg" >> {log:q}; echo "$msg" >&2; exit 2; fi; '
+    'rm -f "$user_error" && '
+)
+
+
+def fail_fast(command):
+    """`command` (a shell template, after USER_ERROR) such that its exit status 2 is recorded for the retry."""
+    return f'{{{{ {command}; }}}} || {{{{ rc=$?; [ "$rc" -ne 2 ] || touch "$user_error"; exit "$rc"; }}}}'
+
+
 # The `attempt` resource of each job (1, then 2 on the first retry, ...) names its log.
 def attempt(wildcards, attempt):
     return attempt
@@ -95,7 +113,8 @@ def attempt(wildcards, attempt):
 # squeue status check), once, on the login node: never inside a job.
 _DEFAULT_RESOURCES = workflow.resource_settings.default_resources
 if workflow.is_main_process and _DEFAULT_RESOURCES is not None and "slurm_account" in _DEFAULT_RESOURCES.keys():
-    for _w in site_warnings():
+    # against the status-check delay in force: the command line's, else the profile's
+    for _w in site_warnings(status_init_s=status_init_in_force(sys.argv)):
         print(f"actcache: warning: {_w}", file=sys.stderr)
 
 # A lock left by a snakemake that was killed (lost login session, SIGKILL): Snakemake refuses to

@@ -35,6 +35,9 @@ rule train:
         "".join(
             (
                 ATTEMPT_LOG,
-                "rm -f {params.stale} && ( {params.commands} ) >> {log} 2>&1 && touch {output.mark}",
+                USER_ERROR,
+                "rm -f {params.stale} && ",
+                fail_fast("( {params.commands} ) >> {log} 2>&1"),
+                " && touch {output.mark}",
             )
         )

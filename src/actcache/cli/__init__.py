@@ -16,7 +16,7 @@ import logging
 import sys
 import warnings
 
-from actcache.errors import ActCacheError, os_error_text
+from actcache.errors import EXIT_RETRY, EXIT_USER, TRANSIENT_ERRNOS, ActCacheError, os_error_text
 
 # subcommand -> "module:function"; the function takes the parsed args and returns an exit code.
 HANDLERS = {
@@ -214,10 +214,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(fn(args) or 0)
     except ActCacheError as err:
         print(f"actcache {args.command}: error: {one_line(str(err))}", file=sys.stderr)
-        return 2
+        return err.exit_status
     except OSError as err:  # the filesystem refused something the library did not expect to fail
         print(f"actcache {args.command}: error: {one_line(os_error_line(err))}", file=sys.stderr)
-        return 2
+        return EXIT_RETRY if err.errno in TRANSIENT_ERRNOS else EXIT_USER
     except KeyboardInterrupt:
         print(f"actcache {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -10,7 +10,7 @@ import json
 import os
 
 from actcache.errors import ConfigError
-from actcache.plan import cache_summary, caches_from_config, plan, plan_from_config, plan_summary
+from actcache.plan import cache_summary, caches_from_config, check_eval_caches, plan, plan_from_config, plan_summary
 
 
 def _print_row(r: dict) -> None:
@@ -61,7 +61,7 @@ def cmd_plan(args) -> int:
     if getattr(args, "failures", False):
         return print_failures(os.getcwd())
     dump_to, runs_to = args.dump_to, args.runs_to
-    caches: list[dict] = []
+    external = []
     if args.experiment and not os.path.exists(args.config):
         if not (dump_to and runs_to):
             raise ConfigError("--experiment without a workflow config needs --dump-to and --runs-to.")
@@ -69,7 +69,9 @@ def cmd_plan(args) -> int:
     else:
         planned = plan_from_config(args.config, dump_to, runs_to, args.experiment or None, relist=args.relist)
         if not args.experiment:
-            caches = [cache_summary(c) for c in caches_from_config(args.config, runs_to)]
+            external = caches_from_config(args.config, runs_to)
+    check_eval_caches(planned + external)  # the paths the training jobs read, as the dry run checks
+    caches = [cache_summary(c) for c in external]
     rows = [plan_summary(p) for p in planned]
     _warn_slurm_site()
     if args.json:

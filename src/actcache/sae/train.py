@@ -38,7 +38,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from actcache.errors import ConfigError, LoaderError, TrainError, os_error_text
+from actcache.errors import EXIT_RETRY, ConfigError, LoaderError, TrainError, os_error_text
 from actcache.feed import StagedFeed
 from actcache.fsutil import atomic_write_bytes
 from actcache.rundir import DONE_FILE, EVAL_FILE, METRICS_FILE, RUN_FILE, done_path, is_done, run_dir, weights_records
@@ -65,6 +65,8 @@ _SCALARS = ("loss", "mse", "nmse", "l0", "l1", "aux")
 
 class Preempted(TrainError):
     """Training stopped on request after writing a checkpoint at ``step``."""
+
+    exit_status = EXIT_RETRY  # the workflow retries it, and the retry resumes
 
     def __init__(self, step: int):
         super().__init__(f"training stopped on request at step {step}; a checkpoint was written, re-run to resume")
