@@ -21,7 +21,7 @@ from actcache.rundir import done_path, group_mark
 # `actcache plan --json` on the demo (config/config.yaml), as main printed it before the run
 # directory and CLI moved: the project root reads /PROJECT and the cache hash <HASH>.
 DEMO_SAE_IDS = ("92a21d2a43a4", "344d5f1c8e16")
-DEMO_GROUP = "L-2-image-ab0d21e2"
+DEMO_GROUP = "L-2-image-38c6335e"
 DEMO_PLAN = [
     {
         "experiment": "demo",
@@ -83,7 +83,7 @@ def test_a_complete_job_keeps_its_newest_mark(tmp_path):
 
 
 def test_an_incomplete_job_is_asked_for_the_other_slot(tmp_path):
-    base = str(tmp_path / "L-2-image-ab0d21e2")
+    base = str(tmp_path / "L-2-image-38c6335e")
     touch(base + ".done")
     assert current_mark(base, complete=False) == base + ".redo"
     assert other_mark(base + ".redo") == base + ".done"  # what that job deletes first
@@ -91,7 +91,7 @@ def test_an_incomplete_job_is_asked_for_the_other_slot(tmp_path):
     touch(base + ".redo")  # ... and then the job ran
     assert current_mark(base, complete=True) == base + ".redo"
     assert current_mark(base, complete=False) == base + ".done"
-    assert sorted(os.listdir(tmp_path)) == ["L-2-image-ab0d21e2.redo"]  # reading wrote nothing
+    assert sorted(os.listdir(tmp_path)) == ["L-2-image-38c6335e.redo"]  # reading wrote nothing
 
 
 @pytest.fixture(scope="module")
