@@ -133,6 +133,9 @@ def test_export_command_writes_one_folder_per_sae(runs, tmp_path, capsys):
     printed = capsys.readouterr().out.split()
     assert sorted(printed) == sorted(str(tmp_path / "out" / os.path.basename(d)) for d in by_objective.values())
     assert all(os.path.isfile(os.path.join(p, "cfg.json")) for p in printed)
+    (sweep,) = {os.path.dirname(d) for d in by_objective.values()}  # <runs_to>/<HASH>/, as eval and visuals take
+    assert actcache_main(["export", sweep, "--to", "saelens", str(tmp_path / "all")]) == 0
+    assert sorted(capsys.readouterr().out.split()) == sorted(p.replace("/out/", "/all/") for p in printed)
     assert actcache_main(["export", *by_objective.values(), "--to", "onnx", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
     assert "unknown export format" in err and len(err.strip().splitlines()) == 1
