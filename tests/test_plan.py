@@ -135,3 +135,15 @@ def test_a_new_sae_in_a_finished_group_asks_for_a_new_mark(tmp_path, ckpt):
     (p,) = plan_from_config(cfg)
     (grown,) = train_jobs([p], runs_to)
     assert grown.group_id == job.group_id and grown.mark == other_mark(job.mark)
+
+
+def test_plan_warns_about_the_slurm_site_only_for_a_cluster_run(monkeypatch, capsys):
+    import shutil
+
+    from actcache.cli import plan as cli_plan
+
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")  # Slurm installed here
+    cli_plan._warn_slurm_site(env={"PATH": "/usr/bin"})  # a local run: no site settings
+    assert capsys.readouterr().err == ""
+    cli_plan._warn_slurm_site(env={"ACTCACHE_SLURM_GPU_PARTITION": "gpu"})  # a cluster run
+    assert "ACTCACHE_SLURM_ACCOUNT is not set" in capsys.readouterr().err

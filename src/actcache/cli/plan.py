@@ -41,7 +41,7 @@ def _warn_slurm_site(env=None) -> None:
         return
     from actcache.slurmjobs import site_warnings
 
-    for w in site_warnings():
+    for w in site_warnings(env):
         print(f"actcache: warning: {w}", file=sys.stderr)
 
 
