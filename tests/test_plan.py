@@ -30,9 +30,11 @@ DEMO_PLAN = [
         "dir": "data/cache/<HASH>",
         "cache": {"state": "missing", "shards_done": 0, "n_shards": 4, "gathered": False},
         "dump_jobs": 4,
+        "dump_jobs_to_run": 4,
         "training": [
-            {"sae_id": sae, "group": DEMO_GROUP, "dir": f"data/runs/<HASH>/{sae}", "done": False}
-            for sae in DEMO_SAE_IDS
+            {"sae_id": sae, "group": DEMO_GROUP, "title": f"topk k={k} width=256 layer -2", "objective": "topk",
+             "k": k, "width": 256, "layer": -2, "dir": f"data/runs/<HASH>/{sae}", "done": False}
+            for sae, k in zip(DEMO_SAE_IDS, (4, 8), strict=True)
         ],
     }
 ]

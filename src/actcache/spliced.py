@@ -370,10 +370,12 @@ def heldout_metrics(cache, run, device) -> dict:
 
 
 def spliced_eval(run_dirs: list[str], device: str | None = None, batch_images: int = 32,
-                 max_images: int | None = None, report=print) -> dict[str, dict]:  # fmt: skip
+                 max_images: int | None = None, report=print, missing: bool = False) -> dict[str, dict]:  # fmt: skip
     """The spliced metrics of every run under ``run_dirs``, written into each eval.json under
     "spliced" beside its held-out statistics, recomputed (:func:`heldout_metrics`); returns
-    {run dir: spliced section}. Runs sharing a cache share its ViT and clean pass."""
+    {run dir: spliced section}. Runs sharing a cache share its ViT and clean pass. ``missing``:
+    only runs whose eval.json has no spliced section yet (training writes eval.json without one,
+    so a retrained SAE is evaluated again)."""
     import torch
 
     from actcache.rundir import find_runs, load_run
@@ -381,6 +383,10 @@ def spliced_eval(run_dirs: list[str], device: str | None = None, batch_images: i
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     runs = [load_run(p) for p in find_runs(run_dirs)]
+    if missing:
+        for r in [r for r in runs if "spliced" in r.eval()]:
+            report(f"{r.dir}: spliced metrics already in its eval.json, kept")
+        runs = [r for r in runs if "spliced" not in r.eval()]
     by_cache: dict[str, list] = {}
     for r in runs:
         by_cache.setdefault(r.cache or "", []).append(r)

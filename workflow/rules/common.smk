@@ -16,6 +16,7 @@ from actcache.plan import MARK_SLOTS, dump_marks, external_caches, other_mark, p
 from actcache.slurmjobs import in_flight_claims, site_warnings
 from actcache.protocol import SHARDS_FILE
 from actcache.rundir import (
+    DONE_FILE,
     CURVES_PLOT,
     GROUPS_DIR,
     NMSE_L0_PLOT,
@@ -196,6 +197,12 @@ wildcard_constraints:
 
 def visuals_group_mark(hash, sae):
     return train_job(hash, SAE_GROUP[(hash, sae)]).mark
+
+
+def sae_done(hash, sae):
+    """An SAE's done file (rule trained): its page depends on it, not on its group's mark, so a
+    group that trains a new member re-renders only that member's page."""
+    return os.path.join(run_dir(RUNS_TO, hash, sae), DONE_FILE)
 
 
 def sweep_group_marks(hash):

@@ -5,11 +5,23 @@
 # one-file pages and the plots.
 
 
+rule trained:
+    """An SAE's done file, written by its group's train job: checked, never deleted (update).
+    ancient: a group mark that moves (another member trained) makes no page stale."""
+    input:
+        mark=lambda w: ancient(visuals_group_mark(w.hash, w.sae)),
+    output:
+        done=update(os.path.join(RUNS_TO, "{hash}", "{sae}", DONE_FILE)),
+    localrule: True
+    shell:
+        "test -f {output.done}"
+
+
 rule report:
     """One pass over the cache per trained SAE: top images per latent, frequencies, histograms,
     training curves, and the HTML page."""
     input:
-        mark=lambda w: visuals_group_mark(w.hash, w.sae),
+        done=lambda w: ancient(sae_done(w.hash, w.sae)),
     output:
         visuals=directory(os.path.join(RUNS_TO, "{hash}", "{sae}", VISUALS_DIR)),
         page=report(
@@ -59,7 +71,7 @@ rule spliced_eval:
         gpu=1,
         attempt=attempt,
     shell:
-        "".join((ATTEMPT_LOG, AS_TASK, " {params.actcache} eval {params.run_dirs} >> {log} 2>&1 && touch {output.mark}"))
+        "".join((ATTEMPT_LOG, AS_TASK, " {params.actcache} eval --missing {params.run_dirs} >> {log} 2>&1 && touch {output.mark}"))
 
 
 rule sweep_report:

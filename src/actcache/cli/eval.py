@@ -12,5 +12,6 @@ def cmd_eval(args) -> int:
         v = getattr(args, name)
         if v is not None and v < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
-    spliced_eval(args.run_dirs, device=args.device, batch_images=args.batch_images, max_images=args.max_images)
+    spliced_eval(args.run_dirs, device=args.device, batch_images=args.batch_images, max_images=args.max_images,
+                 missing=args.missing)
     return 0

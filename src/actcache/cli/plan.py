@@ -19,7 +19,10 @@ def _print_row(r: dict) -> None:
     print(f"{r['experiment']}  ({r['file']})")
     print(f"  hash      {r['hash']}")
     print(f"  dir       {r['dir']}")
-    print(f"  cache     {st['state']} ({st['shards_done']}/{st['n_shards']} shards, {r['dump_jobs']} dump job(s))")
+    print(
+        f"  cache     {st['state']} ({st['shards_done']}/{st['n_shards']} shards, {r['dump_jobs']} dump job(s), "
+        f"{r['dump_jobs_to_run']} to run)"
+    )
     _print_training(r["training"])
 
 
@@ -28,7 +31,7 @@ def _print_training(training: list[dict]) -> None:
         done = sum(t["done"] for t in training)
         print(f"  training  {done} of {len(training)} SAE(s) done")
         for t in training:
-            print(f"    {'done   ' if t['done'] else 'pending'}  {t['sae_id']}  group {t['group']}")
+            print(f"    {'done   ' if t['done'] else 'pending'}  {t['sae_id']}  {t['title']}  group {t['group']}")
 
 
 def _warn_slurm_site(env=None) -> None:

@@ -190,6 +190,40 @@ class RunConfig:
         key = {k: v for k, v in key.items() if not _late_default(k, v)}
         return f"L{layer}-{self.patches}-{_hash({'v': ID_VERSION, **key})[:8]}"
 
+    # -- what people read beside the id ----------------------------------------------------------
+    def sparsity(self) -> dict:
+        """The objective's sparsity setting: k (TopK variants), else its penalty coefficient."""
+        if self.activation == "jumprelu":
+            return {"l0_coeff": self.l0_coeff}
+        if self.activation == "relu":
+            return {"l1_coeff": self.l1_coeff}
+        return {"k": self.k}
+
+    def resolved_width(self, d_vit: int | None = None) -> int | None:
+        """Its number of latents; None when only exp_factor is given and d_vit is unknown."""
+        if self.width is not None or self.exp_factor is None or d_vit is None:
+            return self.width
+        return round(d_vit * self.exp_factor)
+
+    def describe(self, d_vit: int | None = None) -> dict:
+        """What an SAE is, for plans, menus and logs: objective, k or coefficient, width, layer."""
+        width = self.resolved_width(d_vit)
+        doc = {"objective": self.activation, **self.sparsity(), "width": width, "layer": self.layer}
+        if width is None:
+            doc["exp_factor"] = self.exp_factor
+        if self.activation == "matryoshka" and self.matryoshka_prefixes:
+            doc["prefixes"] = list(self.matryoshka_prefixes)
+        return doc
+
+    def title(self, d_vit: int | None = None) -> str:
+        """One line, e.g. ``topk k=32 width=16384 layer -2``."""
+        doc = {k: v for k, v in self.describe(d_vit).items() if v is not None}
+        layer = doc.pop("layer", "auto")
+        words = [doc.pop("objective")]
+        for name, v in doc.items():
+            words.append(f"{name}={','.join(map(str, v)) if isinstance(v, list) else format(v, 'g')}")
+        return " ".join([*words, f"layer {layer}"])
+
     # -- what the trainer builds from it ------------------------------------------------------------
     def sae_config(self, d_vit: int) -> SAEConfig:
         jump = self.activation == "jumprelu"
