@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 from tests.browser import DevTools
 from tests.fixtures_vit import make_checkpoint
 from tests.workflow_helpers import REPO, TWO_AT_A_TIME, dump_ranges, job_counts, snakemake, write_project
@@ -89,7 +90,8 @@ def test_fresh_root_dry_run_lists_every_dump_job(tmp_path, ckpt):
     proc = snakemake(cfg, "-n")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout + proc.stderr
-    want = {"dump": 4, "gather": 1, "train": 1, "report": 2, "spliced_eval": 1, "sweep_report": 1, "all": 1}
+    want = {"dump": 4, "gather": 1, "train": 1, "trained": 2, "report": 2, "spliced_eval": 1, "sweep_report": 1,
+            "all": 1}  # fmt: skip
     assert job_counts(out) == want
     assert dump_ranges(out) == ["000000-000001", "000001-000002", "000002-000003", "000003-000004"]
     (p,) = plan_json(cfg)
@@ -214,7 +216,58 @@ def test_changed_sae_hyperparameter_gives_only_training_jobs(done_project, tmp_p
     proc = snakemake(cfg2, "-n")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    assert job_counts(out) == {"train": 1, "report": 2, "spliced_eval": 1, "sweep_report": 1, "all": 1}
+    assert job_counts(out) == {"train": 1, "trained": 2, "report": 2, "spliced_eval": 1, "sweep_report": 1, "all": 1}
+
+
+def _k(k):
+    return lambda d: d["train"]["sweep"].update(k=k)
+
+
+# The edit table of issue 57 (point 5), each made in place in the finished project, as a user would:
+# (edit, shard lost, the jobs `snakemake -n` lists, its dump ranges, SAEs plan calls pending, dump jobs plan
+# says are to run). A layout, logging or loader key reruns nothing; one SAE's k retrains and re-renders that
+# SAE alone (trained: a check of each group member's done file; the other one's page stays).
+EDITS = [
+    ("log_every", lambda d: d["train"].update(log_every=5), None, {}, [], 0, 0),
+    ("n_readers", lambda d: d["train"].update(n_readers=2), None, {}, [], 0, 0),
+    ("one SAE's k", _k([4, 16]), None,
+     {"train": 1, "trained": 2, "report": 1, "spliced_eval": 1, "sweep_report": 1, "all": 1}, [], 1, 0),
+    ("lost shard, shards_per_job 1 -> 2", lambda d: d["cache"].update(shards_per_job=2), 2,
+     {"dump": 1, "gather": 1, "all": 1}, ["000002-000004"], 0, 1),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("what,edit,lost,jobs,ranges,pending,to_dump", EDITS, ids=[e[0] for e in EDITS])
+def test_each_edit_reruns_exactly_what_changed_and_plan_agrees(done_project, what, edit, lost, jobs, ranges,
+                                                               pending, to_dump):  # fmt: skip
+    from actcache.plan import plan_from_config, plan_summary
+
+    root, cfg = done_project
+    exp = os.path.join(root, "experiments", "wf.yaml")
+    with open(exp) as fd:
+        original = fd.read()
+    doc = yaml.safe_load(original)
+    edit(doc)
+    (p,) = [plan_summary(q) for q in plan_from_config(cfg)]  # in-process: no second start-up
+    shard = os.path.join(p["dir"], shard_name(lost)) if lost is not None else None
+    try:
+        with open(exp, "w") as fd:
+            yaml.safe_dump(doc, fd, sort_keys=False)
+        if shard:
+            os.rename(shard, shard + ".aside")
+        proc = snakemake(cfg, "-n")
+        (row,) = [plan_summary(q) for q in plan_from_config(cfg)]
+    finally:
+        with open(exp, "w") as fd:
+            fd.write(original)
+        if shard:
+            os.rename(shard + ".aside", shard)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert (job_counts(out), dump_ranges(out)) == (jobs, ranges), out[-3000:]
+    assert sum(not t["done"] for t in row["training"]) == pending == jobs.get("report", 0)
+    assert row["dump_jobs_to_run"] == to_dump == jobs.get("dump", 0)
+    assert row["hash"] == p["hash"]
 
 
 def test_end_to_end_trained_saes_visuals_and_report(done_project, report_html):
