@@ -7,6 +7,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -112,6 +113,12 @@ def test_full_run_verifies_and_then_nothing_to_do(done_project):
     proc = snakemake(cfg, "-n")
     assert proc.returncode == 0 and job_counts(proc.stdout + proc.stderr) == {}
     assert "Nothing to be done" in proc.stdout + proc.stderr
+    # each dump job's log shows its progress (images, rate, time) before its shard is written
+    logs = glob.glob(os.path.join(root, "logs", "dump", p["hash"], "*.attempt1.*.log"))
+    assert len(logs) == 4
+    for log in logs:
+        with open(log) as fd:
+            assert re.search(r"dump: 10/10 img \(100\.0%\), [\d.,]+ img/s", fd.read()), log
 
 
 def test_deleted_shard_brings_back_exactly_its_job(done_project):

@@ -5,8 +5,8 @@
             bar.update(len(batch))
 
 On a terminal (stderr is a TTY) it draws a tqdm bar with the rate and the ETA; in a Slurm log it
-logs one line every ``every_s`` seconds (done/total, rate, ETA) instead of a bar that fills the
-file with carriage returns. ``enabled=False`` shows neither.
+logs one line every ``every_s`` seconds (done/total, rate, ETA) and one at the end, instead of a
+bar that fills the file with carriage returns. ``enabled=False`` shows neither.
 """
 
 from __future__ import annotations
@@ -75,6 +75,9 @@ class Progress:
         )
 
     def close(self) -> None:
+        if self._lines and self.done:  # a job log ends with the count, the rate and the time taken
+            self._lines = False
+            log.info("%s", self.line())
         if self._redirect is not None:
             self._redirect.__exit__(None, None, None)
             self._redirect = None

@@ -278,6 +278,7 @@ def spliced_group(ctx: _CacheContext, runs: list, held: np.ndarray, sae_budget_b
     import torch
 
     from actcache.labels import read_labels
+    from actcache.progress import Progress
     from actcache.sae.modeling import SAE
 
     vit, md = ctx.vit, ctx.cache.metadata
@@ -286,10 +287,13 @@ def spliced_group(ctx: _CacheContext, runs: list, held: np.ndarray, sae_budget_b
     means = {(layer, patches): _mean_vector(ctx.cache, held, patches, layer).to(vit.device) for layer, patches in sites}
     blocks = sorted({m.block for m in members})
     clean, zero, mean = [], {k: [] for k in sites}, {k: [] for k in sites}
-    for ci, chunk in enumerate(_chunks(members, sae_budget_bytes)):
+    chunks = _chunks(members, sae_budget_bytes)
+    for ci, chunk in enumerate(chunks):
         saes = [SAE.load(m.run.dir).to(vit.device).eval() for m in chunk]
-        with torch.inference_mode():
+        desc = f"spliced eval of {len(chunk)} SAE(s), part {ci + 1} of {len(chunks)}"
+        with torch.inference_mode(), Progress(len(held), desc=desc, unit="img") as bar:
             for px in ctx.batches(held):
+                bar.update(len(px))
                 got, emb = capture(vit, px, blocks, full=ci == 0)
                 if ci == 0:
                     clean.append(emb.cpu())

@@ -204,6 +204,7 @@ def compute_stats(cache, saes: list, patches: str, layer: int, scale_norm: bool,
 
     from actcache.loaders import OrderedLoader
     from actcache.loaders.common import Selection
+    from actcache.progress import Progress
 
     per_img = Selection(cache.metadata, patches, layer).per_img
     width = max(s.cfg.width for s in saes)
@@ -215,15 +216,14 @@ def compute_stats(cache, saes: list, patches: str, layer: int, scale_norm: bool,
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     loader = OrderedLoader(cache, batch_size=batch_images * per_img, patches=patches, layer=layer,
                            scale_norm=scale_norm, batch_timeout_s=None)  # fmt: skip
-    n, t_start = len(loader), time.perf_counter()
-    t_log, spent = t_start, {"wait_s": 0.0, "encode_s": 0.0, "stats_s": 0.0}
-    with loader, torch.inference_mode():
+    n, spent = len(loader), {"wait_s": 0.0, "encode_s": 0.0, "stats_s": 0.0}
+    with loader, torch.inference_mode(), Progress(n, desc="visuals: pass over the cache", unit="batch") as bar:
         if torch.device(device).type == "cuda":
             batches = cuda_feed(loader, torch.device(device))
         else:
             batches = ((b["act"], b["image_i"]) for b in loader)
         try:
-            for b in range(n):
+            for _ in range(n):
                 t0 = time.perf_counter()
                 x_BD, img = next(batches)
                 x_BD, img = x_BD.to(device), img.to(device)  # no-ops on the GPU feed
@@ -237,9 +237,7 @@ def compute_stats(cache, saes: list, patches: str, layer: int, scale_norm: bool,
                     sync()
                     spent["encode_s"] += t2 - t1
                     spent["stats_s"] += time.perf_counter() - t2
-                if time.perf_counter() - t_log > 30:
-                    t_log = time.perf_counter()
-                    log.info("visuals: batch %d/%d, %.0f s", b + 1, n, t_log - t_start)
+                bar.update(1)
         finally:
             if isinstance(batches, StagedFeed):
                 batches.close()
