@@ -88,10 +88,17 @@ def check_shard_range(shards, n_shards: int) -> tuple[int, int]:
     return a, b
 
 
-def resolve_device(device: str | None) -> torch.device:
-    """None / 'auto' -> cuda when available, else cpu; anything else must exist."""
+SLURM_GPU_VARS = ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SLURM_GPUS_ON_NODE", "SLURM_GPUS")
+
+
+def resolve_device(device: str | None, env=None) -> torch.device:
+    """None / 'auto' -> cuda when available, else cpu; anything else must exist. A Slurm job that
+    was given GPUs never falls back to the CPU in silence: no usable CUDA there is an error."""
     if device is None or device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        _check_no_gpu_job(os.environ if env is None else env)
+        return torch.device("cpu")
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError):
@@ -102,6 +109,23 @@ def resolve_device(device: str | None) -> torch.device:
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ConfigError(f"device {device!r}: only {torch.cuda.device_count()} GPU(s) visible")
     return dev
+
+
+def _check_no_gpu_job(env) -> None:
+    # GPU indices (SLURM_JOB_GPUS=0 is GPU 0) or counts (SLURM_GPUS_ON_NODE=0 is none)
+    given = {k: env.get(k, "").strip() for k in SLURM_GPU_VARS}
+    gpus = next((f"{k}={v}" for k, v in given.items() if v and not (k.endswith("GPUS_ON_NODE") and v == "0")), None)
+    if not env.get("SLURM_JOB_ID") or gpus is None:
+        return
+    if torch.version.cuda is None:
+        fix = (f"this torch {torch.__version__} is a CPU-only build. Install a CUDA one into the environment the "
+               "jobs run (README: 'A CUDA torch'), e.g. pip install torch --index-url https://download.pytorch.org/whl/cu128")  # fmt: skip
+    else:
+        fix = f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU: check nvidia-smi and the driver on the node"
+    raise ConfigError(
+        f"cache.device: auto in Slurm job {env['SLURM_JOB_ID']}, which was given GPUs ({gpus}), but {fix}; "
+        "or set cache.device: cpu to dump on the CPU on purpose."
+    )
 
 
 def plan_batches(md: Metadata, shard_ids, batch_size: int) -> list[tuple[int, int, int]]:
