@@ -119,7 +119,7 @@ def _check_no_gpu_job(env) -> None:
         return
     if torch.version.cuda is None:
         fix = (f"this torch {torch.__version__} is a CPU-only build. Install a CUDA one into the environment the "
-               "jobs run (README: 'A CUDA torch'), e.g. pip install torch --index-url https://download.pytorch.org/whl/cu128")  # fmt: skip
+               "jobs run (README: 'Install, with a CUDA torch'), e.g. pip install torch --index-url https://download.pytorch.org/whl/cu128")  # fmt: skip
     else:
         fix = f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU: check nvidia-smi and the driver on the node"
     raise ConfigError(
