@@ -300,6 +300,12 @@ def test_arrays_summary_and_plots(world, page):
             assert im.size == (32, 32)
 
 
+def test_page_title_says_what_the_sae_is(page):
+    with open(os.path.join(page, "index.html"), encoding="utf-8") as fh:
+        text = fh.read()
+    assert f"<title>SAE {SAE_ID} (topk k={K_SAE} width={WIDTH} layer -2) latents</title>" in text
+
+
 def test_pass_over_the_cache_logs_its_progress(world, caplog):
     from actcache.cache import ActivationCache
     from actcache.visuals import compute_stats

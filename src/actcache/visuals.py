@@ -172,6 +172,20 @@ def display_transform(md):
 # The pass
 
 
+def sae_title(run, width: int) -> str:
+    """What the SAE is, from its run.json and its weights' width (e.g. ``jumprelu l0_coeff=0.01
+    width=1024 layer -2``)."""
+    import dataclasses
+
+    from actcache.errors import ConfigError
+    from actcache.sae.config import RunConfig
+
+    try:
+        return dataclasses.replace(RunConfig.from_dict(run.info.get("run", {})), width=width, layer=run.layer).title()
+    except (ConfigError, TypeError):  # a run.json from another version: its label as before
+        return run.label()
+
+
 def heldout_rows(ev: dict) -> dict[str, str]:
     """The page's rows of held-out statistics: eval.json's values with their definitions (the
     one place they are computed is actcache.sae.evaluate)."""
@@ -356,9 +370,9 @@ def write_visuals(run: Run, cache, res: LatentSummary, src, opts, timings: dict)
                 stop_images()
                 raise
         timings["page_s"] = time.perf_counter() - t0
-        ev, cfg = run.eval(), run.sae_config()
+        ev = run.eval()
         info = {
-            "SAE": run.name, "activation": cfg.get("activation"), "width": res.width, "k": cfg.get("k"),
+            "SAE": run.name, "what": sae_title(run, res.width),
             "cache": f"{md.hash[:16]}... ({run.cache})", "model": f"{md.vit_family} {md.vit_ckpt}",
             "layer / patches": f"{run.layer} / {run.patches}" + (" (scale_norm)" if run.scale_norm else ""),
             "images / tokens (this page)": f"{res.n_imgs:,} / {res.n_tokens:,}",
