@@ -478,7 +478,7 @@ def _dump(exp, md, path, todo, dev, batch_size, n_workers, progress, ds, load_tr
         vit = load_vit(exp.vit.family, exp.vit.ckpt, dev)
         log.info("loaded %s %s on %s in %.1f s", exp.vit.family, exp.vit.ckpt, dev, time.monotonic() - t0)
         sink = ShardSink(path, md, on_done=lambda s: _done(locks, s)).start()
-        with Progress(n_imgs, desc="dump", unit="img", enabled=progress) as bar, _full_fp32(dev):
+        with Progress(n_imgs, desc="dump", unit="img", bar=progress) as bar, _full_fp32(dev):
             skipped, busy = _run(
                 md, path, batches, batch_iter, transform, vit, list(exp.vit.layers), dev, sink, bar, locks
             )

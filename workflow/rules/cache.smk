@@ -41,7 +41,7 @@ rule dump:
                 'if [ -n "${{SLURM_JOB_ID:-}}" ]; then echo "$SLURM_JOB_ID" > {params.claim}; fi && ',
                 AS_TASK,
                 " {params.actcache} dump --experiment {params.experiment} --shards {params.shards} "
-                "--dump-to {params.dump_to} --workers {threads} >> {log} 2>&1 "
+                "--dump-to {params.dump_to} --workers {threads} --no-progress >> {log} 2>&1 "
                 "&& touch {output.mark}",
             )
         )

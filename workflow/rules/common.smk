@@ -126,6 +126,15 @@ except ActCacheError as err:
 # (hash, sae id) -> the id of the training group that writes it.
 SAE_GROUP = {(h, sae): gid for (h, gid), job in TRAIN_JOBS.items() for sae in job.sae_ids}
 
+# (hash, sae id) -> what the SAE is (objective, k or coefficient, width, layer), for report menus.
+SAE_TITLES = {
+    (_p.hash, _r.sae_id): _r.title(getattr(_p.metadata, "d_vit", None)) for _p in PLAN + EXTERNAL for _r in _p.train_runs()
+}
+
+
+def sae_title(hash, sae):
+    return SAE_TITLES.get((hash, sae), "")
+
 
 # Ranges whose dump job from an earlier (killed) snakemake is still queued or running in Slurm:
 # hash -> {range tag: job id}. The await_dump rule waits for that job instead of submitting a

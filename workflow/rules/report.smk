@@ -29,7 +29,7 @@ rule report:
             caption="../report/visuals.rst",
             category="SAE latents",
             subcategory="{hash}",
-            labels={"SAE": "{sae}", "cache": "{hash}"},
+            labels=lambda w: {"SAE": w.sae, "what": sae_title(w.hash, w.sae), "cache": w.hash},
         ),
     params:
         actcache=ACTCACHE,

@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when present)")
     s.add_argument("--batch-size", type=int, default=None, help="override the dump batch size")
     s.add_argument("--workers", type=int, default=None, help="override the image decoding workers")
-    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar: a log line every 10 s instead")
 
     s = sub.add_parser("train", help="train the experiment's SAE sweep on its cache, or a train: file on any cache")
     s.add_argument("--experiment", help="experiment YAML (its cache is found from dump_to)")
