@@ -388,6 +388,7 @@ def dump_shards(
         raise ConfigError(f"batch size must be >= 1, got {batch_size}")
     if n_workers < 0:
         raise ConfigError(f"workers must be >= 0, got {n_workers}")
+    n_workers = usable_workers(n_workers)
     dev = resolve_device(device if device is not None else exp.cache.device)
     listing_cache = os.path.join(dump_to, ".listings")  # as actcache.plan.plan uses
     md = experiment_metadata(exp, listing_cache=listing_cache)  # unknown family, bad layer, no images: here
@@ -433,6 +434,16 @@ def dump_shards(
                 locks.wait(shard_name(s))
             todo = [s for s in busy if not shard_is_complete(path, md, s)]
     return path
+
+
+def usable_workers(n_workers: int, cpus: int | None = None) -> int:
+    """At most one image worker per CPU this process may use: more only compete for the same
+    cores (and PyTorch warns about them, once per iterator)."""
+    cpus = cpus or len(os.sched_getaffinity(0))
+    if n_workers > cpus:
+        log.info("%d image worker(s) asked for, %d CPU(s) here: using %d", n_workers, cpus, cpus)
+        return cpus
+    return n_workers
 
 
 def _start_workers(loader, n_workers: int):
