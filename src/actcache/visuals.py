@@ -198,6 +198,10 @@ def heldout_rows(ev: dict) -> dict[str, str]:
         if isinstance(ev.get(key), (int, float)):
             why = defs.get("fvu" if key == "nmse" else key)
             rows[name] = fmt.format(ev[key]) + (f" ({why})" if why else "")
+    prefixes = sorted((k for k in ev if k.startswith("nmse_prefix_")), key=lambda k: int(k.rsplit("_", 1)[1]))
+    for key in prefixes:  # matryoshka: each nested prefix's FVU
+        why = defs.get("nmse_prefix")
+        rows[f"FVU, first {int(key.rsplit('_', 1)[1]):,} latents"] = f"{ev[key]:.4f}" + (f" ({why})" if why else "")
     sp = ev.get("spliced") or {}
     if isinstance(sp.get("fraction_recovered_zero"), (int, float)):
         rows["spliced in"] = (f"fraction recovered {sp['fraction_recovered_zero']:.4f} (vs zero-ablation), "
