@@ -209,8 +209,8 @@ def visuals_group_mark(hash, sae):
 
 
 def sae_done(hash, sae):
-    """An SAE's done file (rule trained): its page depends on it, not on its group's mark, so a
-    group that trains a new member re-renders only that member's page."""
+    """An SAE's done file, checked by the trained rule: its page depends on it, not on its group's
+    mark, so a group that trains a new member re-renders only that member's page."""
     return os.path.join(run_dir(RUNS_TO, hash, sae), DONE_FILE)
 
 

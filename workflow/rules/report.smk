@@ -12,9 +12,13 @@ rule trained:
         mark=lambda w: ancient(visuals_group_mark(w.hash, w.sae)),
     output:
         done=update(os.path.join(RUNS_TO, "{hash}", "{sae}", DONE_FILE)),
+    log:
+        "logs/trained/{hash}/{sae}.log",
     localrule: True
+    conda:
+        "../envs/actcache.yaml"
     shell:
-        "test -f {output.done}"
+        "test -f {output.done} > {log} 2>&1"
 
 
 rule report:
