@@ -117,3 +117,10 @@ def test_deep_scan_passes_large_finite_values_and_tiny_ones_without_a_warning(tm
     x[:] = 1e-30
     x.tofile(f)
     assert not deepscan._scan_file(str(f), valid=x.nbytes).all_zero
+
+
+def test_version_prints_the_package_version():
+    from actcache import __version__
+
+    proc = run("--version", check=0)
+    assert proc.stdout.strip() == f"actcache {__version__}"

@@ -10,11 +10,13 @@ import hashlib
 import json
 import os
 
+import pytest
 import yaml
 
 from actcache.config import experiment_from_dict
+from actcache.errors import ConfigError
 from actcache.protocol import Metadata
-from actcache.sae.config import RUN_KEYS, RunConfig, expand_train_section
+from actcache.sae.config import RUN_KEYS, RunConfig, expand_train_section, groups
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,8 +70,8 @@ def test_demo_cache_hash_and_ids_are_unchanged():
     assert md.hash == "a16eb444fc98b0a5bd2470fb098317fb27be3a03fbf27084d03459d5518a7e35"
     runs = expand_train_section(exp.train, "demo.yaml", layers=exp.vit.layers)
     assert _ids(runs) == [
-        ("92a21d2a43a4", "L-2-image-ab0d21e2"),
-        ("344d5f1c8e16", "L-2-image-ab0d21e2"),
+        ("92a21d2a43a4", "L-2-image-38c6335e"),  # group ids of non-default logging or loader keys
+        ("344d5f1c8e16", "L-2-image-38c6335e"),  # changed once when those keys left the group id
     ]
 
 
@@ -90,10 +92,10 @@ def test_sweep_over_several_objectives_keeps_its_ids():
         ("7cc7111e477b", "L-2-image-15f44486"),
         ("49b05cc7b0a5", "L-2-image-15f44486"),
         ("dc4550bc9b10", "L-2-image-15f44486"),
-        ("0191aeb39da0", "L-2-image-cfdee58e"),
-        ("0d0386834939", "L-2-image-cfdee58e"),
-        ("dcc5be0f37be", "L-2-image-8823a8ad"),
-        ("08f60050c56e", "L-2-image-8823a8ad"),
+        ("0191aeb39da0", "L-2-image-15f44486"),  # loader keys (n_readers, batch_timeout_s) are
+        ("0d0386834939", "L-2-image-15f44486"),  # not part of a group's id: one group, which then
+        ("dcc5be0f37be", "L-2-image-15f44486"),  # refuses the disagreement (test below)
+        ("08f60050c56e", "L-2-image-15f44486"),
     ]
 
 
@@ -105,7 +107,7 @@ def test_defaults_resolved_per_key_keep_ids():
         ("e09f12921ccc", "Lauto-image-4b8ad8d2"),
         ("da60d01669ed", "Lauto-image-4b8ad8d2"),
         ("37765c028eea", "Lauto-image-4b8ad8d2"),
-        ("2efce78bcb25", "Lauto-all-12e70b6c"),
+        ("2efce78bcb25", "Lauto-all-1460c11e"),
     ]
     direct = [RunConfig(), RunConfig(activation="relu", l1_coeff=1e-3, steps=5)]
     assert _ids(direct) == [
@@ -124,3 +126,17 @@ def test_every_resolved_value_is_unchanged():
     assert all(getattr(r, k) == RUN_KEYS[k].default for r in runs for k in later)
     blob = json.dumps([{k: v for k, v in r.to_dict().items() if k not in later} for r in runs], sort_keys=True).encode()
     assert hashlib.sha256(blob).hexdigest() == "b40696bd67a874e921384d7ffb40177c877122e75a9872d9bc805dfb56b1b443"
+
+
+def test_logging_and_loader_keys_leave_group_id_and_sae_id_alone():
+    base = RunConfig(steps=10)
+    for edit in ({"log_every": 7}, {"ckpt_every": 9}, {"n_readers": 2}, {"prefetch": "whole"}):
+        other = RunConfig(steps=10, **edit)
+        assert (other.sae_id, other.group_id) == (base.sae_id, base.group_id), edit
+    assert RunConfig(steps=11).group_id != base.group_id  # a data key still makes a new group
+
+
+def test_one_group_with_two_loader_settings_is_refused_naming_the_key():
+    runs = expand_train_section(SWEEP, "s.yaml", layers=(-2,))
+    with pytest.raises(ConfigError, match=r"'n_readers' to None and 2; it is one value per group"):
+        groups(runs)

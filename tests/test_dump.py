@@ -484,3 +484,31 @@ def test_uint8_pixel_route_of_cuda_dumps_writes_the_same_bytes(tmp_path, ckpt, i
     for workers in (2, 0):
         raw = dump_shards(exp, None, str(tmp_path / f"raw{workers}"), n_workers=workers, progress=False)
         assert shard_files(raw) == shard_files(plain)
+
+
+def test_auto_device_in_a_slurm_gpu_job_without_cuda_is_an_error_naming_the_fix():
+    from actcache.dump import resolve_device
+
+    gpu_job = {"SLURM_JOB_ID": "7", "SLURM_JOB_GPUS": "0"}
+    if torch.cuda.is_available():  # a GPU machine: auto is the GPU
+        assert resolve_device("auto", env=gpu_job).type == "cuda"
+        return
+    with pytest.raises(ConfigError) as err:
+        resolve_device("auto", env=gpu_job)
+    msg = str(err.value)
+    assert "Slurm job 7" in msg and "SLURM_JOB_GPUS=0" in msg and "cache.device: cpu" in msg and "\n" not in msg
+    assert ("download.pytorch.org/whl/cu" in msg) == (torch.version.cuda is None)
+    assert resolve_device("auto", env={"SLURM_JOB_ID": "7"}).type == "cpu"  # a CPU job of Slurm
+    assert resolve_device("auto", env={"SLURM_JOB_GPUS": "0"}).type == "cpu"  # not in a Slurm job
+
+
+def test_image_workers_are_capped_at_the_cpus_here(caplog):
+    import logging
+
+    from actcache.dump import usable_workers
+
+    with caplog.at_level(logging.INFO, logger="actcache.dump"):
+        assert usable_workers(4, cpus=2) == 2  # the default n_workers on 2 cores: no PyTorch warning
+    assert "4 image worker(s) asked for, 2 CPU(s) here: using 2" in caplog.text
+    assert usable_workers(0, cpus=2) == 0 and usable_workers(2, cpus=8) == 2
+    assert 1 <= usable_workers(10_000) <= os.cpu_count()

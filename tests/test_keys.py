@@ -72,7 +72,7 @@ def test_bad_train_value_is_one_line_naming_file_key_value_and_fix(train, want):
         ({"vit__family": "vitx"}, "x.yaml: key 'vit.family' must be one of clip, siglip, dinov2, dinov3, siglip2, got 'vitx'"),
         ({"vit__layers": [-2, -2]}, "x.yaml: key 'vit.layers' repeats an item, got (-2, -2); e.g. `layers: [-2]`"),
         ({"cache": {"n_workers": -1}}, "x.yaml: key 'cache.n_workers' must be in [0, 256], got -1; e.g. `n_workers: 4`"),
-        ({"cache": {"batch_sz": 8}}, "x.yaml: unknown key 'cache.batch_sz'. Allowed: batch_size, device"),
+        ({"cache": {"batch_sz": 8}}, "x.yaml: unknown key 'cache.batch_sz'. Did you mean 'cache.batch_size'? Allowed: batch_size, device"),
         ({"name": "my exp"}, "x.yaml: key 'name' must match"),
     ],
 )
@@ -115,3 +115,12 @@ def test_workflow_config_is_read_by_the_same_validator():
         workflow_config_from_dict({"dump_to": "/c", "runs_to": "/r", "experiments": []}, "config.yaml")
     with pytest.raises(ConfigError, match=r"config.yaml: missing required key 'runs_to'"):
         workflow_config_from_dict({"dump_to": "/c", "experiments": ["a.yaml"]}, "config.yaml")
+
+
+def test_train_key_typo_names_the_likely_key_not_the_whole_list():
+    with pytest.raises(ConfigError) as err:
+        expand_train_section({"steps": 10, "log_evry": 5}, "x.yaml")
+    msg = str(err.value)
+    assert "unknown key 'log_evry'. Did you mean 'log_every'?" in msg and "Allowed" not in msg, msg
+    with pytest.raises(ConfigError, match=r"unknown key 'zzz'\. Allowed: activation, "):
+        expand_train_section({"steps": 10, "zzz": 5}, "x.yaml")

@@ -22,7 +22,7 @@ from actcache.rundir import done_path, group_mark
 # `actcache plan --json` on the demo (config/config.yaml), as main printed it before the run
 # directory and CLI moved: the project root reads /PROJECT and the cache hash <HASH>.
 DEMO_SAE_IDS = ("92a21d2a43a4", "344d5f1c8e16")
-DEMO_GROUP = "L-2-image-ab0d21e2"
+DEMO_GROUP = "L-2-image-38c6335e"
 DEMO_PLAN = [
     {
         "experiment": "demo",
@@ -32,9 +32,11 @@ DEMO_PLAN = [
         "cache": {"state": "missing", "shards_done": 0, "n_shards": 4, "gathered": False},
         "dump_jobs": 4,
         "notes": [],
+        "dump_jobs_to_run": 4,
         "training": [
-            {"sae_id": sae, "group": DEMO_GROUP, "dir": f"data/runs/<HASH>/{sae}", "done": False}
-            for sae in DEMO_SAE_IDS
+            {"sae_id": sae, "group": DEMO_GROUP, "title": f"topk k={k} width=256 layer -2", "objective": "topk",
+             "k": k, "width": 256, "layer": -2, "dir": f"data/runs/<HASH>/{sae}", "done": False}
+            for sae, k in zip(DEMO_SAE_IDS, (4, 8), strict=True)
         ],
     }
 ]
@@ -92,7 +94,7 @@ def test_a_complete_job_keeps_its_newest_mark(tmp_path):
 
 
 def test_an_incomplete_job_is_asked_for_the_other_slot(tmp_path):
-    base = str(tmp_path / "L-2-image-ab0d21e2")
+    base = str(tmp_path / "L-2-image-38c6335e")
     touch(base + ".done")
     assert current_mark(base, complete=False) == base + ".redo"
     assert other_mark(base + ".redo") == base + ".done"  # what that job deletes first
@@ -100,7 +102,7 @@ def test_an_incomplete_job_is_asked_for_the_other_slot(tmp_path):
     touch(base + ".redo")  # ... and then the job ran
     assert current_mark(base, complete=True) == base + ".redo"
     assert current_mark(base, complete=False) == base + ".done"
-    assert sorted(os.listdir(tmp_path)) == ["L-2-image-ab0d21e2.redo"]  # reading wrote nothing
+    assert sorted(os.listdir(tmp_path)) == ["L-2-image-38c6335e.redo"]  # reading wrote nothing
 
 
 @pytest.fixture(scope="module")
@@ -144,3 +146,15 @@ def test_a_new_sae_in_a_finished_group_asks_for_a_new_mark(tmp_path, ckpt):
     (p,) = plan_from_config(cfg)
     (grown,) = train_jobs([p], runs_to)
     assert grown.group_id == job.group_id and grown.mark == other_mark(job.mark)
+
+
+def test_plan_warns_about_the_slurm_site_only_for_a_cluster_run(monkeypatch, capsys):
+    import shutil
+
+    from actcache.cli import plan as cli_plan
+
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")  # Slurm installed here
+    cli_plan._warn_slurm_site(env={"PATH": "/usr/bin"})  # a local run: no site settings
+    assert capsys.readouterr().err == ""
+    cli_plan._warn_slurm_site(env={"ACTCACHE_SLURM_GPU_PARTITION": "gpu"})  # a cluster run
+    assert "ACTCACHE_SLURM_ACCOUNT is not set" in capsys.readouterr().err

@@ -71,3 +71,11 @@ def test_readme_block_runs_as_written_in_a_fresh_shell(fresh_copy, block):
     proc = fresh_shell(fresh_copy, block)
     assert proc.returncode == 0, f"{block}\n--- stdout\n{proc.stdout[-2000:]}\n--- stderr\n{proc.stderr[-3000:]}"
     assert "command not found" not in proc.stderr
+
+
+def test_worked_example_shows_the_example_experiment_whole():
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as fd:
+        text = fd.read()
+    with open(os.path.join(REPO, "docs", "examples", "imagenet-dinov2.yaml"), encoding="utf-8") as fd:
+        example = fd.read()
+    assert f"```yaml\n{example}```" in text  # the file the runnable block plans, as shown

@@ -204,3 +204,23 @@ def test_first_prefix_recovers_parents_that_plain_batchtopk_absorbs():
     print(f"parents recovered: matryoshka first {first} latents {score_mat:.3f}, batchtopk all {score_plain:.3f}")
     assert score_mat >= 0.9
     assert score_plain <= score_mat - 0.1
+
+
+def test_eval_json_and_the_page_hold_each_prefix_fvu():
+    from actcache.sae.evaluate import evaluate
+    from actcache.visuals import heldout_rows
+
+    torch.manual_seed(0)
+    sae = mat(width=32, d=8, k=3, prefixes=(4, 16, 32)).eval()
+    sae.threshold.fill_(0.1)  # the inference threshold training would have set
+    x_ND = torch.randn(300, 8)
+    ev = evaluate(sae, [x_ND[:128], x_ND[128:]])
+    with torch.no_grad():
+        f_NS = sae(x_ND)[1]
+        (x4_ND, *_) = sae.decode_prefixes(f_NS, (4, 16, 32))
+    total = float((x_ND - x_ND.mean(0)).pow(2).sum())
+    assert ev["nmse_prefix_4"] == pytest.approx(float((x4_ND - x_ND).pow(2).sum()) / total, rel=1e-5)
+    assert ev["nmse_prefix_32"] == pytest.approx(ev["nmse"], rel=1e-6)  # the last prefix is the whole SAE
+    assert "first m latents" in ev["definitions"]["nmse_prefix"]
+    rows = heldout_rows(ev)
+    assert rows["FVU, first 4 latents"].startswith(f"{ev['nmse_prefix_4']:.4f} (") and "FVU, first 32 latents" in rows

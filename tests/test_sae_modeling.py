@@ -8,6 +8,7 @@ true directions of the best cosine similarity with any decoder row.
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -33,13 +34,27 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py: one tor
 
 
 def synthetic(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(true directions (N_TRUE, D), examples (n, D)): each a mix of K_TRUE directions."""
+    """(true directions (N_TRUE, D), examples (n, D)): each a mix of K_TRUE directions. Made once
+    per process (several recovery tests share it); each call gets its own copies."""
+    dirs, x = _synthetic(n, seed)
+    return dirs.clone(), x.clone()
+
+
+@functools.lru_cache(maxsize=2)
+def _synthetic(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     dirs = torch.randn(N_TRUE, D, generator=g)
     dirs /= dirs.norm(dim=1, keepdim=True)
-    idx = torch.rand(n, N_TRUE, generator=g).argsort(1)[:, :K_TRUE]
+    idx = k_smallest(torch.rand(n, N_TRUE, generator=g), K_TRUE)
     coef = torch.rand(n, K_TRUE, generator=g) + 0.5
     return dirs, (coef[:, :, None] * dirs[idx]).sum(1)
+
+
+def k_smallest(r_NM: torch.Tensor, k: int) -> torch.Tensor:
+    """``r_NM.argsort(1)[:, :k]`` (the same indices in the same order, ties lower index first)
+    without sorting whole rows."""
+    idx_NK = r_NM.topk(k, dim=1, largest=False, sorted=False).indices.sort(dim=1).values
+    return idx_NK.gather(1, r_NM.gather(1, idx_NK).sort(dim=1, stable=True).indices)
 
 
 def recovery(sae: SAE, dirs: torch.Tensor) -> float:
@@ -108,6 +123,13 @@ def small(activation="topk", k=3, width=32, d=16, seed=0, **kw) -> SAE:
     return SAE(
         SAEConfig(d_vit=d, width=width, activation=activation, k=None if activation == "relu" else k, seed=seed, **kw)
     )
+
+
+def test_k_smallest_equals_the_first_k_of_argsort():
+    g = torch.Generator().manual_seed(3)
+    r_NM = torch.rand(4096, N_TRUE, generator=g)
+    r_NM[0, :20] = 0.5  # ties: lower index first, as argsort gives them here
+    assert torch.equal(k_smallest(r_NM, K_TRUE), r_NM.argsort(1)[:, :K_TRUE])
 
 
 def test_topk_keeps_exactly_k_largest_per_example():

@@ -242,7 +242,8 @@ def test_loader_io_keys_reach_the_loaders_and_change_neither_weights_nor_ids(sma
     (b,) = small_runs(steps=10, n_readers=1, cold_read="fault", batch_timeout_s="1e3", prefetch="heads")
     assert (b.n_readers, b.cold_read, b.batch_timeout_s, b.prefetch) == (1, "fault", 1000.0, "heads")
     assert b.sae_id == a.sae_id  # how batches are read is not what they are
-    assert b.group_id != a.group_id  # one loader per group: members must agree on its settings
+    assert b.group_id == a.group_id  # nor which group: editing them reruns no job (config.groups
+    # refuses one group whose members disagree on them: one loader per group)
     # ids issued before these keys existed are unchanged while the keys keep their defaults
     # (values computed at 3787731, the commit before they were added)
     (c,) = small_runs(steps=10, n_readers=None, cold_read="read", batch_timeout_s=30, prefetch="auto")
@@ -427,3 +428,23 @@ def test_non_finite_activation_is_reported_with_its_image(tmp_path, bad):
     with pytest.raises(TrainError, match=r"NaN or Inf at image_i=77, patch_i=5"):
         train_group(path, runs, tmp_path / "runs", device="cpu")
     assert not os.path.exists(os.path.join(run_dir(tmp_path / "runs", os.path.basename(path), runs[0]), "done.json"))
+
+
+def test_group_log_names_each_sae_and_prints_its_own_metrics(small_cache, tmp_path, caplog):
+    import logging
+
+    path, _ = small_cache
+    runs = small_runs(steps=4, log_every=4, saes=[{"activation": "topk", "k": 8},
+                                      {"activation": "jumprelu", "k": None, "l0_coeff": 1e-3},
+                                      {"activation": "matryoshka", "k": 4, "matryoshka_prefixes": [32, 128]}])  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="actcache.sae.train"):
+        train_group(path, runs, tmp_path / "runs", device="cpu")
+    lines = [r.getMessage() for r in caplog.records if r.name == "actcache.sae.train"]
+    d = os.path.basename(path)
+    for r in runs:
+        last = json.loads(open(os.path.join(run_dir(tmp_path / "runs", d, r), "metrics.jsonl")).readlines()[-1])
+        (mine,) = [ln for ln in lines if ln.startswith(f"  {r.sae_id} ") and "step" not in ln and
+                   f"l0 {last['l0']:.1f}" in ln]  # fmt: skip
+        assert f"width=128{' prefixes=32,128' * (r.activation == 'matryoshka')} layer auto: nmse {last['nmse']:.4f}" in mine
+    assert any("jumprelu l0_coeff=0.001 width=128" in ln and "None" not in ln for ln in lines), lines
+    assert any("matryoshka k=4 width=128 prefixes=32,128" in ln and "nmse_prefix_32 " in ln for ln in lines), lines

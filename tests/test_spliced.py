@@ -4,6 +4,7 @@ identity SAE and a zero SAE, the token positions per family, and `actcache eval`
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 
@@ -102,11 +103,20 @@ def test_identity_sae_recovers_everything_and_zero_sae_nothing(world):
     assert ev["n_heldout_images"] == 12 and ev["fvu"] < 1e-6 and ev["n_dead"] == 0
 
 
-def test_eval_command_writes_every_run_of_a_sweep(world, capsys):
-    assert cli.main(["eval", str(world["runs"]), "--device", "cpu", "--max-images", "6"]) == 0
+def test_eval_command_writes_every_run_of_a_sweep(world, capsys, caplog):
+    with caplog.at_level(logging.INFO, logger="actcache.progress"):
+        assert cli.main(["eval", str(world["runs"]), "--device", "cpu", "--max-images", "6"]) == 0
     for d in (world["identity"], world["zero"]):
         assert jload(os.path.join(d, "eval.json"))["spliced"]["n_images"] == 6
     assert "fraction recovered" in capsys.readouterr().out
+    # a job log shows the progress: count, rate and time (a line every 10 s and one at the end)
+    (line,) = [r.message for r in caplog.records if r.name == "actcache.progress"]
+    assert line.startswith("spliced eval of 2 SAE(s), part 1 of 1: 6/6 img (100.0%)") and "img/s" in line, line
+    # --missing (the workflow's): SAEs that have their spliced metrics keep them; nothing runs
+    before = {d: os.stat(os.path.join(d, "eval.json")).st_mtime_ns for d in (world["identity"], world["zero"])}
+    assert cli.main(["eval", "--missing", str(world["runs"]), "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.count("spliced metrics already in its eval.json, kept") == 2
+    assert before == {d: os.stat(os.path.join(d, "eval.json")).st_mtime_ns for d in before}
 
 
 def run_without_split(world, d, **info_changes):

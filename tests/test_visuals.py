@@ -14,6 +14,7 @@ Chromium: tests/browser.py (installed when missing; a failure to install fails t
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -297,6 +298,24 @@ def test_arrays_summary_and_plots(world, page):
     for i in np.unique(top[top >= 0]):
         with PIL.Image.open(os.path.join(page, "img", f"{i}.jpg")) as im:
             assert im.size == (32, 32)
+
+
+def test_page_title_says_what_the_sae_is(page):
+    with open(os.path.join(page, "index.html"), encoding="utf-8") as fh:
+        text = fh.read()
+    assert f"<title>SAE {SAE_ID} (topk k={K_SAE} width={WIDTH} layer -2) latents</title>" in text
+
+
+def test_pass_over_the_cache_logs_its_progress(world, caplog):
+    from actcache.cache import ActivationCache
+    from actcache.visuals import compute_stats
+
+    sae = SAE.load(world["run"])
+    with caplog.at_level(logging.INFO, logger="actcache.progress"):
+        compute_stats(ActivationCache.open(world["cache"]), [sae], "image", -2, False, batch_images=8)
+    (line,) = [r.message for r in caplog.records if r.name == "actcache.progress"]
+    n = -(-world["md"].n_imgs // 8)
+    assert line.startswith(f"visuals: pass over the cache: {n}/{n} batch (100.0%)") and "ETA" in line, line
 
 
 def test_reuse_skips_the_pass(world, page, capsys):

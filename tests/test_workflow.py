@@ -7,10 +7,12 @@ import glob
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+import yaml
 from tests.browser import DevTools
 from tests.fixtures_vit import make_checkpoint
 from tests.workflow_helpers import REPO, TWO_AT_A_TIME, dump_ranges, job_counts, snakemake, write_project
@@ -89,7 +91,8 @@ def test_fresh_root_dry_run_lists_every_dump_job(tmp_path, ckpt):
     proc = snakemake(cfg, "-n")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout + proc.stderr
-    want = {"dump": 4, "gather": 1, "train": 1, "report": 2, "spliced_eval": 1, "sweep_report": 1, "all": 1}
+    want = {"dump": 4, "gather": 1, "train": 1, "trained": 2, "report": 2, "spliced_eval": 1, "sweep_report": 1,
+            "all": 1}  # fmt: skip
     assert job_counts(out) == want
     assert dump_ranges(out) == ["000000-000001", "000001-000002", "000002-000003", "000003-000004"]
     (p,) = plan_json(cfg)
@@ -110,6 +113,12 @@ def test_full_run_verifies_and_then_nothing_to_do(done_project):
     proc = snakemake(cfg, "-n")
     assert proc.returncode == 0 and job_counts(proc.stdout + proc.stderr) == {}
     assert "Nothing to be done" in proc.stdout + proc.stderr
+    # each dump job's log shows its progress (images, rate, time) before its shard is written
+    logs = glob.glob(os.path.join(root, "logs", "dump", p["hash"], "*.attempt1.*.log"))
+    assert len(logs) == 4
+    for log in logs:
+        with open(log) as fd:
+            assert re.search(r"dump: 10/10 img \(100\.0%\), [\d.,]+ img/s", fd.read()), log
 
 
 def test_deleted_shard_brings_back_exactly_its_job(done_project):
@@ -214,7 +223,58 @@ def test_changed_sae_hyperparameter_gives_only_training_jobs(done_project, tmp_p
     proc = snakemake(cfg2, "-n")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    assert job_counts(out) == {"train": 1, "report": 2, "spliced_eval": 1, "sweep_report": 1, "all": 1}
+    assert job_counts(out) == {"train": 1, "trained": 2, "report": 2, "spliced_eval": 1, "sweep_report": 1, "all": 1}
+
+
+def _k(k):
+    return lambda d: d["train"]["sweep"].update(k=k)
+
+
+# The edit table of issue 57 (point 5), each made in place in the finished project, as a user would:
+# (edit, shard lost, the jobs `snakemake -n` lists, its dump ranges, SAEs plan calls pending, dump jobs plan
+# says are to run). A layout, logging or loader key reruns nothing; one SAE's k retrains and re-renders that
+# SAE alone (trained: a check of each group member's done file; the other one's page stays).
+EDITS = [
+    ("log_every", lambda d: d["train"].update(log_every=5), None, {}, [], 0, 0),
+    ("n_readers", lambda d: d["train"].update(n_readers=2), None, {}, [], 0, 0),
+    ("one SAE's k", _k([4, 16]), None,
+     {"train": 1, "trained": 2, "report": 1, "spliced_eval": 1, "sweep_report": 1, "all": 1}, [], 1, 0),
+    ("lost shard, shards_per_job 1 -> 2", lambda d: d["cache"].update(shards_per_job=2), 2,
+     {"dump": 1, "gather": 1, "all": 1}, ["000002-000004"], 0, 1),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("what,edit,lost,jobs,ranges,pending,to_dump", EDITS, ids=[e[0] for e in EDITS])
+def test_each_edit_reruns_exactly_what_changed_and_plan_agrees(done_project, what, edit, lost, jobs, ranges,
+                                                               pending, to_dump):  # fmt: skip
+    from actcache.plan import plan_from_config, plan_summary
+
+    root, cfg = done_project
+    exp = os.path.join(root, "experiments", "wf.yaml")
+    with open(exp) as fd:
+        original = fd.read()
+    doc = yaml.safe_load(original)
+    edit(doc)
+    (p,) = [plan_summary(q) for q in plan_from_config(cfg)]  # in-process: no second start-up
+    shard = os.path.join(p["dir"], shard_name(lost)) if lost is not None else None
+    try:
+        with open(exp, "w") as fd:
+            yaml.safe_dump(doc, fd, sort_keys=False)
+        if shard:
+            os.rename(shard, shard + ".aside")
+        proc = snakemake(cfg, "-n")
+        (row,) = [plan_summary(q) for q in plan_from_config(cfg)]
+    finally:
+        with open(exp, "w") as fd:
+            fd.write(original)
+        if shard:
+            os.rename(shard + ".aside", shard)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert (job_counts(out), dump_ranges(out)) == (jobs, ranges), out[-3000:]
+    assert sum(not t["done"] for t in row["training"]) == pending == jobs.get("report", 0)
+    assert row["dump_jobs_to_run"] == to_dump == jobs.get("dump", 0)
+    assert row["hash"] == p["hash"]
 
 
 def test_end_to_end_trained_saes_visuals_and_report(done_project, report_html):
@@ -239,7 +299,8 @@ def test_end_to_end_trained_saes_visuals_and_report(done_project, report_html):
 
 
 def test_after_actcache_eval_a_dry_run_lists_the_page_to_render_again(done_project):
-    """`actcache eval` rewrites eval.json, which the page shows: its rule is stale to Snakemake."""
+    """`actcache eval` rewrites eval.json, which the page shows: that page's rule (only it: the
+    other SAE's eval.json is unchanged) is stale to Snakemake."""
     from actcache.cli import main as actcache_main
     from actcache.rundir import spliced_mark_of
 
@@ -247,19 +308,19 @@ def test_after_actcache_eval_a_dry_run_lists_the_page_to_render_again(done_proje
     (p,) = plan_json(cfg)
     run = p["training"][0]["dir"]
     run = run if os.path.isabs(run) else os.path.join(root, run)
-    mark = spliced_mark_of(run)
-    before, content = os.stat(mark).st_mtime_ns, open(mark, "rb").read()
+    kept = {f: (os.stat(f).st_mtime_ns, open(f, "rb").read()) for f in (spliced_mark_of(run), os.path.join(run, "eval.json"))}
     try:
         assert actcache_main(["eval", run, "--device", "cpu", "--max-images", "4"]) == 0
         dry = snakemake(cfg, "-n")
         out = dry.stdout + dry.stderr
         assert dry.returncode == 0, out
-        assert job_counts(out).get("report") == 2 and f"{os.path.basename(run)}/visuals.html" in out, out[-3000:]
+        assert job_counts(out).get("report") == 1 and f"{os.path.basename(run)}/visuals.html" in out, out[-3000:]
         assert "spliced_eval" not in job_counts(out) and "train" not in job_counts(out)
     finally:
-        with open(mark, "wb") as fd:  # the other tests expect a finished project
-            fd.write(content)
-        os.utime(mark, ns=(before, before))
+        for f, (before, content) in kept.items():  # the other tests expect a finished project
+            with open(f, "wb") as fd:
+                fd.write(content)
+            os.utime(f, ns=(before, before))
     assert job_counts(snakemake(cfg, "-n").stdout) == {}
 
 

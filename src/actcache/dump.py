@@ -89,10 +89,17 @@ def check_shard_range(shards, n_shards: int) -> tuple[int, int]:
     return a, b
 
 
-def resolve_device(device: str | None) -> torch.device:
-    """None / 'auto' -> cuda when available, else cpu; anything else must exist."""
+SLURM_GPU_VARS = ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SLURM_GPUS_ON_NODE", "SLURM_GPUS")
+
+
+def resolve_device(device: str | None, env=None) -> torch.device:
+    """None / 'auto' -> cuda when available, else cpu; anything else must exist. A Slurm job that
+    was given GPUs never falls back to the CPU in silence: no usable CUDA there is an error."""
     if device is None or device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        _check_no_gpu_job(os.environ if env is None else env)
+        return torch.device("cpu")
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError):
@@ -103,6 +110,23 @@ def resolve_device(device: str | None) -> torch.device:
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ConfigError(f"device {device!r}: only {torch.cuda.device_count()} GPU(s) visible")
     return dev
+
+
+def _check_no_gpu_job(env) -> None:
+    # GPU indices (SLURM_JOB_GPUS=0 is GPU 0) or counts (SLURM_GPUS_ON_NODE=0 is none)
+    given = {k: env.get(k, "").strip() for k in SLURM_GPU_VARS}
+    gpus = next((f"{k}={v}" for k, v in given.items() if v and not (k.endswith("GPUS_ON_NODE") and v == "0")), None)
+    if not env.get("SLURM_JOB_ID") or gpus is None:
+        return
+    if torch.version.cuda is None:
+        fix = (f"this torch {torch.__version__} is a CPU-only build. Install a CUDA one into the environment the "
+               "jobs run (README: 'Install, with a CUDA torch'), e.g. pip install torch --index-url https://download.pytorch.org/whl/cu128")  # fmt: skip
+    else:
+        fix = f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU: check nvidia-smi and the driver on the node"
+    raise ConfigError(
+        f"cache.device: auto in Slurm job {env['SLURM_JOB_ID']}, which was given GPUs ({gpus}), but {fix}; "
+        "or set cache.device: cpu to dump on the CPU on purpose."
+    )
 
 
 def plan_batches(md: Metadata, shard_ids, batch_size: int) -> list[tuple[int, int, int]]:
@@ -335,15 +359,6 @@ def _write_labels(path: str, ds) -> None:
     write_labels(path, labels, names)
 
 
-def _cap_workers(n_workers: int) -> int:
-    """n_workers, cut to the CPUs this process may run on (more only fork idle processes)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if n_workers > cpus:
-        log.warning("%d image-loading workers asked for, %d CPUs here: using %d", n_workers, cpus, cpus)
-        return cpus
-    return n_workers
-
-
 def _setup_error(err: OSError, what: str) -> DumpError:
     name = getattr(err, "filename", None)
     at = f" ({name})" if name and str(name) not in what else ""
@@ -389,7 +404,7 @@ def dump_shards(
         raise ConfigError(f"batch size must be >= 1, got {batch_size}")
     if n_workers < 0:
         raise ConfigError(f"workers must be >= 0, got {n_workers}")
-    n_workers = _cap_workers(n_workers)
+    n_workers = usable_workers(n_workers)
     dev = resolve_device(device if device is not None else exp.cache.device)
     listing_cache = os.path.join(dump_to, ".listings")  # as actcache.plan.plan uses
     md = experiment_metadata(exp, listing_cache=listing_cache)  # unknown family, bad layer, no images: here
@@ -470,6 +485,16 @@ def pixel_loader(ds, transform, batches, dev: torch.device, n_workers: int) -> t
     )
 
 
+def usable_workers(n_workers: int, cpus: int | None = None) -> int:
+    """At most one image worker per CPU this process may use: more only compete for the same
+    cores (and PyTorch warns about them, once per iterator)."""
+    cpus = cpus or len(os.sched_getaffinity(0))
+    if n_workers > cpus:
+        log.info("%d image worker(s) asked for, %d CPU(s) here: using %d", n_workers, cpus, cpus)
+        return cpus
+    return n_workers
+
+
 def _start_workers(loader, n_workers: int):
     """iter(loader), with a clear error where the workers cannot start: their queues' semaphores
     live in /dev/shm, so a full /dev/shm fails here (OSError ENOSPC)."""
@@ -507,7 +532,7 @@ def _dump(exp, md, path, todo, dev, batch_size, n_workers, progress, ds, load_tr
         log.info("loaded %s %s on %s in %.1f s", exp.vit.family, exp.vit.ckpt, dev, time.monotonic() - t0)
         sink = ShardSink(path, md, on_done=lambda s: _done(locks, s)).start()
         with (
-            Progress(n_imgs, desc="dump", unit="img", enabled=progress) as bar,
+            Progress(n_imgs, desc="dump", unit="img", bar=progress) as bar,
             forward_precision(dev, md.forward),
         ):
             skipped, busy = _run(

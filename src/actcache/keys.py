@@ -17,6 +17,7 @@ workflow/schemas/ and the key tables of config/README.md (scripts/gen_config_doc
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import math
 import re
@@ -247,10 +248,11 @@ def check_keys(doc: dict, allowed: dict | set, where: str, prefix: str = "") -> 
     if unknown:
         bad = str(unknown[0])
         close = [k for k in allowed if k.replace("_", "") == bad.replace("_", "").lower()]
+        close = close or difflib.get_close_matches(bad.lower(), list(allowed), n=1, cutoff=0.7)
         hint = f" Did you mean '{prefix}{close[0]}'?" if close else ""
-        raise ConfigError(
-            f"{where}: unknown key '{prefix}{bad}'.{hint} Allowed: {', '.join(sorted(allowed))} (config/README.md)."
-        )
+        # a long list hides the one likely spelling: past a dozen keys, name where they are listed
+        listed = f"Allowed: {', '.join(sorted(allowed))}" if len(allowed) <= 12 or not close else "Every key"
+        raise ConfigError(f"{where}: unknown key '{prefix}{bad}'.{hint} {listed} (config/README.md).")
 
 
 def read_section(doc: Any, cls: type, where: str, prefix: str = "") -> dict:

@@ -347,12 +347,20 @@ def dump_marks(p: Planned, cache_dir: str) -> list[str]:
     """The mark of each shard range of ``p`` under ``cache_dir`` that the workflow asks for.
 
     The job layout (``cache.shards_per_job``) is not part of the cache: a complete, gathered cache
-    asks for the marks its own jobs left, whatever the layout now, so it never schedules work.
+    asks for the marks its own jobs left, whatever the layout now, so it never schedules work; in
+    an incomplete one, a range of the current layout whose shards are all there and that has no
+    mark asks for none, so a lost shard brings back the one range that holds it.
     """
     complete = {(a, b): p.range_complete(a, b) for a, b in p.ranges}
     if all(complete.values()) and os.path.exists(os.path.join(cache_dir, SHARDS_FILE)):
         return marks_on_disk(cache_dir)
-    return [current_mark(_dump_mark_base(cache_dir, a, b), complete[a, b]) for a, b in p.ranges]
+    marks = []
+    for a, b in p.ranges:
+        base = _dump_mark_base(cache_dir, a, b)
+        if complete[a, b] and not any(os.path.exists(f"{base}.{slot}") for slot in MARK_SLOTS):
+            continue  # its shards are on disk, dumped under another job layout: no job to run
+        marks.append(current_mark(base, complete[a, b]))
+    return marks
 
 
 def marks_on_disk(cache_dir: str) -> list[str]:
@@ -463,21 +471,22 @@ def caches_from_config(config_path: str, runs_to: str | None = None) -> list[Ext
     return external_caches(cfg.caches, runs_to or cfg.runs_to, config_base_dir(config_path), config_path)
 
 
+def _training_row(r, directory: str, d_vit: int | None) -> dict:
+    """One SAE of a plan: its ids, what it is (objective, k or coefficient, width, layer), status."""
+    return {"sae_id": r.sae_id, "group": r.group_id, "title": r.title(d_vit), **r.describe(d_vit),
+            "dir": directory, "done": is_done(directory)}  # fmt: skip
+
+
 def cache_summary(c: ExternalCache) -> dict:
     """What `actcache plan --json` prints for one of config.yaml's ``caches:``."""
-    runs = []
-    for r in c.train_runs():
-        directory = run_dir(c.runs_to, c.hash, r)
-        runs.append({"sae_id": r.sae_id, "group": r.group_id, "dir": directory, "done": is_done(directory)})
+    d_vit = getattr(c.metadata, "d_vit", None)
+    runs = [_training_row(r, run_dir(c.runs_to, c.hash, r), d_vit) for r in c.train_runs()]
     return {"cache": c.cache_dir, "file": c.source, "hash": c.hash, "training": runs}
 
 
 def plan_summary(p: Planned) -> dict:
     """What `actcache plan --json` prints for one experiment: its cache and its SAEs, with status."""
-    runs = []
-    for r in p.train_runs():
-        directory = run_dir(p.runs_to, p.hash, r)
-        runs.append({"sae_id": r.sae_id, "group": r.group_id, "dir": directory, "done": is_done(directory)})
+    runs = [_training_row(r, run_dir(p.runs_to, p.hash, r), p.metadata.d_vit) for r in p.train_runs()]
     return {
         "experiment": p.exp.name,
         "file": p.exp.source,
@@ -487,5 +496,6 @@ def plan_summary(p: Planned) -> dict:
         "size": p.cost(),
         "notes": p.notes(),
         "dump_jobs": len(p.ranges),
+        "dump_jobs_to_run": sum(not p.range_complete(a, b) for a, b in p.ranges),  # as `snakemake -n` lists
         "training": runs,
     }

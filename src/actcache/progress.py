@@ -5,8 +5,9 @@
             bar.update(len(batch))
 
 On a terminal (stderr is a TTY) it draws a tqdm bar with the rate and the ETA; in a Slurm log it
-logs one line every ``every_s`` seconds (done/total, rate, ETA) instead of a bar that fills the
-file with carriage returns. ``enabled=False`` shows neither.
+logs one line every ``every_s`` seconds (done/total, rate, ETA) and one at the end, instead of a
+bar that fills the file with carriage returns. ``bar=False``: the lines even on a terminal;
+``enabled=False`` shows neither.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def fmt_duration(s: float) -> str:
 
 
 class Progress:
-    def __init__(self, total: int, desc: str = "", unit: str = "it", enabled: bool = True, every_s: float = 10.0):
+    def __init__(self, total: int, desc: str = "", unit: str = "it", enabled: bool = True, every_s: float = 10.0,
+                 bar: bool = True):  # fmt: skip
         self.total, self.desc, self.unit, self.every_s = total, desc, unit, every_s
         self.done = 0
         self.t0 = self._last = time.monotonic()
@@ -36,7 +38,7 @@ class Progress:
         self._redirect = None
         self._lines = False
         if enabled and total > 0:
-            if _isatty(sys.stderr):
+            if bar and _isatty(sys.stderr):
                 try:
                     from tqdm import tqdm
                     from tqdm.contrib.logging import logging_redirect_tqdm
@@ -75,6 +77,9 @@ class Progress:
         )
 
     def close(self) -> None:
+        if self._lines and self.done:  # a job log ends with the count, the rate and the time taken
+            self._lines = False
+            log.info("%s", self.line())
         if self._redirect is not None:
             self._redirect.__exit__(None, None, None)
             self._redirect = None

@@ -328,15 +328,19 @@ def _passes(ctx, members, sites, means, held, budget, noise_fvu):
     mean-ablated ones, and (into each member) its spliced and noise-control ones."""
     import torch
 
+    from actcache.progress import Progress
     from actcache.sae.modeling import SAE
 
     vit = ctx.vit
     blocks = sorted({m.block for m in members})
     clean, ablated = [], {k: {"zero": [], "mean": []} for k in sites}
-    for ci, chunk in enumerate(_chunks(members, budget)):
+    chunks = _chunks(members, budget)
+    for ci, chunk in enumerate(chunks):
         saes = [SAE.load(m.run.dir).to(vit.device).eval() for m in chunk]
-        with torch.inference_mode():
+        desc = f"spliced eval of {len(chunk)} SAE(s), part {ci + 1} of {len(chunks)}"
+        with torch.inference_mode(), Progress(len(held), desc=desc, unit="img") as bar:
             for px in ctx.batches(held):
+                bar.update(len(px))
                 got, emb = capture(vit, px, blocks, full=ci == 0, heads=True)
                 if ci == 0:
                     clean.append(_cpu(emb))
@@ -475,12 +479,15 @@ def heldout_metrics(cache, run, device) -> dict:
 
 
 def spliced_eval(run_dirs: list[str], device: str | None = None, batch_images: int = 32,
-                 max_images: int | None = None, report=print, no_images: bool = False) -> dict[str, dict]:  # fmt: skip
+                 max_images: int | None = None, report=print, no_images: bool = False,
+                 missing: bool = False) -> dict[str, dict]:  # fmt: skip
     """The spliced metrics of every run under ``run_dirs``, written into each eval.json under
     "spliced" beside its held-out statistics, recomputed (:func:`heldout_metrics`); returns
     {run dir: spliced section}. Runs sharing a cache share its ViT and clean pass. ``no_images``
     (a cache whose images are gone, or a saev cache): only the held-out statistics, which need the
-    cache alone; eval.json then has no "spliced" section."""
+    cache alone; eval.json then has no "spliced" section. ``missing``: only runs whose eval.json
+    has no spliced section yet (training writes eval.json without one, so a retrained SAE is
+    evaluated again)."""
     import torch
 
     from actcache.rundir import find_runs, load_run
@@ -488,6 +495,10 @@ def spliced_eval(run_dirs: list[str], device: str | None = None, batch_images: i
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     runs = [load_run(p) for p in find_runs(run_dirs)]
+    if missing:
+        for r in [r for r in runs if "spliced" in r.eval()]:
+            report(f"{r.dir}: spliced metrics already in its eval.json, kept")
+        runs = [r for r in runs if "spliced" not in r.eval()]
     by_cache: dict[str, list] = {}
     for r in runs:
         by_cache.setdefault(r.cache or "", []).append(r)

@@ -178,6 +178,20 @@ def dead_line(ev: dict) -> str:
     return f"{ev['n_dead']:,} dead, {ev.get('n_almost_dead', 0):,} almost dead ({ev.get('dead_definition', '')})"
 
 
+def sae_title(run, width: int) -> str:
+    """What the SAE is, from its run.json and its weights' width (e.g. ``jumprelu l0_coeff=0.01
+    width=1024 layer -2``)."""
+    import dataclasses
+
+    from actcache.errors import ConfigError
+    from actcache.sae.config import RunConfig
+
+    try:
+        return dataclasses.replace(RunConfig.from_dict(run.info.get("run", {})), width=width, layer=run.layer).title()
+    except (ConfigError, TypeError):  # a run.json from another version: its label as before
+        return run.label()
+
+
 def heldout_rows(ev: dict) -> dict[str, str]:
     """The page's rows of held-out statistics: eval.json's values with their definitions (the
     one place they are computed is actcache.sae.evaluate)."""
@@ -196,6 +210,10 @@ def heldout_rows(ev: dict) -> dict[str, str]:
         rows[f"{kind} tokens"] = (f"FVU {st['fvu']:.4f}, MSE per token {st['mse_per_token']:.4g}, mean ||x|| "
                                   f"{st['mean_norm_x']:.4g}, mean ||x_hat|| {st['mean_norm_x_hat']:.4g} "
                                   f"on {st['n_tokens']:,} tokens")  # fmt: skip
+    prefixes = sorted((k for k in ev if k.startswith("nmse_prefix_")), key=lambda k: int(k.rsplit("_", 1)[1]))
+    for key in prefixes:  # matryoshka: each nested prefix's FVU
+        why = defs.get("nmse_prefix")
+        rows[f"FVU, first {int(key.rsplit('_', 1)[1]):,} latents"] = f"{ev[key]:.4f}" + (f" ({why})" if why else "")
     sp = ev.get("spliced") or {}
     if sp:
         rows["spliced in"] = spliced_row(sp)
@@ -230,6 +248,7 @@ def compute_stats(cache, saes: list, patches: str, layer: int, scale_norm: bool,
 
     from actcache.loaders import OrderedLoader
     from actcache.loaders.common import Selection
+    from actcache.progress import Progress
 
     per_img = Selection(cache.metadata, patches, layer).per_img
     width = max(s.cfg.width for s in saes)
@@ -241,15 +260,14 @@ def compute_stats(cache, saes: list, patches: str, layer: int, scale_norm: bool,
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     loader = OrderedLoader(cache, batch_size=batch_images * per_img, patches=patches, layer=layer,
                            scale_norm=scale_norm, batch_timeout_s=None)  # fmt: skip
-    n, t_start = len(loader), time.perf_counter()
-    t_log, spent = t_start, {"wait_s": 0.0, "encode_s": 0.0, "stats_s": 0.0}
-    with loader, torch.inference_mode():
+    n, spent = len(loader), {"wait_s": 0.0, "encode_s": 0.0, "stats_s": 0.0}
+    with loader, torch.inference_mode(), Progress(n, desc="visuals: pass over the cache", unit="batch") as bar:
         if torch.device(device).type == "cuda":
             batches = cuda_feed(loader, torch.device(device))
         else:
             batches = ((b["act"], b["image_i"]) for b in loader)
         try:
-            for b in range(n):
+            for _ in range(n):
                 t0 = time.perf_counter()
                 x_BD, img = next(batches)
                 x_BD, img = x_BD.to(device), img.to(device)  # no-ops on the GPU feed
@@ -263,9 +281,7 @@ def compute_stats(cache, saes: list, patches: str, layer: int, scale_norm: bool,
                     sync()
                     spent["encode_s"] += t2 - t1
                     spent["stats_s"] += time.perf_counter() - t2
-                if time.perf_counter() - t_log > 30:
-                    t_log = time.perf_counter()
-                    log.info("visuals: batch %d/%d, %.0f s", b + 1, n, t_log - t_start)
+                bar.update(1)
         finally:
             if isinstance(batches, StagedFeed):
                 batches.close()
@@ -384,9 +400,9 @@ def write_visuals(run: Run, cache, res: LatentSummary, src, opts, timings: dict)
                 stop_images()
                 raise
         timings["page_s"] = time.perf_counter() - t0
-        ev, cfg = run.eval(), run.sae_config()
+        ev = run.eval()
         info = {
-            "SAE": run.name, "activation": cfg.get("activation"), "width": res.width, "k": cfg.get("k"),
+            "SAE": run.name, "what": sae_title(run, res.width),
             "cache": f"{md.hash[:16]}... ({run.cache})", "model": f"{md.vit_family} {md.vit_ckpt}",
             "layer / patches": f"{run.layer} / {run.patches}" + (" (scale_norm)" if run.scale_norm else ""),
             "images / tokens (this page)": f"{res.n_imgs:,} / {res.n_tokens:,}",

@@ -356,7 +356,7 @@ def render_page(res: LatentSummary, latents: np.ndarray, info: dict, labels: dic
     options = "".join(f'<option value="{v}">{esc(t)}</option>' for v, t in SORTS)
     plot_html = "".join(f'<img src="{esc(p)}" alt="{esc(p)}">' for p in plots)
     note_html = "".join(f'<p class="note">{esc(n)}</p>' for n in notes)
-    title = f"SAE {info.get('SAE', '')} latents"
+    title = f"SAE {info.get('SAE', '')}" + (f" ({info['what']})" if info.get("what") else "") + " latents"
     dead_html = (
         f"<details><summary>{len(dead):,} latents silent in this page's pass (no firing on its {res.n_tokens:,} "
         f"tokens of {res.n_imgs:,} images; the dead and almost-dead counts above are eval.json's, over their "

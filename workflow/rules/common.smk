@@ -16,6 +16,8 @@ from actcache.plan import MARK_SLOTS, dump_marks, external_caches, other_mark, p
 from actcache.slurmjobs import in_flight_claims, site_warnings, status_init_in_force
 from actcache.protocol import SHARDS_FILE
 from actcache.rundir import (
+    DONE_FILE,
+    EVAL_FILE,
     CURVES_PLOT,
     GROUPS_DIR,
     NMSE_L0_PLOT,
@@ -144,6 +146,15 @@ except ActCacheError as err:
 # (hash, sae id) -> the id of the training group that writes it.
 SAE_GROUP = {(h, sae): gid for (h, gid), job in TRAIN_JOBS.items() for sae in job.sae_ids}
 
+# (hash, sae id) -> what the SAE is (objective, k or coefficient, width, layer), for report menus.
+SAE_TITLES = {
+    (_p.hash, _r.sae_id): _r.title(getattr(_p.metadata, "d_vit", None)) for _p in PLAN + EXTERNAL for _r in _p.train_runs()
+}
+
+
+def sae_title(hash, sae):
+    return SAE_TITLES.get((hash, sae), "")
+
 
 # Ranges whose dump job from an earlier (killed) snakemake is still queued or running in Slurm:
 # hash -> {range tag: job id}. The await_dump rule waits for that job instead of submitting a
@@ -215,6 +226,17 @@ wildcard_constraints:
 
 def visuals_group_mark(hash, sae):
     return train_job(hash, SAE_GROUP[(hash, sae)]).mark
+
+
+def sae_done(hash, sae):
+    """An SAE's done file, checked by the trained rule: its page depends on it, not on its group's
+    mark, so a group that trains a new member re-renders only that member's page."""
+    return os.path.join(run_dir(RUNS_TO, hash, sae), DONE_FILE)
+
+
+def sae_eval(hash, sae):
+    """An SAE's eval.json (training writes it, `actcache eval` rewrites it): its page is stale when it changes."""
+    return os.path.join(run_dir(RUNS_TO, hash, sae), EVAL_FILE)
 
 
 def sweep_group_marks(hash):

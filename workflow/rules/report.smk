@@ -5,12 +5,33 @@
 # one-file pages and the plots.
 
 
+rule trained:
+    """An SAE's done file and eval.json, written by its group's train job (eval.json again by
+    `actcache eval`): checked, never deleted (update). ancient: a group mark that moves (another
+    member trained) makes no page stale."""
+    input:
+        mark=lambda w: ancient(visuals_group_mark(w.hash, w.sae)),
+    output:
+        done=update(os.path.join(RUNS_TO, "{hash}", "{sae}", DONE_FILE)),
+        evaluation=update(os.path.join(RUNS_TO, "{hash}", "{sae}", EVAL_FILE)),
+    log:
+        "logs/trained/{hash}/{sae}.log",
+    localrule: True
+    conda:
+        "../envs/actcache.yaml"
+    shell:
+        "test -f {output.done} && test -f {output.evaluation} > {log} 2>&1"
+
+
 rule report:
     """One pass over the cache per trained SAE: top images per latent, frequencies, histograms,
     training curves, and the HTML page."""
     input:
-        mark=lambda w: visuals_group_mark(w.hash, w.sae),
-        spliced=lambda w: spliced_mark(w.hash),  # the page shows eval.json's spliced row: after `actcache eval`
+        done=lambda w: ancient(sae_done(w.hash, w.sae)),
+        # after the spliced evaluation (ancient: its mark moves whenever any SAE of the cache is
+        # evaluated); the SAE's own eval.json says when this page is stale (`actcache eval` of it)
+        spliced=lambda w: [ancient(m) for m in [spliced_mark(w.hash)] if m],
+        evaluation=lambda w: sae_eval(w.hash, w.sae),
     output:
         visuals=directory(os.path.join(RUNS_TO, "{hash}", "{sae}", VISUALS_DIR)),
         page=report(
@@ -18,7 +39,7 @@ rule report:
             caption="../report/visuals.rst",
             category="SAE latents",
             subcategory="{hash}",
-            labels={"SAE": "{sae}", "cache": "{hash}"},
+            labels=lambda w: {"SAE": w.sae, "what": sae_title(w.hash, w.sae), "cache": w.hash},
         ),
     params:
         actcache=ACTCACHE,
@@ -60,7 +81,7 @@ rule spliced_eval:
         gpu=1,
         attempt=attempt,
     shell:
-        "".join((ATTEMPT_LOG, AS_TASK, " {params.actcache} eval {params.run_dirs} >> {log} 2>&1 && touch {output.mark}"))
+        "".join((ATTEMPT_LOG, AS_TASK, " {params.actcache} eval --missing {params.run_dirs} >> {log} 2>&1 && touch {output.mark}"))
 
 
 rule sweep_report:

@@ -39,10 +39,12 @@ HANDLERS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from actcache import __version__
     from actcache.protocol import DTYPES, FAMILIES
 
     p = argparse.ArgumentParser(prog="actcache", description="Cache ViT activations and train SAEs on them.")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    p.add_argument("--version", action="version", version=f"actcache {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     s = sub.add_parser("hash", help="print the 64-hex content hash of a metadata.json")
@@ -95,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when present)")
     s.add_argument("--batch-size", type=int, default=None, help="override the dump batch size")
     s.add_argument("--workers", type=int, default=None, help="override the image decoding workers")
-    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar: a log line every 10 s instead")
     s.add_argument("--no-space-check", action="store_true",
                    help="start even where the free space looks too small (a compressing filesystem)")  # fmt: skip
 
@@ -150,13 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-images", type=int, default=None, help="at most this many held-out images (a seeded subset)")
     s.add_argument("--no-images", action="store_true",
                    help="no image dataset (gone, or a saev cache): only the held-out statistics, no spliced metrics")  # fmt: skip
+    s.add_argument("--missing", action="store_true", help="only SAEs whose eval.json has no spliced metrics yet")
 
     s = sub.add_parser("demo-assets", help="write the offline demo's tiny random ViT and image folder")
     s.add_argument("--root", default="data/demo")
     s.add_argument("--family", default="clip", choices=FAMILIES, help="ViT family (default: %(default)s)")
 
     s = sub.add_parser("export", help="write SAELens folders (weights, cfg.json, model card) of trained SAEs")
-    s.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="finished SAE run directories")
+    s.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="finished SAE run directories, or directories holding them")
     s.add_argument("--to", nargs=2, required=True, metavar=("FORMAT", "OUT"), help="saelens OUT: one folder per SAE")
     s.add_argument("--push", metavar="REPO_ID",
                    help="also upload every exported SAE to this Hugging Face Hub repo, one folder per SAE id")  # fmt: skip

@@ -13,7 +13,7 @@ def cmd_eval(args) -> int:
         if v is not None and v < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     done = spliced_eval(args.run_dirs, device=args.device, batch_images=args.batch_images, max_images=args.max_images,
-                        no_images=args.no_images)  # fmt: skip
+                        no_images=args.no_images, missing=args.missing)  # fmt: skip
     touch_spliced_marks(list(done))
     return 0
 

@@ -1,4 +1,4 @@
-"""`actcache export RUN_DIR [RUN_DIR ...] --to saelens OUT [--push REPO_ID]`; `actcache import FILE_OR_DIR`."""
+"""`actcache export RUN_DIR [RUN_DIR | SWEEP_DIR ...] --to saelens OUT [--push REPO_ID]`; `actcache import FILE_OR_DIR`."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ EXPORT_FORMATS = ("saelens",)
 
 def cmd_export(args) -> int:
     from actcache.export import export_many, push_many
+    from actcache.rundir import find_runs
 
     fmt, out = args.to
     if fmt not in EXPORT_FORMATS:
         raise ConfigError(f"--to {fmt!r}: unknown export format; use one of {', '.join(EXPORT_FORMATS)}")
     if args.n_blocks is not None and args.n_blocks < 1:
         raise ConfigError(f"--n-blocks {args.n_blocks}: the model's number of blocks is at least 1")
-    folders = export_many(args.run_dirs, out, n_blocks=args.n_blocks, dataset_id=args.dataset)
+    folders = export_many(find_runs(args.run_dirs), out, n_blocks=args.n_blocks, dataset_id=args.dataset)  # a run, or a folder of runs
     for folder in folders:
         print(folder)
     if args.push:

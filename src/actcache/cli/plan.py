@@ -1,8 +1,9 @@
 """`actcache plan`: per experiment, its cache hash, directory and status, and its SAEs.
 
 `actcache plan --failures`: the failed jobs of the last workflow run in the current directory,
-with the tail of each one's logs. Where Slurm is installed, plan warns (on stderr) as the dry run
-does when the Slurm account is unset or unknown."""
+with the tail of each one's logs. Where Slurm is installed and a site's settings are in the
+environment (an ACTCACHE_SLURM_* variable: a cluster run is meant), plan warns (on stderr) as the
+dry run does when the Slurm account is unset or unknown; a local run gets no such warning."""
 
 from __future__ import annotations
 
@@ -18,7 +19,10 @@ def _print_row(r: dict) -> None:
     print(f"{r['experiment']}  ({r['file']})")
     print(f"  hash      {r['hash']}")
     print(f"  dir       {r['dir']}")
-    print(f"  cache     {st['state']} ({st['shards_done']}/{st['n_shards']} shards, {r['dump_jobs']} dump job(s))")
+    print(
+        f"  cache     {st['state']} ({st['shards_done']}/{st['n_shards']} shards, {r['dump_jobs']} dump job(s), "
+        f"{r['dump_jobs_to_run']} to run)"
+    )
     _print_size(r["size"], os.path.dirname(r["dir"]))
     for note in r["notes"]:
         print(f"  note      {note}")
@@ -41,19 +45,20 @@ def _print_training(training: list[dict]) -> None:
         done = sum(t["done"] for t in training)
         print(f"  training  {done} of {len(training)} SAE(s) done")
         for t in training:
-            print(f"    {'done   ' if t['done'] else 'pending'}  {t['sae_id']}  group {t['group']}")
+            print(f"    {'done   ' if t['done'] else 'pending'}  {t['sae_id']}  {t['title']}  group {t['group']}")
 
 
-def _warn_slurm_site() -> None:
-    """The Slurm account and MinJobAge warnings of the dry run, where Slurm is installed."""
+def _warn_slurm_site(env=None) -> None:
+    """The Slurm account and MinJobAge warnings of the dry run, for a cluster run only."""
     import shutil
     import sys
 
-    if shutil.which("sbatch") is None:
+    env = os.environ if env is None else env
+    if shutil.which("sbatch") is None or not any(k.startswith("ACTCACHE_SLURM_") for k in env):
         return
     from actcache.slurmjobs import site_warnings
 
-    for w in site_warnings():
+    for w in site_warnings(env):
         print(f"actcache: warning: {w}", file=sys.stderr)
 
 

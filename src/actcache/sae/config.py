@@ -24,7 +24,9 @@ Identity
 - ``RunConfig.sae_id``: 12 hex of the sha256 of every hashed key (all but :data:`LOGISTICS`), as
   written (``layer: null`` is not resolved), so ids never need the cache.
 - ``RunConfig.group_id``: SAEs with equal :data:`GROUP_KEYS` train together on the batches of ONE
-  loader pass (``actcache train --group G``); e.g. ``L-2-image-1a2b3c4d``.
+  loader pass (``actcache train --group G``); e.g. ``L-2-image-1a2b3c4d``. Its hash takes the
+  :data:`JOB_ONLY_KEYS` (logging, loader) at their defaults, so editing ``log_every`` or
+  ``n_readers`` reruns nothing.
 
 Each SAE trains into ``<runs_to>/<HASH>/<sae-id>/``; actcache.rundir owns that layout and its file names.
 """
@@ -194,9 +196,46 @@ class RunConfig:
 
     @property
     def group_id(self) -> str:
+        # Logging and loader keys (never the weights nor the batches) are hashed at their defaults:
+        # editing one keeps the group's id, so no job reruns; ids issued with the defaults stay.
         layer = "auto" if self.layer is None else str(self.layer)
-        key = {k: v for k, v in self.group_key.items() if not _late_default(k, v)}
+        key = {k: RUN_KEYS[k].default if k in JOB_ONLY_KEYS else v for k, v in self.group_key.items()}
+        key = {k: v for k, v in key.items() if not _late_default(k, v)}
         return f"L{layer}-{self.patches}-{_hash({'v': ID_VERSION, **key})[:8]}"
+
+    # -- what people read beside the id ----------------------------------------------------------
+    def sparsity(self) -> dict:
+        """The objective's sparsity setting: k (TopK variants), else its penalty coefficient."""
+        if self.activation == "jumprelu":
+            return {"l0_coeff": self.l0_coeff}
+        if self.activation == "relu":
+            return {"l1_coeff": self.l1_coeff}
+        return {"k": self.k}
+
+    def resolved_width(self, d_vit: int | None = None) -> int | None:
+        """Its number of latents; None when only exp_factor is given and d_vit is unknown."""
+        if self.width is not None or self.exp_factor is None or d_vit is None:
+            return self.width
+        return round(d_vit * self.exp_factor)
+
+    def describe(self, d_vit: int | None = None) -> dict:
+        """What an SAE is, for plans, menus and logs: objective, k or coefficient, width, layer."""
+        width = self.resolved_width(d_vit)
+        doc = {"objective": self.activation, **self.sparsity(), "width": width, "layer": self.layer}
+        if width is None:
+            doc["exp_factor"] = self.exp_factor
+        if self.activation == "matryoshka" and self.matryoshka_prefixes:
+            doc["prefixes"] = list(self.matryoshka_prefixes)
+        return doc
+
+    def title(self, d_vit: int | None = None) -> str:
+        """One line, e.g. ``topk k=32 width=16384 layer -2``."""
+        doc = {k: v for k, v in self.describe(d_vit).items() if v is not None}
+        layer = doc.pop("layer", "auto")
+        words = [doc.pop("objective")]
+        for name, v in doc.items():
+            words.append(f"{name}={','.join(map(str, v)) if isinstance(v, list) else format(v, 'g')}")
+        return " ".join([*words, f"layer {layer}"])
 
     # -- what the trainer builds from it ------------------------------------------------------------
     def sae_config(self, d_vit: int) -> SAEConfig:
@@ -258,6 +297,7 @@ FIELDS: dict[str, tuple[tuple, Any, str]] = {n: (d.types, d.default, d.key.help)
 LOADER_IO = tuple(n for n, d in RUN_KEYS.items() if d.key.scope == "loader")
 LOGISTICS = tuple(n for n, d in RUN_KEYS.items() if not d.key.hashed)
 GROUP_KEYS = tuple(n for n, d in RUN_KEYS.items() if d.key.scope != "sae")
+JOB_ONLY_KEYS = tuple(n for n, d in RUN_KEYS.items() if d.key.scope in ("logging", "loader"))
 LATE_GROUP_KEYS = tuple(n for n in GROUP_KEYS if RUN_KEYS[n].key.late)
 SECTION_ONLY = ("sweep", "saes")
 
@@ -449,5 +489,19 @@ def groups(runs: list[RunConfig]) -> dict[str, list[RunConfig]]:
     """group id -> the runs that share one loader pass, in first-appearance order."""
     out: dict[str, list[RunConfig]] = {}
     for run in runs:
-        out.setdefault(run.group_id, []).append(run)
+        members = out.setdefault(run.group_id, [])
+        if members:
+            _check_same_logistics(members[0], run)
+        members.append(run)
     return out
+
+
+def _check_same_logistics(first: RunConfig, run: RunConfig) -> None:
+    """SAEs of one group share one job: a logging or loader key (left out of group_id) has one value."""
+    for name in JOB_ONLY_KEYS:
+        if getattr(first, name) != getattr(run, name):
+            raise ConfigError(
+                f"train: SAEs {first.sae_id} and {run.sae_id} train in one group ({run.group_id}) but set "
+                f"'{name}' to {getattr(first, name)!r} and {getattr(run, name)!r}; it is one value per group: "
+                f"set it once at the train: level, not in sweep: or saes:."
+            )

@@ -64,6 +64,7 @@ class EvalAccumulator:
         self.window_n: dict[str, int] = {}  # firing-window tokens past the evaluated ones, by source
         self.sums: list[torch.Tensor] | None = None  # sse, sum_x_D, sum_x2_D, l0, l1 (float64)
         self.kinds: dict[str, list[torch.Tensor]] = {}  # token kind -> n, sse, sum_x_D, sum_x2_D, |x|, |x_hat|
+        self.prefix_sse: list[torch.Tensor] | None = None  # matryoshka: one per prefix
         self.n = 0
 
     @torch.no_grad()
@@ -96,6 +97,7 @@ class EvalAccumulator:
         # thresholds > 0), so |f| = f and sign(f) marks the firings: each reduces over the batch as
         # one matrix-vector product (a column count_nonzero is several times slower)
         fired_BS = torch.sign(f_BS).float()
+        self._prefix_update(x, f_BS)
         f_BS = f_BS.float()
         dec_norm_S = sae.W_dec.norm(dim=1).float()
         d64 = torch.float64
@@ -138,6 +140,14 @@ class EvalAccumulator:
                          "fvu": float(sse) / var if var > 0 else math.nan,
                          "mean_norm_x": float(xn) / n, "mean_norm_x_hat": float(xhn) / n}  # fmt: skip
         return {"by_token_kind": out}
+
+    def _prefix_update(self, x_BD: torch.Tensor, f_BS: torch.Tensor) -> None:
+        """Matryoshka: the squared error of each prefix's reconstruction (its first m latents)."""
+        prefixes = self.sae.cfg.matryoshka_prefixes if self.sae.cfg.activation == "matryoshka" else None
+        if not prefixes:
+            return
+        sse = [(xm.float() - x_BD).pow(2).sum(dtype=torch.float64) for xm in self.sae.decode_prefixes(f_BS, prefixes)]
+        self.prefix_sse = sse if self.prefix_sse is None else [a + b for a, b in zip(self.prefix_sse, sse, strict=True)]
 
     def result(self) -> dict:
         if self.n == 0 or self.sums is None:
@@ -189,6 +199,8 @@ class EvalAccumulator:
             },
         }
         out.update(self.kind_stats())
+        for m, sse_m in zip(self.sae.cfg.matryoshka_prefixes or (), self.prefix_sse or (), strict=False):
+            out[f"nmse_prefix_{m}"] = float(sse_m) / total_var if total_var > 0 else math.nan
         if self.probe is not None:
             out["probes"] = self.probe.result(self.class_names)
         return out
@@ -232,6 +244,7 @@ def definitions(n_tokens: int | None, dense_frac: float, window_n: dict[str, int
         "n_dense": f"latents firing on more than {dense_frac:g} of the firing window's tokens (see n_dead)",
         "freq_hist": "log10 firing frequency of the latents that fired, over the firing window (see n_dead)",
         "max_decoder_cos": "largest cosine between two different decoder rows",
+        "nmse_prefix": f"matryoshka, nmse_prefix_<m>: fvu of the reconstruction from the first m latents only, over {on}",
         "metrics.jsonl n_inactive": "training: latents that did not fire in the last dead_tokens training tokens "
         "(AuxK's target; metrics.jsonl names it n_dead); not the dead count",
     }

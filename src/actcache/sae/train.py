@@ -73,6 +73,12 @@ class Preempted(TrainError):
         self.step = step
 
 
+def _prefix_metrics(line: dict) -> str:
+    """A Matryoshka SAE's per-prefix NMSE (``nmse_prefix_<m>``) for its log line; '' for others."""
+    names = sorted((k for k in line if k.startswith("nmse_prefix_")), key=lambda k: int(k.rsplit("_", 1)[1]))
+    return "".join(f", {k} {line[k]:.4f}" for k in names)
+
+
 class _Member:
     """One SAE of a pass with its objective, optimizer, schedule and metric accumulators."""
 
@@ -589,8 +595,12 @@ class GroupTrainer:
         if self.ctx.is_main:
             _wandb_log(self, members, step)
             m0 = members[0].last_line
-            log.info("group %s step %d/%d: nmse %.4f l0 %.1f, %.1f steps/s, loader wait %.1f%%", self.group_id,
-                     step, run.steps, m0["nmse"], m0["l0"], m0["steps_per_s"] or 0, 100 * (m0["wait_frac"] or 0))  # fmt: skip
+            log.info("group %s step %d/%d: %.1f steps/s, loader wait %.1f%%", self.group_id, step, run.steps,
+                     m0["steps_per_s"] or 0, 100 * (m0["wait_frac"] or 0))  # fmt: skip
+            for m in members:  # each SAE its own metrics, named by what it is
+                line = m.last_line
+                log.info("  %s %s: nmse %.4f l0 %.1f%s", m.run.sae_id, m.run.title(self.md.d_vit), line["nmse"],
+                         line["l0"], _prefix_metrics(line))  # fmt: skip
 
     def _finish(self, cache, members: list[_Member]) -> None:
         run = self.runs[0]
