@@ -400,7 +400,7 @@ def write_visuals(run: Run, cache, res: LatentSummary, src, opts, timings: dict)
                 stop_images()
                 raise
         timings["page_s"] = time.perf_counter() - t0
-        ev = run.eval()
+        ev, cfg = run.eval(), run.sae_config()
         info = {
             "SAE": run.name, "what": sae_title(run, res.width),
             "cache": f"{md.hash[:16]}... ({run.cache})", "model": f"{md.vit_family} {md.vit_ckpt}",
