@@ -170,7 +170,7 @@ def test_export_command_writes_one_folder_per_sae(runs, tmp_path, capsys):
         front = yaml.safe_load(fd.read().split("---")[1])
     assert front["datasets"] == ["someone/images"] and front["base_model"] == "test/tiny"
     (sweep,) = {os.path.dirname(d) for d in by_objective.values()}  # <runs_to>/<HASH>/, as eval and visuals take
-    assert actcache_main(["export", sweep, "--to", "saelens", str(tmp_path / "all")]) == 0
+    assert actcache_main(["export", sweep, "--to", "saelens", str(tmp_path / "all"), "--n-blocks", str(N_BLOCKS)]) == 0
     assert sorted(capsys.readouterr().out.split()) == sorted(p.replace("/out/", "/all/") for p in printed)
     assert actcache_main(["export", *by_objective.values(), "--to", "onnx", str(tmp_path / "x")]) == 2
     err = error_lines(capsys.readouterr().err)

@@ -179,10 +179,11 @@ def test_a_cache_dropped_without_close_keeps_no_shard_open(sealed):
     import gc
 
     path = sealed[0]
+    gc.collect()  # (what earlier tests dropped, closed before counting)
     before = len(os.listdir("/proc/self/fd"))
     for _ in range(20):
         cache = ActivationCache.open(path)
         cache[0], cache[cache.n_imgs - 1]
         del cache
     gc.collect()
-    assert len(os.listdir("/proc/self/fd")) == before
+    assert len(os.listdir("/proc/self/fd")) <= before
