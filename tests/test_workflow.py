@@ -91,7 +91,7 @@ def test_fresh_root_dry_run_lists_every_dump_job(tmp_path, ckpt):
     proc = snakemake(cfg, "-n")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout + proc.stderr
-    want = {"dump": 4, "gather": 1, "train": 1, "trained": 2, "report": 2, "spliced_eval": 1, "sweep_report": 1,
+    want = {"dump": 4, "gather": 1, "train": 1, "trained": 2, "evaluated": 2, "report": 2, "spliced_eval": 1, "sweep_report": 1,
             "all": 1}  # fmt: skip
     assert job_counts(out) == want
     assert dump_ranges(out) == ["000000-000001", "000001-000002", "000002-000003", "000003-000004"]
@@ -223,7 +223,7 @@ def test_changed_sae_hyperparameter_gives_only_training_jobs(done_project, tmp_p
     proc = snakemake(cfg2, "-n")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    assert job_counts(out) == {"train": 1, "trained": 2, "report": 2, "spliced_eval": 1, "sweep_report": 1, "all": 1}
+    assert job_counts(out) == {"train": 1, "trained": 2, "evaluated": 2, "report": 2, "spliced_eval": 1, "sweep_report": 1, "all": 1}
 
 
 def _k(k):
@@ -238,7 +238,7 @@ EDITS = [
     ("log_every", lambda d: d["train"].update(log_every=5), None, {}, [], 0, 0),
     ("n_readers", lambda d: d["train"].update(n_readers=2), None, {}, [], 0, 0),
     ("one SAE's k", _k([4, 16]), None,
-     {"train": 1, "trained": 2, "report": 1, "spliced_eval": 1, "sweep_report": 1, "all": 1}, [], 1, 0),
+     {"train": 1, "trained": 2, "evaluated": 1, "report": 1, "spliced_eval": 1, "sweep_report": 1, "all": 1}, [], 1, 0),
     ("lost shard, shards_per_job 1 -> 2", lambda d: d["cache"].update(shards_per_job=2), 2,
      {"dump": 1, "gather": 1, "all": 1}, ["000002-000004"], 0, 1),
 ]  # fmt: skip

@@ -6,21 +6,36 @@
 
 
 rule trained:
-    """An SAE's done file and eval.json, written by its group's train job (eval.json again by
-    `actcache eval`): checked, never deleted (update). ancient: a group mark that moves (another
-    member trained) makes no page stale."""
+    """An SAE's done file, written by its group's train job: checked, never deleted (update).
+    ancient: a group mark that moves (another member trained) makes no page stale."""
     input:
         mark=lambda w: ancient(visuals_group_mark(w.hash, w.sae)),
     output:
         done=update(os.path.join(RUNS_TO, "{hash}", "{sae}", DONE_FILE)),
-        evaluation=update(os.path.join(RUNS_TO, "{hash}", "{sae}", EVAL_FILE)),
     log:
         "logs/trained/{hash}/{sae}.log",
     localrule: True
     conda:
         "../envs/actcache.yaml"
     shell:
-        "test -f {output.done} && test -f {output.evaluation} > {log} 2>&1"
+        "test -f {output.done} > {log} 2>&1"
+
+
+rule evaluated:
+    """An SAE's eval.json, written by its group's train job and again by `actcache eval`: checked,
+    never deleted (update). Its page depends on it, so a page is stale once its SAE is evaluated
+    again; ancient: a rerun of `trained` (its group's mark moved) leaves it alone."""
+    input:
+        done=lambda w: ancient(sae_done(w.hash, w.sae)),
+    output:
+        evaluation=update(os.path.join(RUNS_TO, "{hash}", "{sae}", EVAL_FILE)),
+    log:
+        "logs/evaluated/{hash}/{sae}.log",
+    localrule: True
+    conda:
+        "../envs/actcache.yaml"
+    shell:
+        "test -f {output.evaluation} > {log} 2>&1"
 
 
 rule report:
