@@ -73,8 +73,8 @@ def dump_project(tmp_path, n_imgs: int = 40, name: str = "onslurm") -> str:
         "name": name,
         "vit": {"family": "clip", "ckpt": ckpt, "layers": [-2]},
         "data": {"kind": "synthetic", "n_imgs": n_imgs, "seed": 2, "size": 40},
-        "cache": {
-            "max_patches_per_shard": 10 * 17, "batch_size": 10, "n_workers": 0, "shards_per_job": 1,
+        "cache": {  # device cpu: the test cluster's GPUs are Slurm's bookkeeping only (a CPU torch)
+            "max_patches_per_shard": 10 * 17, "batch_size": 10, "n_workers": 0, "shards_per_job": 1, "device": "cpu",
         },
     }  # fmt: skip
     return write_project(str(tmp_path / "proj"), {name: exp})
