@@ -123,7 +123,8 @@ def test_protocol_needs_only_errors_and_fsutil_and_no_torch():
 
 def test_rundir_is_light():
     # the workflow and every CLI command read run files through it while they parse
-    assert _reachable("actcache.rundir") <= {"actcache.errors", "actcache.docfiles"}  # docfiles: light
+    # docfiles and fsutil (the file digest): light
+    assert _reachable("actcache.rundir") <= {"actcache.errors", "actcache.docfiles", "actcache.fsutil"}
     assert "torch" not in GRAPH["actcache.rundir"]
 
 

@@ -21,14 +21,13 @@ import os
 import time
 
 from actcache.errors import ConfigError
-from actcache.fsutil import atomic_write_bytes
+from actcache.fsutil import atomic_write_bytes, sha256_file
 
 DIGEST_PREFIX = "sha256:"
 SOURCE_FILE = "checkpoint.json"  # in <HASH>/: the local directory a dump read the checkpoint from
 # Files that make a checkpoint: configs (config.json, preprocessor_config.json, indexes) and weights.
 IDENTITY_SUFFIXES = (".json", ".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".npz")
 _RACY_S = 2.0  # a file modified this recently may change within its mtime tick: not remembered
-_CHUNK = 1 << 20
 log = logging.getLogger(__name__)
 
 
@@ -104,11 +103,7 @@ def _read_memo(path: str) -> dict:
 
 
 def _file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+    return sha256_file(path)[0]
 
 
 def record_source(cache_dir: str, vit_ckpt: str, ckpt: str) -> None:

@@ -7,6 +7,7 @@ which :func:`remove_stale_temps` cleans up and no reader mistakes for a finished
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import secrets
 import socket
@@ -129,3 +130,21 @@ def fmt_bytes(n: float) -> str:
         if n < 1024 or unit == "PiB":
             return f"{n:.1f} {unit}"
     raise AssertionError("unreachable")
+
+
+HASH_CHUNK = 8 * 2**20
+
+
+def sha256_file(path: str, regular_only: bool = False) -> tuple[str, int]:
+    """(sha256 hex digest, bytes read) of a file, read in HASH_CHUNK pieces; ``regular_only``:
+    IsADirectoryError for anything but a regular file (a FIFO or device is never read)."""
+    import stat
+
+    h, n = hashlib.sha256(), 0
+    with open(path, "rb") as fh:
+        if regular_only and not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+            raise IsADirectoryError(f"{path}: not a regular file")
+        while chunk := fh.read(HASH_CHUNK):
+            h.update(chunk)
+            n += len(chunk)
+    return h.hexdigest(), n

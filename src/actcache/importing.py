@@ -28,19 +28,11 @@ import re
 import time
 
 from actcache.errors import ConfigError
-from actcache.fsutil import atomic_write_bytes
+from actcache.fsutil import atomic_write_bytes, sha256_file
 from actcache.rundir import CONFIG_FILE, DONE_FILE, RUN_FILE, WEIGHTS_FILE, run_dir, weights_records
 
 SAELENS_ARCH = {"standard": "relu", "topk": "topk", "jumprelu": "jumprelu"}
 HOOK_RE = re.compile(r"^blocks\.(-?\d+)\.hook_resid_post$")
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fd:
-        for chunk in iter(lambda: fd.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # ---- reading the foreign formats: (tensors W_enc, b_enc, W_dec, b_dec[, threshold], facts) -------
@@ -216,7 +208,7 @@ def import_sae(source: str | os.PathLike, cache_dir: str | os.PathLike, runs_to:
     frac = eval_frac if eval_frac is not None else RunConfig.__dataclass_fields__["eval_frac"].default
     if not (isinstance(frac, (int, float)) and 0 <= frac < 1):
         raise ConfigError(f"--eval-frac {frac!r} must be in [0, 1)")
-    sha = _sha256(digest_of)
+    sha = sha256_file(digest_of)[0]
     sae_id = hashlib.sha256(f"{sha} {md.hash} {layer} {patches}".encode()).hexdigest()[:12]
     out = run_dir(runs_to, md.hash, sae_id)
     if os.path.exists(os.path.join(out, DONE_FILE)):

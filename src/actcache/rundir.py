@@ -21,7 +21,6 @@ It imports nothing heavy (no torch), so the workflow and the CLI can use it whil
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -226,20 +225,13 @@ def _read_bounded(path: str, limit: int) -> bytes | None:
 
 # ---- the final weights' record -------------------------------------------------------------------
 
-HASH_CHUNK = 8 * 2**20
-
 
 def file_record(path: str) -> dict:
     """``{"bytes": size, "sha256": hex}`` of a regular file (OSError when unreadable)."""
-    h = hashlib.sha256()
-    n = 0
-    with open(path, "rb") as fh:
-        if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
-            raise IsADirectoryError(f"{path}: not a regular file")
-        while chunk := fh.read(HASH_CHUNK):
-            h.update(chunk)
-            n += len(chunk)
-    return {"bytes": n, "sha256": h.hexdigest()}
+    from actcache.fsutil import sha256_file
+
+    digest, n = sha256_file(path, regular_only=True)
+    return {"bytes": n, "sha256": digest}
 
 
 def weights_records(directory: str) -> dict:

@@ -21,7 +21,6 @@ verified by loading every file instead.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import logging
@@ -31,7 +30,7 @@ import shutil
 import torch
 
 from actcache.errors import ActCacheError, TrainError, os_error_text
-from actcache.fsutil import atomic_write_bytes, fsync_dir, is_temp, tmp_name
+from actcache.fsutil import atomic_write_bytes, fsync_dir, is_temp, sha256_file, tmp_name
 from actcache.rundir import CHECKPOINT_STATE_FILE as STATE_FILE
 from actcache.rundir import CHECKPOINTS_DIR as CKPT_DIR
 from actcache.rundir import CONFIG_FILE, MANIFEST_FILE, POSITION_FILE, SET_ASIDE_MARK, WEIGHTS_FILE, checkpoint_step
@@ -40,7 +39,6 @@ from actcache.rundir import checkpoint_dir as step_dir
 log = logging.getLogger(__name__)
 FILES = (CONFIG_FILE, WEIGHTS_FILE, STATE_FILE, POSITION_FILE)  # what a manifest lists
 MANIFEST_VERSION = 1
-HASH_CHUNK = 8 * 2**20
 
 
 def save(run_dir: str, step: int, sae, optimizer, objective, position: dict, extra: dict | None = None) -> str:
@@ -72,11 +70,7 @@ def save(run_dir: str, step: int, sae, optimizer, objective, position: dict, ext
 
 
 def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+    return sha256_file(path)[0]
 
 
 def _manifest(directory: str, step: int) -> bytes:
