@@ -5,12 +5,13 @@
   the dry run and by ``actcache plan``; they warn, never fail.
 - :func:`sbatch_extra`: the extra sbatch flags of one rule's jobs, from the site's environment
   variables (profiles/osc's ``slurm_extra``).
-- Claims: a dump job under Slurm writes its job id to ``<HASH>/.actcache-dump/<A-B>.job`` before
-  it starts. :func:`in_flight_claims` finds the ranges whose claiming job is still running, or
-  whose job is still queued (by the job comment the plugin sets; one ``squeue`` call), so a
-  rerun after a killed snakemake waits for that job
-  (``python -m actcache.slurmjobs await ...``, rule ``await_dump``) instead of submitting a
-  second job for the same range.
+- Claims: a workflow job under Slurm (dump, train, spliced_eval, report, sweep_report) writes its
+  job id to a claim file beside its mark when it starts (``<HASH>/.actcache-dump/<A-B>.job``,
+  ``<runs_to>/<HASH>/groups/<name>.job``). :func:`in_flight` finds the jobs whose claiming Slurm
+  job is still running, or still queued (by the job comment the plugin sets; one ``squeue``
+  call), and checks that the Slurm job is this user's job of that rule and wildcards; so a rerun
+  after a killed snakemake waits for that job (``python -m actcache.slurmjobs await ...``, the
+  ``await_*`` rules) instead of submitting a second one.
 Every Slurm command is optional: where it is missing or fails, nothing is in flight and there is
 nothing to warn about.
 """
@@ -18,6 +19,7 @@ nothing to warn about.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import getpass
 import os
 import re
@@ -192,53 +194,86 @@ def live_jobs() -> dict[str, str]:
     return {job: comment.strip() for job, state, comment in rows if state.strip() in LIVE_STATES}
 
 
-def in_flight_claims(ranges: dict[str, list[str]], marks_dirs: dict[str, str]) -> dict[str, dict[str, str]]:
-    """hash -> {range tag: job id} for the given unfinished ranges that a live Slurm job is dumping:
-    one that claimed the range (running), or one whose comment, set by the Snakemake plugin to the
-    rule and its wildcards, names the range (still queued, so without a claim yet)."""
-    if not any(ranges.values()):
-        return {h: {} for h in ranges}
-    live = live_jobs()
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """A workflow job a Slurm job may already be doing: the claim file that job writes its id to
+    when it starts, and the comment the Slurm plugin gives it (:func:`plugin_comment`), less a
+    trailing ``_<slot>`` for a rule whose mark has slots."""
+
+    path: str
+    comment: str
+
+
+@dataclasses.dataclass(frozen=True)
+class InFlight:
+    """A live Slurm job doing a claimed job: its id, and the mark slot it writes ("" for none)."""
+
+    job: str
+    slot: str = ""
+
+
+def plugin_comment(rule: str, *wildcards: str) -> str:
+    """The job comment snakemake-executor-plugin-slurm sets: the rule and its wildcard values."""
+    return f"rule_{rule}_wildcards_{'_'.join(wildcards)}".replace("/", "_") if wildcards else f"rule_{rule}"
+
+
+def _slot_of(comment: str, want: str, slots) -> str | None:
+    """The slot of a job whose comment is ``want`` (then "") or ``want_<slot>``; None: another job."""
+    if comment == want:
+        return ""
+    return next((s for s in slots if comment == f"{want}_{s}"), None)
+
+
+def in_flight(claims: dict, slots=(), live: dict[str, str] | None = None) -> dict:
+    """key -> InFlight for each claim that a live Slurm job of this user is doing: the job its
+    claim file names, when that job's comment is the claim's (a stale claim of a finished job, or
+    of an id Slurm gave to another job, is no claim), else a queued job with that comment (not
+    started, so without a claim yet). ``live``: job id -> comment (default: :func:`live_jobs`)."""
+    if not claims:
+        return {}
+    live = live_jobs() if live is None else live
     if not live:
-        return {h: {} for h in ranges}
-    out: dict[str, dict[str, str]] = {}
-    for h, tags in ranges.items():
-        found = out.setdefault(h, {})
-        for r in tags:
-            job = read_claim(claim_path(marks_dirs[h], r))
-            if job in live:
-                found[r] = job
-        by_comment = {c: j for j, c in live.items() if c.startswith(f"rule_dump_wildcards_{h}_")}
-        for comment, job in by_comment.items():
-            for r in tags:
-                if r not in found and comment.startswith(f"rule_dump_wildcards_{h}_{r}_"):
-                    found[r] = job
+        return {}
+    by_comment: dict[str, str] = {}
+    for job, comment in live.items():
+        by_comment.setdefault(comment, job)
+    out = {}
+    for key, claim in claims.items():
+        job = read_claim(claim.path)
+        if job not in live or _slot_of(live[job], claim.comment, slots) is None:
+            wanted = [claim.comment, *(f"{claim.comment}_{s}" for s in slots)]
+            job = next((by_comment[c] for c in wanted if c in by_comment), None)
+        if job is not None:
+            out[key] = InFlight(job, _slot_of(live[job], claim.comment, slots))
     return out
 
 
-def await_job(job: str, mark: str, poll_s: float = 10.0) -> int:
-    """Wait until Slurm job ``job`` has left the queue; 0 when it left ``mark`` behind."""
-    print(f"waiting for Slurm job {job} (started by an earlier snakemake) to finish {mark}", flush=True)
+def await_job(job: str, output: str, poll_s: float = 30.0) -> int:
+    """Wait until Slurm job ``job`` has left the queue; 0 when it left ``output`` behind. Polls
+    after 2 s, then twice as long each time, up to ``poll_s``: a short job is noticed soon."""
+    print(f"waiting for Slurm job {job} (submitted by an earlier snakemake) to finish {output}", flush=True)
+    wait_s = min(2.0, poll_s)
     while job in live_jobs():
-        time.sleep(poll_s)
-    if os.path.exists(mark):
-        print(f"Slurm job {job} finished {mark}", flush=True)
+        time.sleep(wait_s)
+        wait_s = min(2 * wait_s, poll_s)
+    if os.path.exists(output):
+        print(f"Slurm job {job} finished {output}", flush=True)
         return 0
-    print(f"Slurm job {job} ended without finishing {mark}; the next run dumps this range again", flush=True)
+    print(f"Slurm job {job} ended without finishing {output}; the next run does this job again", flush=True)
     return 1
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m actcache.slurmjobs")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    a = sub.add_parser("await", help="wait for a dump job of an earlier run; exit 0 when it wrote its mark")
+    a = sub.add_parser("await", help="wait for a job of an earlier run; exit 0 when it wrote its output")
     a.add_argument("job")
-    a.add_argument("mark")
-    a.add_argument("--poll-s", type=float, default=10.0)
+    a.add_argument("output")
+    a.add_argument("--poll-s", type=float, default=30.0)
     sub.add_parser("warnings", help="print the site warnings")
     args = ap.parse_args(argv)
     if args.cmd == "await":
-        return await_job(args.job, args.mark, args.poll_s)
+        return await_job(args.job, args.output, args.poll_s)
     for w in site_warnings():
         print(f"warning: {w}")
     return 0

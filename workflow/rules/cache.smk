@@ -22,7 +22,7 @@ rule dump:
         shards=lambda w: "{}:{}".format(*(int(x) for x in w.range.split("-"))),
         dump_to=lambda w, output: os.path.dirname(os.path.dirname(os.path.dirname(output.mark))),
         stale=lambda w, output: other_mark(output.mark),
-        claim=lambda w, output: "{}.job".format(output.mark.rsplit(".", 1)[0]),
+        claim=lambda w, output: mark_claim(output.mark),
     log:
         "logs/dump/{hash}/{range}.{slot}.log",
     benchmark:
@@ -39,7 +39,7 @@ rule dump:
                 ATTEMPT_LOG,
                 USER_ERROR,
                 "rm -f {params.stale} && ",
-                'if [ -n "${{SLURM_JOB_ID:-}}" ]; then echo "$SLURM_JOB_ID" > {params.claim}; fi && ',
+                CLAIM,
                 fail_fast(
                     f"{AS_TASK} {{params.actcache}} dump --experiment {{params.experiment}} --shards {{params.shards}} "
                     "--dump-to {params.dump_to} --workers {threads} --no-progress >> {log} 2>&1"
@@ -58,11 +58,11 @@ rule await_dump:
         mark=update(os.path.join(DUMP_TO, "{hash}", DUMP_MARKS_DIR, "{range}.{slot}")),
     params:
         python=sys.executable,
-        job=lambda w: in_flight_job(w.hash, w.range),
+        job=lambda w: in_flight_job("dump", w.hash, w.range),
     log:
         "logs/dump/{hash}/{range}.{slot}.await.log",
     wildcard_constraints:
-        range=IN_FLIGHT_RANGES,
+        hash=awaited("dump", DUMP_MARKS_DIR, "."),
     localrule: True
     conda:
         "../envs/actcache.yaml"

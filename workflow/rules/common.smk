@@ -4,7 +4,9 @@
 # Parsing only reads the disk: which mark each job should leave is decided by
 # actcache.plan.current_mark, and the job that needs it deletes a stale mark (see cache.smk).
 # Everything below is computed once, when the workflow is parsed.
+import dataclasses
 import os
+import re
 import shlex
 import sys
 
@@ -13,7 +15,7 @@ import yaml
 from actcache.errors import ActCacheError
 from actcache.plan import DUMP_MARKS as DUMP_MARKS_DIR
 from actcache.plan import MARK_SLOTS, dump_marks, external_caches, other_mark, plan, train_jobs
-from actcache.slurmjobs import in_flight_claims, site_warnings, status_init_in_force
+from actcache.slurmjobs import Claim, claim_path, in_flight, plugin_comment, site_warnings, status_init_in_force
 from actcache.protocol import SHARDS_FILE
 from actcache.rundir import (
     DONE_FILE,
@@ -125,8 +127,9 @@ _LOCKS = os.path.join(".snakemake", "locks")
 if workflow.is_main_process and os.path.isdir(_LOCKS) and os.listdir(_LOCKS):
     print(
         "actcache: this directory holds a Snakemake lock. If no other snakemake runs here (one that was "
-        "killed left it), run the same command with --unlock, then again without it: dump jobs the killed "
-        "run submitted that are still queued or running are awaited (rule await_dump), never submitted twice.",
+        "killed left it), run the same command with --unlock, then again without it: the dump, train, "
+        "spliced_eval, report and sweep_report jobs the killed run submitted that are still queued or running "
+        "are awaited (rules await_*), never submitted twice.",
         file=sys.stderr,
     )
 
@@ -154,26 +157,6 @@ SAE_TITLES = {
 
 def sae_title(hash, sae):
     return SAE_TITLES.get((hash, sae), "")
-
-
-# Ranges whose dump job from an earlier (killed) snakemake is still queued or running in Slurm:
-# hash -> {range tag: job id}. The await_dump rule waits for that job instead of submitting a
-# second one (cache.smk).
-# Asked only by the snakemake a user started (a job's own snakemake would find itself).
-IN_FLIGHT = in_flight_claims(
-    {
-        _h: [os.path.basename(m).rsplit(".", 1)[0] for m in DUMP_MARKS[_h] if not os.path.exists(m)]
-        for _h in CACHES
-    }
-    if workflow.is_main_process
-    else {},
-    {_h: os.path.join(DUMP_TO, _h, DUMP_MARKS_DIR) for _h in CACHES},
-)
-IN_FLIGHT_RANGES = "|".join(sorted({r for ranges in IN_FLIGHT.values() for r in ranges})) or "(?!)"
-
-
-def in_flight_job(hash, range):
-    return IN_FLIGHT.get(hash, {})[range]
 
 
 def experiment_file(hash):
@@ -259,3 +242,97 @@ def report_targets():
     hashes = sorted({h for h, _ in SAE_GROUP})
     out += [os.path.join(sweep_dir(RUNS_TO, h), f) for h in hashes for f in SWEEP_PLOTS]
     return out
+
+
+# ---- jobs in flight after a killed snakemake (rules await_*) ---------------------------------
+# Under Slurm each job rule's job first writes its Slurm job id to a claim file beside its mark
+# (CLAIM). A snakemake started after a killed one asks squeue, once, which of the jobs it would
+# submit a live Slurm job of this user is already doing (claimed, or queued with the plugin's
+# comment for that rule and wildcards), and plans an await_<rule> job on the login node for each
+# instead of a second Slurm job. Asked only by the snakemake a user started (a job's own snakemake
+# would find itself).
+CLAIM = (
+    'if [ -n "${{SLURM_JOB_ID:-}}" ]; then echo "$SLURM_JOB_ID" > {params.claim}.$SLURM_JOB_ID && '
+    "mv -f {params.claim}.$SLURM_JOB_ID {params.claim}; fi && "
+)
+
+
+def groups_dir(hash):
+    return os.path.join(RUNS_TO, hash, GROUPS_DIR)
+
+
+def mark_claim(mark):
+    """The claim file of the job that writes a slotted mark (<base>.<slot> -> <base>.job)."""
+    return claim_path(os.path.dirname(mark), os.path.basename(mark).rsplit(".", 1)[0])
+
+
+def report_claim(hash, sae):
+    return claim_path(groups_dir(hash), f"report-{sae}")
+
+
+def spliced_claim(hash):
+    return claim_path(groups_dir(hash), "spliced")
+
+
+def sweep_claim(hash):
+    return claim_path(groups_dir(hash), "sweep")
+
+
+def _claims():
+    """(rule, hash, name) -> Claim of every job this run would submit: name is the range, group or
+    SAE ("" for one job per cache)."""
+    out = {}
+    for h in CACHES:
+        for m in DUMP_MARKS[h]:
+            r = os.path.basename(m).rsplit(".", 1)[0]
+            if not os.path.exists(m):
+                out["dump", h, r] = Claim(mark_claim(m), plugin_comment("dump", h, r))
+    for (h, g), job in TRAIN_JOBS.items():
+        if not os.path.exists(job.mark):
+            out["train", h, g] = Claim(mark_claim(job.mark), plugin_comment("train", h, g))
+    for h, sae in SAE_GROUP:
+        if not os.path.exists(os.path.join(run_dir(RUNS_TO, h, sae), VISUALS_PAGE)):
+            out["report", h, sae] = Claim(report_claim(h, sae), plugin_comment("report", h, sae))
+    for h in sorted({h for h, _ in SAE_GROUP}):
+        if spliced_mark(h) and not os.path.exists(spliced_mark(h)):
+            out["spliced_eval", h, ""] = Claim(spliced_claim(h), plugin_comment("spliced_eval", h))
+        if not all(os.path.exists(os.path.join(sweep_dir(RUNS_TO, h), f)) for f in SWEEP_PLOTS):
+            out["sweep_report", h, ""] = Claim(sweep_claim(h), plugin_comment("sweep_report", h))
+    return out
+
+
+IN_FLIGHT = in_flight(_claims(), MARK_SLOTS) if workflow.is_main_process else {}
+
+
+def _with_slot(mark, slot):
+    return f"{mark.rsplit('.', 1)[0]}.{slot}"
+
+
+# An awaited dump or train job writes its mark in the slot it was submitted with: ask for that one.
+for (_kind, _h, _name), _f in IN_FLIGHT.items():
+    if _kind == "dump":
+        DUMP_MARKS[_h] = [
+            _with_slot(m, _f.slot) if os.path.basename(m).startswith(f"{_name}.") else m for m in DUMP_MARKS[_h]
+        ]
+    elif _kind == "train":
+        TRAIN_JOBS[_h, _name] = dataclasses.replace(TRAIN_JOBS[_h, _name], mark=_with_slot(TRAIN_JOBS[_h, _name].mark, _f.slot))
+
+
+def in_flight_job(kind, hash, name=""):
+    return IN_FLIGHT[kind, hash, name].job
+
+
+def awaited(kind, within=None, then=None):
+    """The {hash} constraint of the await job of `kind`, the name of a job rule. A hash with a job
+    of that kind in flight; with `then` (one job per range, group or SAE), a lookahead that the path
+    goes on with /<within>/<name><then> for a name in flight (no other one of that hash)."""
+    names = {}
+    for k, h, name in IN_FLIGHT:
+        if k == kind:
+            names.setdefault(h, []).append(re.escape(name))
+    rest = "".join(re.escape(os.sep + d) for d in [within] if d) + re.escape(os.sep)
+    alts = [
+        h + (f"(?={rest}(?:{'|'.join(sorted(n))}){re.escape(then)})" if then is not None else "")
+        for h, n in sorted(names.items())
+    ]
+    return "|".join(alts) or "(?!)"

@@ -5,6 +5,11 @@
 # one-file pages and the plots.
 
 
+ruleorder: await_report > report
+ruleorder: await_spliced_eval > spliced_eval
+ruleorder: await_sweep_report > sweep_report
+
+
 rule trained:
     """An SAE's done file, written by its group's train job: checked, never deleted (update).
     ancient: a group mark that moves (another member trained) makes no page stale."""
@@ -60,6 +65,7 @@ rule report:
         actcache=ACTCACHE,
         run_dir=lambda w, output: os.path.dirname(output.visuals),
         images=lambda w: "" if has_images(w.hash) else "--no-images",
+        claim=lambda w: report_claim(w.hash, w.sae),
     log:
         "logs/report/{hash}/{sae}.log",
     benchmark:
@@ -71,7 +77,7 @@ rule report:
         gpu=1,
         attempt=attempt,
     shell:
-        "".join((ATTEMPT_LOG, AS_TASK, " {params.actcache} visuals {params.images} {params.run_dir} >> {log} 2>&1"))
+        "".join((ATTEMPT_LOG, CLAIM, AS_TASK, " {params.actcache} visuals {params.images} {params.run_dir} >> {log} 2>&1"))
 
 
 rule spliced_eval:
@@ -85,6 +91,7 @@ rule spliced_eval:
     params:
         actcache=ACTCACHE,
         run_dirs=lambda w: " ".join(sweep_run_dirs(w.hash)),
+        claim=lambda w: spliced_claim(w.hash),
     log:
         "logs/eval/{hash}/spliced.log",
     benchmark:
@@ -96,7 +103,14 @@ rule spliced_eval:
         gpu=1,
         attempt=attempt,
     shell:
-        "".join((ATTEMPT_LOG, AS_TASK, " {params.actcache} eval --missing {params.run_dirs} >> {log} 2>&1 && touch {output.mark}"))
+        "".join(
+            (
+                ATTEMPT_LOG,
+                CLAIM,
+                AS_TASK,
+                " {params.actcache} eval --missing {params.run_dirs} >> {log} 2>&1 && touch {output.mark}",
+            )
+        )
 
 
 rule sweep_report:
@@ -140,6 +154,7 @@ rule sweep_report:
         actcache=ACTCACHE,
         run_dirs=lambda w: " ".join(sweep_run_dirs(w.hash)),
         out=lambda w, output: os.path.dirname(output.nmse_l0),
+        claim=lambda w: sweep_claim(w.hash),
     log:
         "logs/report/{hash}/sweep.log",
     benchmark:
@@ -153,6 +168,87 @@ rule sweep_report:
         "".join(
             (
                 ATTEMPT_LOG,
+                CLAIM,
                 "{params.actcache} visuals --plots-only --out {params.out} {params.run_dirs} >> {log} 2>&1",
             )
         )
+
+
+# A report, spliced_eval or sweep_report job that an earlier, killed snakemake submitted and that
+# is still queued or running is awaited on the login node, not submitted again (common.smk's
+# in-flight block). Same inputs as the rule they stand for, so the next run finds nothing changed;
+# update(): Snakemake must not delete what the awaited job writes.
+AWAIT = "{params.python} -m actcache.slurmjobs await {params.job} {params.until} > {log} 2>&1"
+
+
+rule await_report:
+    input:
+        done=lambda w: ancient(sae_done(w.hash, w.sae)),
+        spliced=lambda w: [ancient(m) for m in [spliced_mark(w.hash)] if m],
+        evaluation=lambda w: sae_eval(w.hash, w.sae),
+    output:
+        visuals=update(directory(os.path.join(RUNS_TO, "{hash}", "{sae}", VISUALS_DIR))),
+        page=update(os.path.join(RUNS_TO, "{hash}", "{sae}", VISUALS_PAGE)),
+    params:
+        python=sys.executable,
+        job=lambda w: in_flight_job("report", w.hash, w.sae),
+        until=lambda w, output: output.page,
+    log:
+        "logs/report/{hash}/{sae}.await.log",
+    wildcard_constraints:
+        hash=awaited("report", then=os.sep),
+    localrule: True
+    conda:
+        "../envs/actcache.yaml"
+    shell:
+        AWAIT
+
+
+rule await_spliced_eval:
+    input:
+        marks=lambda w: sweep_group_marks(w.hash),
+    output:
+        mark=update(os.path.join(RUNS_TO, "{hash}", GROUPS_DIR, SPLICED_MARK)),
+    params:
+        python=sys.executable,
+        job=lambda w: in_flight_job("spliced_eval", w.hash),
+        until=lambda w, output: output.mark,
+    log:
+        "logs/eval/{hash}/spliced.await.log",
+    wildcard_constraints:
+        hash=awaited("spliced_eval"),
+    localrule: True
+    conda:
+        "../envs/actcache.yaml"
+    shell:
+        AWAIT
+
+
+rule await_sweep_report:
+    input:
+        marks=lambda w: sweep_group_marks(w.hash),
+        spliced=lambda w: spliced_mark(w.hash),
+    output:
+        **{
+            name: update(os.path.join(RUNS_TO, "{hash}", VISUALS_DIR, plot))
+            for name, plot in (
+                ("nmse_l0", NMSE_L0_PLOT),
+                ("curves", CURVES_PLOT),
+                ("pareto_fvu", PARETO_FVU_PLOT),
+                ("pareto_spliced", PARETO_SPLICED_PLOT),
+                ("pareto_probe", PARETO_PROBE_PLOT),
+            )
+        },
+    params:
+        python=sys.executable,
+        job=lambda w: in_flight_job("sweep_report", w.hash),
+        until=lambda w, output: output.nmse_l0,
+    log:
+        "logs/report/{hash}/sweep.await.log",
+    wildcard_constraints:
+        hash=awaited("sweep_report"),
+    localrule: True
+    conda:
+        "../envs/actcache.yaml"
+    shell:
+        AWAIT
