@@ -26,6 +26,7 @@ pytestmark = pytest.mark.slurm
 SITE_FILE = os.path.join(REPO, "profiles", "sites", "local-slurm.env")
 FAST_POLLS = os.path.join(REPO, "tests", "slurm_polls.py")  # snakemake, polling Slurm every few seconds
 RUN_TIMEOUT_S = 420  # a kill switch only: jobs take seconds each on an idle machine
+TRAIN_STEPS = 200  # the test kills snakemake once training has logged a step, then suspends the job
 
 
 def site_env() -> dict[str, str]:
@@ -130,11 +131,6 @@ def claims(cfg: str) -> dict[str, str]:
     return out
 
 
-def dump_jobs_in_sacct(slurm_cluster, start: str) -> list[dict]:
-    rows = slurm_cluster.sacct("-S", start, fields="JobID,JobName,State,ExitCode,Comment", wait_s=5)
-    return [r for r in rows if r["Comment"].startswith("rule_dump")]
-
-
 def test_dump_jobs_run_on_slurm_with_the_osc_profile_and_cancelled_ones_are_retried(slurm_cluster, tmp_path):
     """The osc profile's dump jobs reach Slurm with the site's account, partition and a GPU; a
     running and a pending one cancelled with scancel are submitted again, and the cache verifies.
@@ -187,17 +183,9 @@ def test_dump_jobs_run_on_slurm_with_the_osc_profile_and_cancelled_ones_are_retr
     assert f"Slurm job {running}" in (log_dir / attempts[0]).read_text()
 
 
-def test_killed_snakemake_rerun_waits_for_in_flight_jobs(slurm_cluster, tmp_path):
-    cfg = dump_project(tmp_path, n_imgs=30)  # 3 shards, 3 dump jobs on 2 GPUs: one waits
-    start = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 5))
-    proc = start_osc(cfg)
+def kill_snakemake(proc: subprocess.Popen) -> None:
+    """SIGKILL the snakemake under `timeout` (its only child), as a lost login session would."""
     try:
-        pending = wait_until(
-            "a pending dump job", lambda: [j for j, st in my_jobs().items() if st == "PENDING"], proc=proc, cfg=cfg
-        )[0]
-        # held, it stays queued whatever the load: the rerun must find it by its job comment
-        subprocess.run(["scontrol", "hold", pending], check=True)
-        # SIGKILL the snakemake under `timeout` (its only child), as a lost login session would
         with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as fd:
             (child,) = fd.read().split()
         os.kill(int(child), signal.SIGKILL)
@@ -205,6 +193,56 @@ def test_killed_snakemake_rerun_waits_for_in_flight_jobs(slurm_cluster, tmp_path
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def add_training(cfg: str, steps: int) -> None:
+    """A training sweep of one SAE in the project's experiment, `steps` steps long."""
+    import yaml
+
+    exp_file = os.path.join(os.path.dirname(cfg), "experiments", "onslurm.yaml")
+    with open(exp_file) as fd:
+        doc = yaml.safe_load(fd)
+    doc["train"] = {
+        "layer": -2, "batch_size": 64, "steps": steps, "buffer_bytes": 1 << 20, "eval_frac": 0.1,
+        "eval_tokens": 256, "exp_factor": 2, "dead_tokens": 512, "log_every": 25, "ckpt_every": 100000,
+        "sweep": {"k": [4]},
+    }  # fmt: skip
+    with open(exp_file, "w") as fd:
+        yaml.safe_dump(doc, fd)
+
+
+def training_job(log_dir, steps: int):
+    """The Slurm job id of the first training attempt once it has logged a step, else None."""
+    logs = sorted(log_dir.glob("*.attempt1.*.log")) if log_dir.is_dir() else []
+    text = logs[0].read_text() if logs else ""
+    m = re.search(r"Slurm job (\d+)", text)
+    return m.group(1) if m and re.search(rf"step \d+/{steps}", text) else None
+
+
+def awaits(log_dir, job: str) -> bool:
+    """Whether an await job's log says it waits for Slurm job ``job``."""
+    return any(f"waiting for Slurm job {job}" in f.read_text() for f in log_dir.glob("*.await.log"))
+
+
+def jobs_in_sacct(slurm_cluster, start: str, rule: str) -> list[dict]:
+    rows = slurm_cluster.sacct("-S", start, fields="JobID,JobName,State,ExitCode,Comment", wait_s=5)
+    return [r for r in rows if r["Comment"].startswith(f"rule_{rule}_")]
+
+
+def test_killed_snakemake_rerun_waits_for_in_flight_jobs(slurm_cluster, tmp_path):
+    """Killed twice, while a dump job waits in the queue and while training runs: after README's
+    recovery (--unlock, rerun) each in-flight job is awaited, never submitted twice, and the next
+    plain run finds nothing to do."""
+    cfg = dump_project(tmp_path, n_imgs=30)  # 3 shards, 3 dump jobs on 2 GPUs: one waits
+    add_training(cfg, steps=TRAIN_STEPS)
+    start = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 5))
+    proc = start_osc(cfg)
+    pending = wait_until(
+        "a pending dump job", lambda: [j for j, st in my_jobs().items() if st == "PENDING"], proc=proc, cfg=cfg
+    )[0]
+    # held, it stays queued whatever the load: the rerun must find it by its job comment
+    subprocess.run(["scontrol", "hold", pending], check=True)
+    kill_snakemake(proc)
     # the rerun plans to wait for the killed run's jobs, on the login node, instead of new ones
     dry = run_osc(cfg, "-n")
     assert job_counts(dry.stdout + dry.stderr).get("await_dump", 0) >= 1, dry.stdout[-3000:]
@@ -214,32 +252,51 @@ def test_killed_snakemake_rerun_waits_for_in_flight_jobs(slurm_cluster, tmp_path
     assert locked.returncode != 0 and "--unlock" in locked.stderr, locked.stderr[-3000:]
     assert "never submitted twice" in locked.stderr
     assert run_osc(cfg, "--unlock").returncode == 0
-    rerun = run_osc(cfg)
-    assert rerun.returncode == 0, rerun.stdout[-4000:] + rerun.stderr[-4000:]
+
+    # the rerun awaits the dumps, gathers, and submits training: killed again while it trains
+    proc = start_osc(cfg)
+    log_dir = tmp_path / "proj" / "logs" / "train" / plan_of(cfg)["hash"]
+    trainer = wait_until("training to log a step", lambda: training_job(log_dir, TRAIN_STEPS), proc=proc, cfg=cfg)
+    kill_snakemake(proc)
+    # suspended, it stays in flight whatever the load, until the rerun waits for it
+    subprocess.run(["scontrol", "suspend", trainer], check=True)
+    dry = run_osc(cfg, "-n")
+    counts = job_counts(dry.stdout + dry.stderr)
+    assert counts.get("await_train") == 1 and "train" not in counts, dry.stdout[-3000:]
+    assert run_osc(cfg, "--unlock").returncode == 0
+    proc = start_osc(cfg)
+    try:
+        wait_until("the rerun to await training", lambda: awaits(log_dir, trainer), proc=proc, cfg=cfg)
+        subprocess.run(["scontrol", "resume", trainer], check=True)
+        rc = proc.wait(timeout=RUN_TIMEOUT_S + 10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 0, output_of(cfg)[-5000:]
+    assert f"Slurm job {trainer} finished" in "".join(f.read_text() for f in log_dir.glob("*.await.log"))
     assert_cache_verifies(cfg, 30)
-    rows = dump_jobs_in_sacct(slurm_cluster, start)
+    (sae,) = plan_of(cfg)["training"]
+    assert sae["done"], sae
+
+    # one Slurm job per range and one training job, and the next plain run has nothing to do
+    rows = jobs_in_sacct(slurm_cluster, start, "dump")
     per_range = {}
     for r in rows:
         m = re.search(r"(\d{6}-\d{6})", r["Comment"])
         per_range.setdefault(m.group(1) if m else r["Comment"], []).append(r)
     assert len(rows) == 3 and sorted(per_range) == ["000000-000001", "000001-000002", "000002-000003"], rows
     assert all(len(jobs) == 1 for jobs in per_range.values()), rows  # no second job for any range
+    trains = jobs_in_sacct(slurm_cluster, start, "train")
+    assert [r["JobID"] for r in trains] == [trainer], trains
+    plain = run_osc(cfg)
+    assert plain.returncode == 0 and "Nothing to be done" in plain.stdout + plain.stderr, plain.stderr[-3000:]
+    assert not job_counts(plain.stdout + plain.stderr), plain.stderr[-3000:]
 
 
 def test_scancel_of_a_train_job_checkpoints_and_the_retry_resumes(slurm_cluster, tmp_path):
     cfg = dump_project(tmp_path, n_imgs=40)
     exp_file = os.path.join(os.path.dirname(cfg), "experiments", "onslurm.yaml")
-    import yaml
-
-    with open(exp_file) as fd:
-        doc = yaml.safe_load(fd)
-    doc["train"] = {
-        "layer": -2, "batch_size": 64, "steps": 1000, "buffer_bytes": 1 << 20, "eval_frac": 0.1,
-        "eval_tokens": 256, "exp_factor": 2, "dead_tokens": 512, "log_every": 25, "ckpt_every": 100000,
-        "sweep": {"k": [4]},
-    }  # fmt: skip
-    with open(exp_file, "w") as fd:
-        yaml.safe_dump(doc, fd)
+    add_training(cfg, steps=1000)
     # the cache first, without Slurm: this test is about the training job
     p = plan_of(cfg)
     dump_to = os.path.dirname(p["dir"])
@@ -247,15 +304,10 @@ def test_scancel_of_a_train_job_checkpoints_and_the_retry_resumes(slurm_cluster,
         subprocess.run([sys.executable, "-m", "actcache.cli", *cmd], check=True, capture_output=True, env=site_env())
     proc = start_osc(cfg, "--until", "train")
     log_dir = tmp_path / "proj" / "logs" / "train" / p["hash"]
-
-    def training_job():
-        logs = sorted(log_dir.glob("*.attempt1.*.log")) if log_dir.is_dir() else []
-        text = logs[0].read_text() if logs else ""
-        m = re.search(r"Slurm job (\d+)", text)
-        return m.group(1) if m and re.search(r"step \d+/1000", text) else None
-
     try:
-        job = wait_until("training to log a step", training_job, timeout_s=240, proc=proc, cfg=cfg)
+        job = wait_until(
+            "training to log a step", lambda: training_job(log_dir, 1000), timeout_s=240, proc=proc, cfg=cfg
+        )
         subprocess.run(["scancel", job], check=True)
         rc = proc.wait(timeout=RUN_TIMEOUT_S + 10)
     finally:
