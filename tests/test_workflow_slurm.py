@@ -68,12 +68,12 @@ def output_of(cfg: str) -> str:
         return fd.read()
 
 
-def dump_project(tmp_path, n_imgs: int = 40, name: str = "onslurm") -> str:
+def dump_project(tmp_path, n_imgs: int = 40, name: str = "onslurm", seed: int = 2) -> str:
     ckpt = make_checkpoint(str(tmp_path / "tiny-clip"), "clip")
     exp = {
         "name": name,
         "vit": {"family": "clip", "ckpt": ckpt, "layers": [-2]},
-        "data": {"kind": "synthetic", "n_imgs": n_imgs, "seed": 2, "size": 40},
+        "data": {"kind": "synthetic", "n_imgs": n_imgs, "seed": seed, "size": 40},
         "cache": {  # device cpu: the test cluster's GPUs are Slurm's bookkeeping only (a CPU torch)
             "max_patches_per_shard": 10 * 17, "batch_size": 10, "n_workers": 0, "shards_per_job": 1, "device": "cpu",
         },
@@ -100,10 +100,11 @@ def assert_cache_verifies(cfg: str, n_imgs: int) -> None:
     assert ActivationCache.open(p["dir"]).n_imgs == n_imgs
 
 
-def my_jobs() -> dict[str, str]:
-    """Job id -> state of every queued or running job."""
-    out = subprocess.run(["squeue", "-h", "-o", "%A %T"], capture_output=True, text=True, check=True).stdout
-    return dict(line.split() for line in out.splitlines() if line.strip())
+def my_jobs(comment: str = "") -> dict[str, str]:
+    """Job id -> state of every queued or running job whose comment starts with ``comment``."""
+    out = subprocess.run(["squeue", "-h", "-o", "%A %T %k"], capture_output=True, text=True, check=True).stdout
+    rows = [line.split(maxsplit=2) + [""] for line in out.splitlines() if line.strip()]
+    return {job: state for job, state, rest, *_ in rows if rest.startswith(comment)}
 
 
 def wait_until(what: str, cond, timeout_s: float = 120.0, proc: subprocess.Popen | None = None, cfg=None):
@@ -224,21 +225,25 @@ def awaits(log_dir, job: str) -> bool:
     return any(f"waiting for Slurm job {job}" in f.read_text() for f in log_dir.glob("*.await.log"))
 
 
-def jobs_in_sacct(slurm_cluster, start: str, rule: str) -> list[dict]:
+def jobs_in_sacct(slurm_cluster, start: str, rule: str, cache_hash: str) -> list[dict]:
+    """The jobs of ``rule`` on one cache since ``start`` (whatever other tests ran meanwhile)."""
     rows = slurm_cluster.sacct("-S", start, fields="JobID,JobName,State,ExitCode,Comment", wait_s=5)
-    return [r for r in rows if r["Comment"].startswith(f"rule_{rule}_")]
+    return [r for r in rows if r["Comment"].startswith(f"rule_{rule}_wildcards_{cache_hash}")]
 
 
 def test_killed_snakemake_rerun_waits_for_in_flight_jobs(slurm_cluster, tmp_path):
     """Killed twice, while a dump job waits in the queue and while training runs: after README's
     recovery (--unlock, rerun) each in-flight job is awaited, never submitted twice, and the next
     plain run finds nothing to do."""
-    cfg = dump_project(tmp_path, n_imgs=30)  # 3 shards, 3 dump jobs on 2 GPUs: one waits
+    # 3 shards, 3 dump jobs on 2 GPUs: one waits; a seed of its own: a cache hash no other test has
+    cfg = dump_project(tmp_path, n_imgs=30, seed=3)
     add_training(cfg, steps=TRAIN_STEPS)
+    cache_hash = plan_of(cfg)["hash"]
+    dumps = f"rule_dump_wildcards_{cache_hash}_"  # this project's, whatever else the queue holds
     start = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 5))
     proc = start_osc(cfg)
     pending = wait_until(
-        "a pending dump job", lambda: [j for j, st in my_jobs().items() if st == "PENDING"], proc=proc, cfg=cfg
+        "a pending dump job", lambda: [j for j, st in my_jobs(dumps).items() if st == "PENDING"], proc=proc, cfg=cfg
     )[0]
     # held, it stays queued whatever the load: the rerun must find it by its job comment
     subprocess.run(["scontrol", "hold", pending], check=True)
@@ -255,7 +260,7 @@ def test_killed_snakemake_rerun_waits_for_in_flight_jobs(slurm_cluster, tmp_path
 
     # the rerun awaits the dumps, gathers, and submits training: killed again while it trains
     proc = start_osc(cfg)
-    log_dir = tmp_path / "proj" / "logs" / "train" / plan_of(cfg)["hash"]
+    log_dir = tmp_path / "proj" / "logs" / "train" / cache_hash
     trainer = wait_until("training to log a step", lambda: training_job(log_dir, TRAIN_STEPS), proc=proc, cfg=cfg)
     kill_snakemake(proc)
     # suspended, it stays in flight whatever the load, until the rerun waits for it
@@ -273,21 +278,24 @@ def test_killed_snakemake_rerun_waits_for_in_flight_jobs(slurm_cluster, tmp_path
         if proc.poll() is None:
             proc.kill()
     assert rc == 0, output_of(cfg)[-5000:]
+    counts = job_counts(output_of(cfg))
+    assert counts.get("await_train") == 1 and not {"dump", "gather", "train"} & set(counts), counts
     assert f"Slurm job {trainer} finished" in "".join(f.read_text() for f in log_dir.glob("*.await.log"))
     assert_cache_verifies(cfg, 30)
     (sae,) = plan_of(cfg)["training"]
     assert sae["done"], sae
 
     # one Slurm job per range and one training job, and the next plain run has nothing to do
-    rows = jobs_in_sacct(slurm_cluster, start, "dump")
+    rows = jobs_in_sacct(slurm_cluster, start, "dump", cache_hash)
     per_range = {}
     for r in rows:
         m = re.search(r"(\d{6}-\d{6})", r["Comment"])
         per_range.setdefault(m.group(1) if m else r["Comment"], []).append(r)
     assert len(rows) == 3 and sorted(per_range) == ["000000-000001", "000001-000002", "000002-000003"], rows
     assert all(len(jobs) == 1 for jobs in per_range.values()), rows  # no second job for any range
-    trains = jobs_in_sacct(slurm_cluster, start, "train")
+    trains = jobs_in_sacct(slurm_cluster, start, "train", cache_hash)
     assert [r["JobID"] for r in trains] == [trainer], trains
+    assert len(jobs_in_sacct(slurm_cluster, start, "gather", cache_hash)) == 1
     plain = run_osc(cfg)
     assert plain.returncode == 0 and "Nothing to be done" in plain.stdout + plain.stderr, plain.stderr[-3000:]
     assert not job_counts(plain.stdout + plain.stderr), plain.stderr[-3000:]

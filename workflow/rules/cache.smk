@@ -8,6 +8,7 @@ wildcard_constraints:
 
 
 ruleorder: await_dump > dump
+ruleorder: await_gather > gather
 
 
 rule dump:
@@ -78,6 +79,7 @@ rule gather:
         os.path.join(DUMP_TO, "{hash}", SHARDS_FILE),
     params:
         actcache=ACTCACHE,
+        claim=lambda w: gather_claim(w.hash),
     log:
         "logs/gather/{hash}.log",
     benchmark:
@@ -92,9 +94,31 @@ rule gather:
             (
                 ATTEMPT_LOG,
                 USER_ERROR,
+                CLAIM,
                 fail_fast(
                     "{params.actcache} gather $(dirname {output}) >> {log} 2>&1 && "
                     "{params.actcache} verify $(dirname {output}) >> {log} 2>&1"
                 ),
             )
         )
+
+
+rule await_gather:
+    """A cache whose gather job, submitted by an earlier snakemake that was killed, is still queued
+    or running: wait for it on the login node (see await_dump). Same input as rule gather."""
+    input:
+        range_marks_of=lambda w: range_marks(w.hash),
+    output:
+        update(os.path.join(DUMP_TO, "{hash}", SHARDS_FILE)),
+    params:
+        python=sys.executable,
+        job=lambda w: in_flight_job("gather", w.hash),
+    log:
+        "logs/gather/{hash}.await.log",
+    wildcard_constraints:
+        hash=awaited("gather"),
+    localrule: True
+    conda:
+        "../envs/actcache.yaml"
+    shell:
+        "{params.python} -m actcache.slurmjobs await {params.job} {output} > {log} 2>&1"

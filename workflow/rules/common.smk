@@ -14,8 +14,16 @@ import yaml
 
 from actcache.errors import ActCacheError
 from actcache.plan import DUMP_MARKS as DUMP_MARKS_DIR
-from actcache.plan import MARK_SLOTS, dump_marks, external_caches, other_mark, plan, train_jobs
-from actcache.slurmjobs import Claim, claim_path, in_flight, plugin_comment, site_warnings, status_init_in_force
+from actcache.plan import MARK_SLOTS, dump_mark, dump_marks, external_caches, other_mark, plan, train_jobs
+from actcache.slurmjobs import (
+    Claim,
+    claim_path,
+    in_flight,
+    live_jobs,
+    plugin_comment,
+    site_warnings,
+    status_init_in_force,
+)
 from actcache.protocol import SHARDS_FILE
 from actcache.rundir import (
     DONE_FILE,
@@ -127,8 +135,8 @@ _LOCKS = os.path.join(".snakemake", "locks")
 if workflow.is_main_process and os.path.isdir(_LOCKS) and os.listdir(_LOCKS):
     print(
         "actcache: this directory holds a Snakemake lock. If no other snakemake runs here (one that was "
-        "killed left it), run the same command with --unlock, then again without it: the dump, train, "
-        "spliced_eval, report and sweep_report jobs the killed run submitted that are still queued or running "
+        "killed left it), run the same command with --unlock, then again without it: the jobs the killed run "
+        "submitted that are still queued or running (dump, gather, train, spliced_eval, report, sweep_report) "
         "are awaited (rules await_*), never submitted twice.",
         file=sys.stderr,
     )
@@ -245,15 +253,15 @@ def report_targets():
 
 
 # ---- jobs in flight after a killed snakemake (rules await_*) ---------------------------------
-# Under Slurm each job rule's job first writes its Slurm job id to a claim file beside its mark
-# (CLAIM). A snakemake started after a killed one asks squeue, once, which of the jobs it would
-# submit a live Slurm job of this user is already doing (claimed, or queued with the plugin's
-# comment for that rule and wildcards), and plans an await_<rule> job on the login node for each
-# instead of a second Slurm job. Asked only by the snakemake a user started (a job's own snakemake
-# would find itself).
+# Under Slurm the job of every rule that is no localrule first writes its Slurm job id to a claim
+# file beside its mark (CLAIM). A snakemake started after a killed one asks squeue, once, which of
+# the jobs it would submit a live Slurm job of this user is already doing (claimed, or queued with
+# the plugin's comment for that rule and wildcards), and plans an await_<rule> job on the login
+# node for each instead of a second Slurm job. Asked only by the snakemake a user started (a
+# job's own snakemake would find itself).
 CLAIM = (
-    'if [ -n "${{SLURM_JOB_ID:-}}" ]; then echo "$SLURM_JOB_ID" > {params.claim}.$SLURM_JOB_ID && '
-    "mv -f {params.claim}.$SLURM_JOB_ID {params.claim}; fi && "
+    'if [ -n "${{SLURM_JOB_ID:-}}" ]; then mkdir -p "$(dirname {params.claim})" && '
+    'echo "$SLURM_JOB_ID" > {params.claim}.$SLURM_JOB_ID && mv -f {params.claim}.$SLURM_JOB_ID {params.claim}; fi && '
 )
 
 
@@ -264,6 +272,10 @@ def groups_dir(hash):
 def mark_claim(mark):
     """The claim file of the job that writes a slotted mark (<base>.<slot> -> <base>.job)."""
     return claim_path(os.path.dirname(mark), os.path.basename(mark).rsplit(".", 1)[0])
+
+
+def gather_claim(hash):
+    return claim_path(os.path.join(DUMP_TO, hash, DUMP_MARKS_DIR), "gather")
 
 
 def report_claim(hash, sae):
@@ -278,15 +290,32 @@ def sweep_claim(hash):
     return claim_path(groups_dir(hash), "sweep")
 
 
+def _range_of(mark):
+    return os.path.basename(mark).rsplit(".", 1)[0]
+
+
+def _unmarked_ranges(hash):
+    """The ranges of a cache without a mark in the slot asked for, and, before its gather, those of
+    its layout that ask for none (shards all on disk, no mark: maybe a job that has not yet touched
+    its mark; see actcache.plan.dump_marks)."""
+    asked = {_range_of(m): m for m in DUMP_MARKS[hash]}
+    out = [r for r, m in asked.items() if not os.path.exists(m)]
+    if not os.path.exists(os.path.join(DUMP_TO, hash, SHARDS_FILE)):
+        layout = [_range_of(dump_mark(os.path.join(DUMP_TO, hash), a, b)) for a, b in CACHES[hash].ranges]
+        out += [r for r in layout if r not in asked]
+    return out
+
+
 def _claims():
     """(rule, hash, name) -> Claim of every job this run would submit: name is the range, group or
     SAE ("" for one job per cache)."""
     out = {}
     for h in CACHES:
-        for m in DUMP_MARKS[h]:
-            r = os.path.basename(m).rsplit(".", 1)[0]
-            if not os.path.exists(m):
-                out["dump", h, r] = Claim(mark_claim(m), plugin_comment("dump", h, r))
+        for r in _unmarked_ranges(h):
+            claim = claim_path(os.path.join(DUMP_TO, h, DUMP_MARKS_DIR), r)
+            out["dump", h, r] = Claim(claim, plugin_comment("dump", h, r))
+        if not os.path.exists(os.path.join(DUMP_TO, h, SHARDS_FILE)):
+            out["gather", h, ""] = Claim(gather_claim(h), plugin_comment("gather", h))
     for (h, g), job in TRAIN_JOBS.items():
         if not os.path.exists(job.mark):
             out["train", h, g] = Claim(mark_claim(job.mark), plugin_comment("train", h, g))
@@ -301,20 +330,22 @@ def _claims():
     return out
 
 
-IN_FLIGHT = in_flight(_claims(), MARK_SLOTS) if workflow.is_main_process else {}
+# squeue first: without Slurm, or with no job of this user, no claim is looked at
+_LIVE = live_jobs() if workflow.is_main_process else {}
+IN_FLIGHT = in_flight(_claims(), MARK_SLOTS, live=_LIVE) if _LIVE else {}
 
 
 def _with_slot(mark, slot):
     return f"{mark.rsplit('.', 1)[0]}.{slot}"
 
 
-# An awaited dump or train job writes its mark in the slot it was submitted with: ask for that one.
+# An awaited dump or train job writes its mark in the slot it was submitted with: ask for that one
+# (also for a range that asked for none: so gather's inputs are the same in the next run).
 for (_kind, _h, _name), _f in IN_FLIGHT.items():
-    if _kind == "dump":
-        DUMP_MARKS[_h] = [
-            _with_slot(m, _f.slot) if os.path.basename(m).startswith(f"{_name}.") else m for m in DUMP_MARKS[_h]
-        ]
-    elif _kind == "train":
+    if _kind == "dump" and _f.slot:
+        _mark = os.path.join(DUMP_TO, _h, DUMP_MARKS_DIR, f"{_name}.{_f.slot}")
+        DUMP_MARKS[_h] = [m for m in DUMP_MARKS[_h] if _range_of(m) != _name] + [_mark]
+    elif _kind == "train" and _f.slot:
         TRAIN_JOBS[_h, _name] = dataclasses.replace(TRAIN_JOBS[_h, _name], mark=_with_slot(TRAIN_JOBS[_h, _name].mark, _f.slot))
 
 
