@@ -55,3 +55,16 @@ def test_a_comment_that_only_starts_like_the_claims_is_another_job(tmp_path):
     """Report of SAE 0123 must not match a comment of SAE 01234...: comments are compared whole."""
     c = claim(tmp_path, "report-0123", plugin_comment("report", H, "0123"))
     assert in_flight({"p": c}, SLOTS, live={"9": plugin_comment("report", H, "01234")}) == {}
+
+
+def test_await_of_a_job_no_longer_queued_says_at_once_whether_it_finished(tmp_path, capsys):
+    """Job 0 is never queued (with or without Slurm here): no wait; the exit status and the line
+    say whether the job left its output."""
+    from actcache.slurmjobs import await_job
+
+    out = tmp_path / "L-2-0123abcd.done"
+    assert await_job("0", str(out)) == 1
+    assert "ended without finishing" in capsys.readouterr().out
+    out.touch()
+    assert await_job("0", str(out)) == 0
+    assert f"Slurm job 0 finished {out}" in capsys.readouterr().out
