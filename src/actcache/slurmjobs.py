@@ -5,13 +5,14 @@
   the dry run and by ``actcache plan``; they warn, never fail.
 - :func:`sbatch_extra`: the extra sbatch flags of one rule's jobs, from the site's environment
   variables (profiles/osc's ``slurm_extra``).
-- Claims: a workflow job under Slurm (dump, train, spliced_eval, report, sweep_report) writes its
-  job id to a claim file beside its mark when it starts (``<HASH>/.actcache-dump/<A-B>.job``,
-  ``<runs_to>/<HASH>/groups/<name>.job``). :func:`in_flight` finds the jobs whose claiming Slurm
-  job is still running, or still queued (by the job comment the plugin sets; one ``squeue``
-  call), and checks that the Slurm job is this user's job of that rule and wildcards; so a rerun
-  after a killed snakemake waits for that job (``python -m actcache.slurmjobs await ...``, the
-  ``await_*`` rules) instead of submitting a second one.
+- Claims: a workflow job under Slurm (dump, gather, train, spliced_eval, report, sweep_report)
+  writes its job id to a claim file beside its mark when it starts
+  (``<HASH>/.actcache-dump/<name>.job``, ``<runs_to>/<HASH>/groups/<name>.job``).
+  :func:`in_flight` finds the jobs whose claiming Slurm job is still running, or still queued (by
+  the job comment the plugin sets; one ``squeue`` call), and checks that the Slurm job is this
+  user's job of that rule and wildcards; so a rerun after a killed snakemake waits for that job
+  (``python -m actcache.slurmjobs await ...``, the ``await_*`` rules) instead of submitting a
+  second one.
 Every Slurm command is optional: where it is missing or fails, nothing is in flight and there is
 nothing to warn about.
 """
