@@ -164,10 +164,11 @@ def ask_cluster(want_qos: bool, timeout_s: float = TIMEOUT_S) -> Cluster:
     c = Cluster(user=user, is_root=os.geteuid() == 0, groups=_user_groups())
     if outs.get("assoc") is not None:
         c.assoc = parse_assoc(outs["assoc"]) or None  # no rows: accounting cannot tell
-    if outs.get("partitions") is not None:
-        c.partitions = {r["PartitionName"]: r for r in parse_oneliners(outs["partitions"]) if "PartitionName" in r}
+    if outs.get("partitions") is not None:  # none listed: not an answer (every cluster has one)
+        parts = {r["PartitionName"]: r for r in parse_oneliners(outs["partitions"]) if "PartitionName" in r}
+        c.partitions = parts or None
     if outs.get("nodes") is not None:
-        c.nodes = [r for r in parse_oneliners(outs["nodes"]) if "NodeName" in r]
+        c.nodes = [r for r in parse_oneliners(outs["nodes"]) if "NodeName" in r] or None
     if outs.get("qos") is not None:
         c.qos = {q.strip() for q in outs["qos"].splitlines() if q.strip()} or None
     return c
