@@ -216,3 +216,9 @@ def test_skip_variable_asks_nothing_and_passes_everything(monkeypatch):
 
     monkeypatch.setattr(slurmsite, "ask_cluster", no_asking)
     assert slurmsite.check_site([gpu_job("nosuch")], env={slurmsite.SKIP_VAR: "1"}) == []
+
+
+def test_a_list_of_partitions_passes_when_one_of_them_takes_the_jobs():
+    assert site_problems([gpu_job("gpu,debug"), cpu_job("debug,short")], cluster()) == []
+    (line,) = site_problems([gpu_job("gpu,a100", model="h100")], cluster())
+    assert line.startswith("ACTCACHE_SLURM_GPU_PARTITION=gpu,a100 gpu names no partition of this cluster; a100 names")

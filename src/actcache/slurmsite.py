@@ -252,46 +252,64 @@ def account_problem(job: JobSite, c: Cluster) -> str | None:
     )
 
 
+def _partition_refusal(name: str, job: JobSite, c: Cluster) -> str | None:
+    """Why one partition takes none of ``job``'s jobs, or None."""
+    account, qos = _value(job.account), _value(job.qos)
+    part = c.partitions.get(name) if c.partitions is not None else None
+    if part is None:
+        return "names no partition of this cluster"
+    why = _refusal(part, c, account, qos)
+    if why is None and c.assoc is not None and account:
+        only = {p for a, p, _ in c.assoc if a == account.lower()}
+        if "" not in only and only and name not in only:
+            why = f"is not one of the partitions of account {account} ({', '.join(sorted(only))})"
+    if why is None and job.gpus and _gpu_models(c, name) == []:
+        why = "has no node with a GPU (Gres=gpu)"
+    return why
+
+
 def partition_problem(job: JobSite, c: Cluster) -> str | None:
+    """A partition (or a list, sbatch -p a,b: Slurm takes the first that can run the job) that takes
+    none of the job's jobs."""
     if job.partition is None or not job.partition.value or c.partitions is None:
         return None
-    name, account, qos = job.partition.value, _value(job.account), _value(job.qos)
+    whys = [_partition_refusal(n, job, c) for n in _names(job.partition.value)]
+    if not whys or None in whys:
+        return None
+    account, qos = _value(job.account), _value(job.qos)
     choices = _partitions_with_gpus(c, account, qos, None) if job.gpus else _usable(c, account, qos)
-    part = c.partitions.get(name)
-    if part is None:
-        why = "names no partition of this cluster"
-    else:
-        why = _refusal(part, c, account, qos)
-        if why is None and c.assoc is not None and account:
-            only = {p for a, p, _ in c.assoc if a == account.lower()}
-            if "" not in only and only and name not in only:
-                why = f"is not one of the partitions of account {account} ({', '.join(sorted(only))})"
-        if why is None and job.gpus and _gpu_models(c, name) == []:
-            why = "has no node with a GPU (Gres=gpu)"
-        if why is None:
-            return None
     what = "GPU partitions you may use" if job.gpus else "partitions you may use"
+    why = (
+        whys[0]
+        if len(whys) == 1
+        else "; ".join(f"{n} {w}" for n, w in zip(_names(job.partition.value), whys, strict=True))
+    )
     return f"{job.partition.names()} {why} ({what}: {_one_of(choices)}): {job.partition.fix(choices)}"
+
+
+def _names(value: str) -> list[str]:
+    return [n.strip() for n in value.split(",") if n.strip()]
 
 
 def gpu_model_problem(job: JobSite, c: Cluster) -> str | None:
     if not job.gpus or job.gpu_model is None or not job.gpu_model.value or job.partition is None:
         return None
-    part = job.partition.value
-    if c.partitions is not None and part not in c.partitions:
+    parts = _names(job.partition.value)
+    if c.partitions is not None and not any(p in c.partitions for p in parts):
         return None  # the partition's own line says what to do
-    models = _gpu_models(c, part)
+    models = [m for p in parts for m in (_gpu_models(c, p) or [])]
     want = job.gpu_model.value
     if not models or want in models:
         return None  # unknown, or no GPUs at all: the partition's line
     named = sorted({m for m in models if m is not None})
+    where = f"partition {job.partition.value}" if len(parts) == 1 else f"partitions {job.partition.value}"
     if not named:
         how = f"unset {job.gpu_model.source}" if job.gpu_model.is_variable() else f"remove {job.gpu_model.source}"
-        return f"{job.gpu_model.names()} matches no node of partition {part} (its GPUs have no model name): {how}"
+        return f"{job.gpu_model.names()} matches no node of {where} (its GPUs have no model name): {how}"
     elsewhere = _partitions_with_gpus(c, _value(job.account), _value(job.qos), want)
     also = f"; partitions with {want}: {', '.join(elsewhere)}" if elsewhere else ""
     return (
-        f"{job.gpu_model.names()} matches no node of partition {part} (models there: {', '.join(named)}{also}): "
+        f"{job.gpu_model.names()} matches no node of {where} (models there: {', '.join(named)}{also}): "
         f"{job.gpu_model.fix(named)}"
     )
 
