@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass, field
 
 SKIP_VAR = "ACTCACHE_SLURM_SKIP_CHECKS"
@@ -143,11 +144,12 @@ def _start(cmd: list[str]) -> subprocess.Popen | None:
         return None
 
 
-def _finish(proc: subprocess.Popen | None, deadline_s: float) -> str | None:
+def _finish(proc: subprocess.Popen | None, deadline: float) -> str | None:
+    """stdout of a started command, or None where it failed or is still running at ``deadline``."""
     if proc is None:
         return None
     try:
-        out, _ = proc.communicate(timeout=deadline_s)
+        out, _ = proc.communicate(timeout=max(0.01, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
@@ -160,7 +162,8 @@ def ask_cluster(want_qos: bool, timeout_s: float = TIMEOUT_S) -> Cluster:
     user = getpass.getuser()
     names = [n for n in COMMANDS if n != "qos" or want_qos]
     procs = {n: _start([a.format(user=user) for a in COMMANDS[n]]) for n in names}
-    outs = {n: _finish(p, timeout_s) for n, p in procs.items()}
+    deadline = time.monotonic() + timeout_s  # one for all: they run at the same time
+    outs = {n: _finish(p, deadline) for n, p in procs.items()}
     c = Cluster(user=user, is_root=os.geteuid() == 0, groups=_user_groups())
     if outs.get("assoc") is not None:
         c.assoc = parse_assoc(outs["assoc"]) or None  # no rows: accounting cannot tell
