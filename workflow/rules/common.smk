@@ -117,10 +117,12 @@ def attempt(wildcards, attempt):
 # whether the account, partitions, GPU model and QOS of the profile in force exist and admit this
 # user: one line per problem naming the variable to set, then the run (or dry run) stops, exit
 # status 2. Quiet where Slurm is not installed; ACTCACHE_SLURM_SKIP_CHECKS=1 skips it.
-_SITE_JOBS = jobs_from_resources(
-    workflow.resource_settings.default_resources, workflow.resource_settings.overwrite_resources
+_SITE_JOBS = (
+    jobs_from_resources(workflow.resource_settings.default_resources, workflow.resource_settings.overwrite_resources)
+    if workflow.is_main_process
+    else []
 )
-if workflow.is_main_process and submits_to_slurm(sys.argv, _SITE_JOBS):
+if submits_to_slurm(sys.argv, _SITE_JOBS):
     _SITE_PROBLEMS = check_site(_SITE_JOBS)
     for _line in _SITE_PROBLEMS:
         print(f"actcache: Slurm site: {_line}", file=sys.stderr)
