@@ -222,3 +222,28 @@ def test_a_list_of_partitions_passes_when_one_of_them_takes_the_jobs():
     assert site_problems([gpu_job("gpu,debug"), cpu_job("debug,short")], cluster()) == []
     (line,) = site_problems([gpu_job("gpu,a100", model="h100")], cluster())
     assert line.startswith("ACTCACHE_SLURM_GPU_PARTITION=gpu,a100 gpu names no partition of this cluster; a100 names")
+
+
+def test_a_command_that_hangs_is_given_up_and_only_its_checks_are_skipped(tmp_path, monkeypatch):
+    import time
+
+    from actcache.slurmsite import ask_cluster
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (tmp_path / "partition.txt").write_text(PARTITION)
+    (tmp_path / "node.txt").write_text(NODE)
+    scripts = {  # scontrol answers from the captured records; sacctmgr (slurmdbd away) hangs
+        "scontrol": f'#!/bin/sh\nfor a; do last="$a"; done\ncat "{tmp_path}/$last.txt"\n',
+        "sacctmgr": "#!/bin/sh\nexec sleep 30\n",
+    }
+    for name, text in scripts.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    t0 = time.monotonic()
+    c = ask_cluster(want_qos=True, timeout_s=0.5)
+    assert time.monotonic() - t0 < 5  # one deadline for all, not one per command
+    assert c.assoc is None and c.qos is None and list(c.partitions) == ["debug"] and len(c.nodes) == 1
+    (line,) = site_problems([gpu_job(model="a100", account="nosuch", qos="high")], c)  # no account or QOS line
+    assert line.startswith("ACTCACHE_SLURM_GPU_MODEL=a100")
