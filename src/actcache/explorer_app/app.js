@@ -165,7 +165,7 @@
   function thumbSrc(id) { return (S.meta.image_thumbs || {})[String(id)] || null; }
   function exampleFig(ex) {
     const src = thumbSrc(ex.img);
-    const box = el("div", { class: "thumb" }, src ? el("img", { src: src, alt: "image " + ex.img, loading: "lazy" }) : null, heatCanvas(ex.heat));
+    const box = el("div", { class: "thumb" }, src ? el("img", { src: src, alt: "image " + ex.img }) : null, heatCanvas(ex.heat));
     const cap = explorable(ex.img) ? el("a", { href: "#image=" + ex.img, text: "image " + ex.img }) : el("span", { text: "image " + ex.img });
     return el("figure", { class: "example", "data-img": ex.img }, box, el("figcaption", {}, cap, " · ", num("act", ex.act)));
   }
@@ -357,7 +357,7 @@
       el("button", { type: "button", disabled: b.page >= pages - 1, text: "▶", onclick: function () { b.page++; route(); } }));
     const figs = el("div", { class: "figs browse" }, shown.map(function (im) {
       return el("figure", {}, el("a", { href: "#image=" + im.id, class: im.id === current ? "sel" : null },
-        el("div", { class: "thumb" }, el("img", { src: im.file, alt: "image " + im.id, loading: "lazy" }))),
+        el("div", { class: "thumb" }, el("img", { src: im.file, alt: "image " + im.id }))),
         el("figcaption", { text: im.id + (im.label === null || im.label === undefined ? "" : " · " + className(im.label)) }));
     }));
     return el("details", { open: current === null }, el("summary", { text: "browse the explorable images" }), form, figs);

@@ -1,0 +1,292 @@
+"""The explorer app (src/actcache/explorer_app) in a real browser: Playwright driving Debian's
+Chromium over a 16,384-wide explorer (tests/explorer_data.py writes its data, contract
+docs/explorer-format.md) and a second, narrower SAE of the same sweep.
+
+Every latent page shows that latent's data, search and best-latent links open the latent they
+name, a clicked patch lists the latents written for it (1e-4), sorting and filtering agree with
+numpy, and a crawler finds no dead link, broken image or console error on any page it reaches.
+One browser per module; each test opens its own page.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import urllib.parse
+
+import numpy as np
+import pytest
+from tests.explorer_data import write_synthetic_explorer
+
+playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the dev extra (pyproject.toml)")
+
+WIDTH, OTHER_WIDTH, TOL = 16384, 1024, 1e-4
+
+
+@pytest.fixture(scope="module")
+def explorers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("explorers")
+    a, b = str(root / "a" / "explorer"), str(root / "b" / "explorer")
+    sweep_b = [{"sae_id": "saeB", "title": "SAE B", "href": "../../b/explorer/index.html", "width": OTHER_WIDTH}]
+    sweep_a = [{"sae_id": "saeA", "title": "SAE A", "href": "../../a/explorer/index.html", "width": WIDTH}]
+    main = write_synthetic_explorer(a, WIDTH, sae_id="saeA", sweep=sweep_b, seed=0)
+    other = write_synthetic_explorer(b, OTHER_WIDTH, sae_id="saeB", sweep=sweep_a, seed=1)
+    return main, other
+
+
+@pytest.fixture(scope="module")
+def browser(chromium):
+    with playwright_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu"])
+        yield b
+        b.close()
+
+
+GO = """async h => {
+  location.hash = h;
+  const want = decodeURIComponent(h);
+  for (let i = 0; i < 3000 && document.body.dataset.rendered !== want; i++) await new Promise(r => setTimeout(r, 5));
+}"""
+ALL_IMAGES = """async () => {
+  const done = i => i.complete ? Promise.resolve(i.naturalWidth > 0 ? null : i.src)
+    : new Promise(r => { i.addEventListener("load", () => r(null)); i.addEventListener("error", () => r(i.src)); });
+  return (await Promise.all([...document.images].map(done))).filter(Boolean);
+}"""
+
+
+class Tab:
+    """One page of the explorer; console errors and uncaught exceptions are collected."""
+
+    def __init__(self, browser, folder: str):
+        self.page = browser.new_page(viewport={"width": 1300, "height": 1000})
+        self.base = "file://" + os.path.join(folder, "index.html")
+        self.errors: list[str] = []
+        self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+
+    def open(self, hash_: str = "", url: str | None = None) -> None:
+        self.page.goto((url or self.base) + hash_)
+        self.wait(hash_ or "#")
+
+    def go(self, hash_: str) -> None:
+        """A view of the page already open (a hash change, as a link click does), once rendered."""
+        self.page.evaluate(GO, hash_)
+
+    def wait(self, hash_: str) -> None:
+        self.page.wait_for_function(
+            "h => document.body.dataset.rendered === h", arg=urllib.parse.unquote(hash_), timeout=15000
+        )
+
+    def values(self, selector: str) -> list[float]:
+        return [float(v) for v in self.page.eval_on_selector_all(selector, "es => es.map(e => e.dataset.value)")]
+
+    def ids(self, selector: str) -> list[int]:
+        return [int(v) for v in self.page.eval_on_selector_all(selector, "es => es.map(e => e.dataset.id)")]
+
+    def close(self) -> None:
+        self.page.close()
+        assert not self.errors, self.errors
+
+
+@pytest.fixture
+def tab(browser, explorers):
+    t = Tab(browser, explorers[0]["dir"])
+    yield t
+    t.close()
+
+
+def close(a, b) -> bool:
+    return np.allclose(np.asarray(a, float), np.asarray(b, float), rtol=TOL, atol=TOL)
+
+
+# ---- the table ------------------------------------------------------------------------------
+
+
+def test_opens_with_one_page_of_rows_after_loading_meta_and_one_table_chunk(tab, explorers):
+    tab.open()
+    cols = explorers[0]["table"]
+    assert tab.ids("table.latents tbody tr") == list(range(50))
+    assert close(tab.values("table.latents tbody [data-key=freq]"), cols["freq"][:50])
+    assert close(tab.values("table.latents tbody [data-key=max_act]"), cols["max_act"][:50])
+    loaded = tab.page.evaluate("[...__explorer.tables.keys()]")
+    assert sorted(loaded) == ["latents/table-0000", "meta"]  # nothing else until needed
+    assert tab.page.evaluate("typeof window.__explorerReady") == "number"
+    assert tab.page.evaluate("document.querySelectorAll('script[data-key]').length") == 0  # chunks' scripts dropped
+
+
+def test_sorting_by_frequency_and_filtering_by_class_agree_with_numpy(tab, explorers):
+    tab.open()
+    cols = explorers[0]["table"]
+    tab.page.click("th[data-sort=freq]")
+    tab.page.wait_for_function("document.body.dataset.table.startsWith('freq:desc:0')")
+    assert close(tab.values("table.latents tbody [data-key=freq]"), np.sort(cols["freq"])[::-1][:50])
+    tab.page.select_option("select[data-filter=cls]", "3")
+    tab.page.wait_for_function("document.body.dataset.table.startsWith('freq:desc:0:') && "
+                               "+document.body.dataset.table.split(':')[3] < 16384")  # fmt: skip
+    total = int(tab.page.evaluate("document.body.dataset.table.split(':')[3]"))
+    assert total == int((cols["best_class"] == 3).sum())
+    want = np.flatnonzero(cols["best_class"] == 3)
+    want = want[np.lexsort((want, -cols["freq"][want]))][:50]
+    assert tab.ids("table.latents tbody tr") == [int(i) for i in want]
+    assert set(tab.page.eval_on_selector_all("table.latents tbody td.l", "es => es.map(e => e.textContent)")) == {
+        "class-3"
+    }
+
+
+# ---- latent pages ---------------------------------------------------------------------------
+
+
+SNAPSHOT = """() => {
+  const vals = s => [...document.querySelectorAll(s)].map(e => +e.dataset.value);
+  return {h2: document.querySelector("h2").textContent, freq: vals(".stats [data-key=freq]"),
+    max_act: vals(".stats [data-key=max_act]"), top_acts: vals(".top [data-key=act]"),
+    top_imgs: [...document.querySelectorAll(".top figure")].map(e => +e.dataset.img),
+    neighbours: [...document.querySelectorAll(".neighbours a.latent")].map(e => +e.dataset.id),
+    heats: document.querySelectorAll(".top canvas.heat").length, bars: document.querySelectorAll("svg.hist rect").length};
+}"""
+
+
+def latent_matches(tab, ex, i: int) -> None:
+    """The latent page on screen shows latent ``i``'s data (one round trip to the browser)."""
+    d, cols, got = ex["detail"][i], ex["table"], tab.page.evaluate(SNAPSHOT)
+    assert got["h2"] == f"Latent {i}"
+    assert close(got["freq"], [cols["freq"][i]]) and close(got["max_act"], [cols["max_act"][i]])
+    assert close(got["top_acts"], [e["act"] for e in d["top"]])
+    assert got["top_imgs"] == [e["img"] for e in d["top"]]
+    assert got["neighbours"] == [n["id"] for n in d["neighbours"]]
+    if d["top"]:  # a heatmap over every top image, and the histogram's bars
+        assert got["heats"] == len(d["top"]) and got["bars"] == len(d["hist"])
+
+
+def test_fifty_random_latents_each_show_their_own_data_with_bounded_chunks(tab, explorers):
+    ex = explorers[0]
+    tab.open("#latent=0")
+    ids = np.random.default_rng(7).choice(WIDTH, 50, replace=False)
+    for i in [0, WIDTH - 1, *ids]:
+        tab.go(f"#latent={i}")
+        latent_matches(tab, ex, int(i))
+    assert tab.page.evaluate("__explorer.lru.size") <= 8  # detail chunks kept: an LRU, not all of them
+
+
+def test_search_by_latent_id_opens_that_latent(tab, explorers):
+    tab.open()
+    tab.page.fill("#jump-id", "12345")
+    tab.page.press("#jump-id", "Enter")
+    tab.wait("#latent=12345")
+    latent_matches(tab, explorers[0], 12345)
+
+
+def test_a_latent_id_out_of_range_says_which_ids_exist(tab):
+    tab.open("#latent=99999")
+    assert "ids run from 0 to 16383" in tab.page.inner_text(".error")
+
+
+def test_best_latent_link_of_a_class_opens_that_latent_with_that_class(tab, explorers):
+    cols = explorers[0]["table"]
+    tab.open("#classes")
+    link = tab.page.locator("tr[data-class='4'] a.best").first
+    i = int(link.get_attribute("data-id"))
+    ap = cols["best_ap"][cols["best_class"] == 4]
+    assert close([cols["best_ap"][i]], [np.nanmax(ap)])
+    link.click()
+    tab.wait(f"#latent={i}")
+    latent_matches(tab, explorers[0], i)
+    assert tab.page.inner_text(".best-class") == "class-4"
+
+
+# ---- image -> patch -> latents --------------------------------------------------------------
+
+
+def test_clicking_a_patch_lists_its_latents_and_activations(tab, explorers):
+    ex = explorers[0]
+    img = ex["meta"]["images"][3]["id"]
+    tab.open(f"#image={img}")
+    data = ex["images"][img]
+    assert tab.ids("table.image-latents tbody tr") == data["top"]["ids"]
+    assert close(tab.values("table.image-latents [data-key=act]"), data["top"]["acts"])
+    for p in (0, 5, 15):
+        tab.page.click(f".cell[data-patch='{p}']")
+        tab.page.wait_for_function("p => document.querySelector('.patch-panel').dataset.patch === String(p)", arg=p)
+        token = ex["meta"]["patch_of_token"].index(p)
+        want = data["patches"][token]
+        assert tab.ids("table.patch-latents tbody tr") == want["ids"]
+        assert close(tab.values("table.patch-latents [data-key=act]"), want["acts"])
+    assert tab.page.evaluate("location.hash") == f"#patch={img}/15"
+    a = tab.page.locator("table.patch-latents a.latent").first
+    if a.count():
+        i = int(a.get_attribute("data-id"))
+        a.click()
+        tab.wait(f"#latent={i}")
+        latent_matches(tab, ex, i)
+
+
+def test_sweep_view_shows_the_image_top_latents_of_every_sae(tab, explorers):
+    main, other = explorers
+    img = main["meta"]["images"][1]["id"]
+    tab.open(f"#sweep={img}")
+    for ex, sae in ((main, "saeA"), (other, "saeB")):
+        col = f".sweep-col[data-sae={sae}] "
+        assert tab.ids(col + "a.latent") == ex["images"][img]["top"]["ids"]
+        assert close(tab.values(col + "[data-key=act]"), ex["images"][img]["top"]["acts"])
+    href = tab.page.locator(".sweep-col[data-sae=saeB] a.latent").first.get_attribute("href")
+    tab.page.goto(urllib.parse.urljoin(tab.page.url, href))
+    tab.wait(href[href.index("#") :])
+    assert tab.page.inner_text("h2") == "Latent " + href.split("=")[1]
+
+
+# ---- every link -----------------------------------------------------------------------------
+
+
+def kind(url: str, home: str) -> tuple[bool, str]:
+    """A view's kind: (in another explorer, the view's name: "" for the table, "latent", ...)."""
+    base, frag = urllib.parse.urldefrag(url)
+    return base != home, frag.split("=")[0]
+
+
+def crawl(tab, home: str, max_views: int) -> tuple[int, int, int]:
+    """Breadth-first over the views of ``home`` and of every explorer it links, a view of each kind
+    before more of a kind seen; on every visited view, every link is checked (its file exists; a
+    latent it names exists), every image loaded, no error shown. Returns (views, kinds of view, links checked)."""
+    seen, queue, kinds, widths, visited, checked = {home}, [home], set(), {}, 0, 0
+    while queue and visited < max_views:
+        url = queue.pop(next((j for j, u in enumerate(queue) if kind(u, home) not in kinds), 0))
+        kinds.add(kind(url, home))
+        base, frag = urllib.parse.urldefrag(url)
+        tab.open("#" + frag if frag else "", url=base)
+        visited += 1
+        broken = tab.page.evaluate(
+            "[...document.images].filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src)"
+        )
+        assert not broken, f"broken images on {url}: {broken}"
+        assert not tab.page.locator(".error").count(), f"{url}: {tab.page.inner_text('.error')}"
+        widths.setdefault(base, tab.page.evaluate("__explorer.meta.width"))
+        for href in tab.page.eval_on_selector_all("a[href]", "es => es.map(e => e.href)"):
+            checked += 1
+            target, tfrag = urllib.parse.urldefrag(href)
+            assert os.path.isfile(urllib.parse.unquote(urllib.parse.urlparse(target).path)), (
+                f"dead link on {url}: {href}"
+            )
+            m = re.fullmatch(r"latent=(\d+)", tfrag)
+            if m and target in widths:
+                assert int(m.group(1)) < widths[target], f"{href} on {url} names no latent of that SAE"
+            if href not in seen:
+                seen.add(href)
+                queue.append(href)
+    return visited, len(kinds), checked
+
+
+def test_crawler_finds_no_dead_link_broken_image_or_error_on_any_view(tab, explorers):
+    visited, kinds, checked = crawl(tab, tab.base, max_views=30)
+    assert visited == 30 and kinds >= 10 and checked > 500, (visited, kinds, checked)
+
+
+def test_a_folder_without_data_says_how_to_open_the_explorer(browser, tmp_path):
+    from actcache.explorer_app import copy_app
+
+    copy_app(str(tmp_path))
+    t = Tab(browser, str(tmp_path))
+    t.page.goto(t.base)
+    t.page.wait_for_selector(".error")
+    assert "cannot load data/meta.js" in t.page.inner_text(".error")
+    assert t.errors  # reported on the console too
+    t.page.close()
