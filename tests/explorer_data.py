@@ -20,7 +20,7 @@ import PIL.Image
 
 from actcache.explorer_app import copy_app
 
-N_CLASSES, N_TOP, N_BINS, N_PER_BIN, N_NEIGHBOURS, PATCH_TOP, IMAGE_TOP = 10, 8, 5, 2, 8, 16, 32
+N_CLASSES, N_TOP, TOP_HEAT, N_BINS, N_PER_BIN, N_NEIGHBOURS, PATCH_TOP, IMAGE_TOP = 10, 10, 8, 5, 3, 8, 16, 32
 
 
 def r6(x) -> float:
@@ -63,6 +63,8 @@ def _table(width: int, chunk: int, rng, prevalence: np.ndarray):
     best_class = rng.integers(0, N_CLASSES, width)
     best_ap = np.minimum(1.0, prevalence[best_class] + rng.uniform(0, 0.9, width))
     best_class[freq == 0], best_ap[freq == 0] = -1, np.nan
+    keep = [int(np.nanargmax(np.where(best_class == c, best_ap, np.nan))) for c in range(N_CLASSES)]
+    best_ap[np.setdiff1d(np.arange(width), keep)] = np.nan  # AP only where the latent is its class's best
     half = rng.uniform(0.01, 0.08, width)
     cols = {"freq": freq, "max_act": max_act, "mean_act": mean_act, "dec_norm": dec_norm,
             "best_class": best_class, "best_ap": best_ap}  # fmt: skip
@@ -80,9 +82,10 @@ def _table(width: int, chunk: int, rng, prevalence: np.ndarray):
     return cols, chunks
 
 
-def _examples(rng, imgs, acts_NE: np.ndarray, m_N: np.ndarray, T: int) -> list[list[dict]]:
-    """Per latent, its examples {img, act, heat}: the heat is act / max * 255 on one token (where the
-    act comes from; never the CLS token 0) and at most half that elsewhere."""
+def _examples(rng, imgs, acts_NE: np.ndarray, m_N: np.ndarray, T: int, heats: int) -> list[list[dict]]:
+    """Per latent, its examples {img, act, tok, heat}: ``tok`` is where the act was taken (never the
+    CLS token 0); the first ``heats`` examples carry a heat (act / max * 255 at ``tok``, at most half
+    that elsewhere), the others null."""
     N, E = acts_NE.shape
     rel_NE = acts_NE / m_N[:, None]
     heat = (rng.random((N, E, T)) * 127 * rel_NE[..., None]).astype(np.uint8)
@@ -93,8 +96,8 @@ def _examples(rng, imgs, acts_NE: np.ndarray, m_N: np.ndarray, T: int) -> list[l
     for n in range(N):
         row = []
         for e in range(E):
-            b64 = base64.b64encode(heat[n, e].tobytes()).decode()
-            row.append({"img": int(imgs[n, e]), "act": acts[n * E + e], "heat": b64})
+            b64 = base64.b64encode(heat[n, e].tobytes()).decode() if e < heats else None
+            row.append({"img": int(imgs[n, e]), "act": acts[n * E + e], "tok": int(tok[n, e]), "heat": b64})
         out.append(row)
     return out
 
@@ -110,8 +113,9 @@ def _details(rng, start: int, stop: int, width: int, cols: dict, n_imgs: int, T:
     lo, hi = edges_NB[:, :-1, None], edges_NB[:, 1:, None]
     q_NBE = np.sort(lo + (hi - lo) * rng.random((N, N_BINS, N_PER_BIN)), 2)[:, :, ::-1]
     q_imgs = rng.integers(0, n_imgs, (N, N_BINS * N_PER_BIN))
-    tops = _examples(rng, top_imgs, top_NK, m_N, T)
-    qs = _examples(rng, q_imgs, q_NBE.reshape(N, -1), m_N, T)
+    tops = _examples(rng, top_imgs, top_NK, m_N, T, TOP_HEAT)
+    qs = _examples(rng, q_imgs, q_NBE.reshape(N, -1), m_N, T, 0)
+    n_ex = rng.integers(0, N_PER_BIN + 1, (N, N_BINS))  # a bin may have no example
     nb_NJ = rng.integers(0, width, (N, N_NEIGHBOURS))
     cos_NJ = np.sort(rng.uniform(0.1, 0.9, (N, N_NEIGHBOURS)), 1)[:, ::-1]
     hist = rng.integers(0, 500, (N, n_hist))
@@ -123,7 +127,8 @@ def _details(rng, start: int, stop: int, width: int, cols: dict, n_imgs: int, T:
             continue
         e = r6s(edges_NB[n])
         quantiles = [
-            {"lo": e[b], "hi": e[b + 1], "examples": qs[n][b * N_PER_BIN : (b + 1) * N_PER_BIN]} for b in range(N_BINS)
+            {"lo": e[b], "hi": e[b + 1], "examples": qs[n][b * N_PER_BIN : b * N_PER_BIN + n_ex[n, b]]}
+            for b in range(N_BINS)
         ]
         nbs = [
             {"id": int((j + 1) % width if j == i else j), "cos": c}
@@ -178,6 +183,7 @@ def write_synthetic_explorer(out: str, width: int, *, n_imgs: int = 64, n_explor
         "probe_prevalence": {str(c): r6(p) for c, p in enumerate(prevalence)},
         "images": [{"id": i, "label": int(labels[i]), "file": thumbs[str(i)]} for i in explorable],
         "image_thumbs": thumbs, "sweep": [{k: s[k] for k in ("sae_id", "title", "href")} for s in sweep],
+        "top_heat": TOP_HEAT, "explore_source": "spread",
         "definitions": {
             "freq": "fraction of tokens where the latent is non-zero in the visuals pass",
             "max_act": "largest activation of the latent over the pass's tokens",

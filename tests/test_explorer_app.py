@@ -47,9 +47,10 @@ GO = """async h => {
   const want = decodeURIComponent(h);
   for (let i = 0; i < 3000 && document.body.dataset.rendered !== want; i++) await new Promise(r => setTimeout(r, 5));
 }"""
-ALL_IMAGES = """async () => {
-  const done = i => i.complete ? Promise.resolve(i.naturalWidth > 0 ? null : i.src)
-    : new Promise(r => { i.addEventListener("load", () => r(null)); i.addEventListener("error", () => r(i.src)); });
+ALL_IMAGES = """async () => {  // the srcs of images that do not load (a broken one is retried once, afresh)
+  const fresh = src => new Promise(r => { const x = new Image(); x.onload = () => r(null); x.onerror = () => r(src); x.src = src; });
+  const done = i => i.complete ? (i.naturalWidth > 0 ? Promise.resolve(null) : fresh(i.src))
+    : new Promise(r => { i.addEventListener("load", () => r(null)); i.addEventListener("error", () => r(fresh(i.src))); });
   return (await Promise.all([...document.images].map(done))).filter(Boolean);
 }"""
 
@@ -141,6 +142,7 @@ SNAPSHOT = """() => {
   return {h2: document.querySelector("h2").textContent, freq: vals(".stats [data-key=freq]"),
     max_act: vals(".stats [data-key=max_act]"), top_acts: vals(".top [data-key=act]"),
     top_imgs: [...document.querySelectorAll(".top figure")].map(e => +e.dataset.img),
+    bin_acts: [...document.querySelectorAll(".bins [data-key=act]")].map(e => +e.dataset.value),
     neighbours: [...document.querySelectorAll(".neighbours a.latent")].map(e => +e.dataset.id),
     heats: document.querySelectorAll(".top canvas.heat").length, bars: document.querySelectorAll("svg.hist rect").length};
 }"""
@@ -153,9 +155,11 @@ def latent_matches(tab, ex, i: int) -> None:
     assert close(got["freq"], [cols["freq"][i]]) and close(got["max_act"], [cols["max_act"][i]])
     assert close(got["top_acts"], [e["act"] for e in d["top"]])
     assert got["top_imgs"] == [e["img"] for e in d["top"]]
+    assert close(got["bin_acts"], [e["act"] for q in d["quantiles"] for e in q["examples"]])
     assert got["neighbours"] == [n["id"] for n in d["neighbours"]]
-    if d["top"]:  # a heatmap over every top image, and the histogram's bars
-        assert got["heats"] == len(d["top"]) and got["bars"] == len(d["hist"])
+    if d["top"]:  # a heatmap over every top image that has one, and the histogram's bars
+        assert got["heats"] == sum(e["heat"] is not None for e in d["top"]) > 0
+        assert got["bars"] == len(d["hist"])
 
 
 def test_fifty_random_latents_each_show_their_own_data_with_bounded_chunks(tab, explorers):

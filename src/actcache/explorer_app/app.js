@@ -162,12 +162,28 @@
     ctx.putImageData(img, 0, 0);
     return cv;
   }
+  // a grid x grid canvas marking one token's patch (a quantile example: where its act was taken)
+  function tokenCanvas(tok) {
+    const g = S.meta.grid, p = tok === undefined || tok === null ? -1 : S.meta.patch_of_token[tok];
+    if (!g || p === undefined || p < 0) return null;
+    const cv = el("canvas", { width: g, height: g, class: "mark" }), ctx = cv.getContext("2d");
+    ctx.fillStyle = "rgba(255, 0, 0, 0.6)";
+    ctx.fillRect(p % g, Math.floor(p / g), 1, 1);
+    return cv;
+  }
   function thumbSrc(id) { return (S.meta.image_thumbs || {})[String(id)] || null; }
+  function tokenName(tok) {
+    if (tok === undefined || tok === null) return "";
+    const p = S.meta.patch_of_token[tok];
+    return p >= 0 ? "patch " + p : "token " + tok + " (not a patch)";
+  }
   function exampleFig(ex) {
     const src = thumbSrc(ex.img);
-    const box = el("div", { class: "thumb" }, src ? el("img", { src: src, alt: "image " + ex.img }) : null, heatCanvas(ex.heat));
+    const box = el("div", { class: "thumb" }, src ? el("img", { src: src, alt: "image " + ex.img }) : null,
+      ex.heat ? heatCanvas(ex.heat) : tokenCanvas(ex.tok));
     const cap = explorable(ex.img) ? el("a", { href: "#image=" + ex.img, text: "image " + ex.img }) : el("span", { text: "image " + ex.img });
-    return el("figure", { class: "example", "data-img": ex.img }, box, el("figcaption", {}, cap, " · ", num("act", ex.act)));
+    const where = ex.tok === undefined || ex.tok === null ? null : el("span", { class: "muted", text: " · " + tokenName(ex.tok) });
+    return el("figure", { class: "example", "data-img": ex.img }, box, el("figcaption", {}, cap, where, " · ", num("act", ex.act)));
   }
 
   // ---- histogram (inline SVG) -------------------------------------------------------------
@@ -318,7 +334,8 @@
     if (det.quantiles && det.quantiles.length) {
       parts.push(el("h3", { title: "examples sampled from bins between the median and the max of its non-zero activations", text: "Examples by activation" }));
       parts.push(el("div", { class: "bins" }, det.quantiles.flatMap(function (q) {
-        return [el("span", { class: "bin", text: fmt(q.lo) + " – " + fmt(q.hi) }), el("div", { class: "figs" }, q.examples.map(exampleFig))];
+        return [el("span", { class: "bin", text: fmt(q.lo) + " – " + fmt(q.hi) }),
+          q.examples.length ? el("div", { class: "figs" }, q.examples.map(exampleFig)) : el("span", { class: "muted", text: "no example in this bin" })];
       })));
     }
     const nh = det.hist.reduce(function (a, b) { return a + b; }, 0);
@@ -357,7 +374,7 @@
       el("button", { type: "button", disabled: b.page >= pages - 1, text: "▶", onclick: function () { b.page++; route(); } }));
     const figs = el("div", { class: "figs browse" }, shown.map(function (im) {
       return el("figure", {}, el("a", { href: "#image=" + im.id, class: im.id === current ? "sel" : null },
-        el("div", { class: "thumb" }, el("img", { src: im.file, alt: "image " + im.id }))),
+        el("div", { class: "thumb" }, im.file ? el("img", { src: im.file, alt: "image " + im.id }) : el("span", { text: String(im.id) }))),
         el("figcaption", { text: im.id + (im.label === null || im.label === undefined ? "" : " · " + className(im.label)) }));
     }));
     return el("details", { open: current === null }, el("summary", { text: "browse the explorable images" }), form, figs);
@@ -392,7 +409,8 @@
         latentList(pl.ids, pl.acts, "patch-latents"));
       patchPanel.dataset.patch = p;
     };
-    const big = el("div", { class: "big" }, el("img", { src: im.file || thumbSrc(id), alt: "image " + id }));
+    const src = im.file || thumbSrc(id);
+    const big = el("div", { class: "big" }, src ? el("img", { src: src, alt: "image " + id }) : null);
     const cells = [];
     if (g) {
       const box = el("div", { class: "cells", style: "grid-template-columns: repeat(" + g + ", 1fr)" });
@@ -446,7 +464,7 @@
       return el("div", { class: "sweep-col", "data-sae": c.s.sae_id }, el("h3", {}, el("a", { href: c.s.href || "#", text: c.s.title })),
         c.v ? latentList(c.v.top.ids, c.v.top.acts, "image-latents", c.s.href) : el("p", { class: "muted", text: "this image is not among that SAE's explorable images" }));
     }));
-    app.replaceChildren(el("h2", { text: "Sweep: image " + id }), el("div", { class: "thumb" }, el("img", { src: thumbSrc(id) || "", alt: "image " + id })), nav,
+    app.replaceChildren(el("h2", { text: "Sweep: image " + id }), el("div", { class: "thumb" }, thumbSrc(id) ? el("img", { src: thumbSrc(id), alt: "image " + id }) : null), nav,
       el("h3", { text: "Every explorer of the sweep" }), links, el("h3", { title: def("act"), text: "Top latents of image " + id + " in each SAE" }), row);
   }
 
