@@ -138,7 +138,8 @@
   }
   function chance(label) { const p = (S.meta.probe_prevalence || {})[String(label)]; return p === undefined ? null : p; }
   const nTokens = function () { return "n = " + S.meta.n_tokens + " tokens"; };
-  const nProbe = function (label) { return "n = " + S.meta.probe_n + " images; chance (prevalence of " + className(label) + ") = " + fmt(chance(label)); };
+  const probeN = function () { return S.meta.probe_n === null || S.meta.probe_n === undefined ? "n not recorded" : "n = " + S.meta.probe_n + " images"; };
+  const nProbe = function (label) { return probeN() + "; chance (prevalence of " + className(label) + ") = " + fmt(chance(label)); };
   const latentLink = function (id, text) { return el("a", { href: "#latent=" + id, class: "latent", "data-id": id, text: text === undefined ? String(id) : text }); };
   function explorable(id) { return S.meta.images.some(function (im) { return im.id === id; }); }
 
@@ -278,11 +279,11 @@
     const rows = await Promise.all(ids.map(row));
     if (seq !== S.seq) return;
     const head = el("tr", {}, COLUMNS.map(function (k) {
-      const extra = k === "freq" ? "; " + nTokens() : k === "best_ap" ? "; n = " + m.probe_n + " images; chance is shown per row" : "";
+      const extra = k === "freq" ? "; " + nTokens() : k === "best_ap" ? "; " + probeN() + "; chance is shown per row" : "";
       return el("th", { class: "sortable" + (t.sort === k ? " sorted" : "") + (k === "best_class" ? " l" : ""), "data-sort": k, title: def(k) + extra + " (click to sort)",
         text: k + (t.sort === k ? (t.desc ? " ▼" : " ▲") : ""),
         onclick: function () { t.desc = t.sort === k ? !t.desc : k !== "id"; t.sort = k; t.page = 0; rerender(); } });
-    }), el("th", { title: "AP at chance: the best class's prevalence among the probe's images (n = " + m.probe_n + ")", text: "chance" }));
+    }), el("th", { title: "AP at chance: the best class's prevalence among the probe's images (" + probeN() + ")", text: "chance" }));
     const body = rows.map(function (r) {
       return el("tr", { "data-id": r.id },
         el("td", {}, latentLink(r.id)), el("td", {}, num("freq", r.freq, nTokens())), el("td", {}, num("max_act", r.max_act)),
@@ -327,7 +328,7 @@
       el("dt", { title: def("best_ap"), text: "AP" }), el("dd", {}, num("best_ap", r.best_ap, r.best_ap === null ? "" : nProbe(r.best_class)),
         r.best_ap === null ? null : el("span", { class: "muted", text: " 95% [" + fmt(r.best_ap_lo) + ", " + fmt(r.best_ap_hi) + "], chance " }),
         r.best_ap === null ? null : num("chance", chance(r.best_class), "AP of a random ranking: the class's prevalence"),
-        r.best_ap === null ? null : el("span", { class: "muted", text: ", n = " + m.probe_n + " images" })));
+        r.best_ap === null ? null : el("span", { class: "muted", text: ", " + probeN() })));
     const parts = [el("h2", { text: "Latent " + id }), nav, stats];
     parts.push(el("h3", { title: "the images with the largest activations; red: " + def("act") + " per patch, relative to the latent's max", text: "Top images" }));
     parts.push(det.top.length ? el("div", { class: "figs top" }, det.top.map(exampleFig)) : el("p", { class: "muted", text: "never fires in the pass" }));
@@ -482,12 +483,12 @@
     }
     const rows = Object.keys(m.classes || {}).map(function (k) {
       const ids = (best[k] || []).sort(function (a, b) { return c.best_ap[b] - c.best_ap[a] || a - b; }).slice(0, 5);
-      return el("tr", { "data-class": k }, el("td", { class: "l", text: className(k) }), el("td", {}, num("chance", chance(k), "the class's prevalence among the probe's n = " + m.probe_n + " images")),
+      return el("tr", { "data-class": k }, el("td", { class: "l", text: className(k) }), el("td", {}, num("chance", chance(k), "the class's prevalence among the probe's images (" + probeN() + ")")),
         el("td", { class: "l" }, ids.length ? ids.flatMap(function (i) { return [el("a", { href: "#latent=" + i, class: "latent best", "data-id": i, text: String(i) }), " (", num("best_ap", c.best_ap[i], nProbe(k)), ") "]; }) : "none"));
     });
     status.textContent = "";
     app.append(el("table", { class: "classes" }, el("thead", {}, el("tr", {}, el("th", { class: "l", text: "class" }),
-      el("th", { title: "AP of a random ranking: the class's prevalence (n = " + m.probe_n + " images)", text: "chance" }),
+      el("th", { title: "AP of a random ranking: the class's prevalence (" + probeN() + ")", text: "chance" }),
       el("th", { class: "l", title: "latents whose best class this is, by AP (at most 5); " + def("best_ap"), text: "best latents (AP)" }))), el("tbody", {}, rows)));
   }
 
