@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import shutil
+import subprocess
 import sys
 
 import numpy as np
@@ -339,15 +340,17 @@ def test_full_disk_is_a_clear_error_and_keeps_the_page(world, page, tmp_path):
     # mount namespace (root), with 16 pages to spare. The new page does not fit: one clear error,
     # and the page already there is untouched, with no temporary folder left.
     run = tmp_path / "run"
-    shutil.copytree(world["run"], run)
-    files = [os.path.join(d, f) for d, _, fs in os.walk(run) for f in fs]
-    pages_used = sum(-(-os.path.getsize(f) // 4096) for f in files)
-    page_bytes = sum(os.path.getsize(f) for f in files if os.sep + "visuals" + os.sep in f)
-    assert page_bytes > 16 * 4096  # the page cannot fit again in the room left
+    subprocess.run(["cp", "-a", str(world["run"]), str(run)], check=True)  # the explorer's hard links kept
+    files = {os.stat(p).st_ino: p for p in (os.path.join(d, f) for d, _, fs in os.walk(run) for f in fs)}
+    n_dirs = sum(1 for _ in os.walk(run))
+    pages_used = sum(-(-os.path.getsize(f) // 4096) for f in files.values())
+    page_bytes = sum(os.path.getsize(f) for f in files.values() if os.sep + "visuals" + os.sep in f)
+    room = 16 + n_dirs  # pages
+    assert page_bytes > room * 4096  # the page cannot fit again in the room left
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     script = (
-        f"mount -t tmpfs -o size={(pages_used + 16 + len(files)) * 4096} tmpfs {mnt} || exit 99\n"
+        f"mount -t tmpfs -o size={(pages_used + room) * 4096} tmpfs {mnt} || exit 99\n"
         f'cp -a {run} {mnt}/run || exit 98\n"$@" {mnt}/run; echo "rc=$?" >&2\n'
         f"diff -r {run} {mnt}/run && echo SAME\n"
     )
