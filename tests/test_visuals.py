@@ -328,6 +328,14 @@ def test_reuse_skips_the_pass(world, page, capsys):
     with np.load(os.path.join(page, "latents.npz")) as z:
         strongest = set(np.argsort(-z["max_act"], kind="stable")[:5].tolist())
     assert set(after["latents_shown"]) == strongest
+    # a summary from before the explorer (no quantile samples, no explorable images) is not reused
+    with np.load(os.path.join(page, "latents.npz")) as z:
+        old = {n: z[n] for n in z.files if not n.startswith(("q_", "ex_"))}
+    np.savez_compressed(os.path.join(page, "latents.npz"), **old)
+    rc, _, _ = run_cli(capsys, world["run"], "--reuse", "--latents", "5")
+    assert rc == 0 and jload(os.path.join(page, "summary.json"))["reused"] is False
+    with np.load(os.path.join(page, "latents.npz")) as z:
+        assert "q_img" in z.files and "ex_ids" in z.files
     rc, _, _ = run_cli(capsys, world["run"], "--latents", "12")  # restore the default page for other tests
     assert rc == 0 and before["latents_shown"] == jload(os.path.join(page, "summary.json"))["latents_shown"]
 
@@ -384,6 +392,14 @@ def test_sweep_of_trained_saes(world, capsys, tmp_path):
             pass
     points = jload(sweep / "sweep.json")["points"]
     assert sorted(p["sae_id"] for p in points) == sorted(r.sae_id for r in members)
+    from tests.test_explorer import read_chunk
+
+    for d in dirs:  # each explorer links the other SAE's and names its nearest latents by decoder cosine
+        ex = os.path.join(d, "visuals", "explorer")
+        (other,) = read_chunk(os.path.join(ex, "data"), "meta")["sweep"]
+        assert other["sae_id"] != os.path.basename(d) and os.path.isfile(os.path.join(ex, other["href"]))
+        lat = read_chunk(os.path.join(ex, "data"), "latents/detail-0000")["latents"][0]
+        assert [n["sae_id"] for n in lat["sweep_neighbours"]] == [other["sae_id"]] * 3
     assert {p["source"] for p in points} == {"eval"}
     evals = {jload(os.path.join(d, "eval.json"))["l0"] for d in dirs}
     assert {p["l0"] for p in points} == evals
@@ -594,5 +610,13 @@ def test_page_images_from_forked_workers_equal_the_threads(world, page, capsys, 
 
     assert not multiprocessing.active_children()
     monkeypatch.undo()
+    # a summary from before the explorer (no quantile samples, no explorable images) is not reused
+    with np.load(os.path.join(page, "latents.npz")) as z:
+        old = {n: z[n] for n in z.files if not n.startswith(("q_", "ex_"))}
+    np.savez_compressed(os.path.join(page, "latents.npz"), **old)
+    rc, _, _ = run_cli(capsys, world["run"], "--reuse", "--latents", "5")
+    assert rc == 0 and jload(os.path.join(page, "summary.json"))["reused"] is False
+    with np.load(os.path.join(page, "latents.npz")) as z:
+        assert "q_img" in z.files and "ex_ids" in z.files
     rc, _, _ = run_cli(capsys, world["run"], "--latents", "12")  # restore the default page for other tests
     assert rc == 0
