@@ -17,6 +17,7 @@ import urllib.parse
 import numpy as np
 import pytest
 from tests.explorer_data import write_synthetic_explorer
+from tests.test_explorer import explored  # noqa: F401  (a real explorer: `actcache visuals` of a small run)
 
 playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the dev extra (pyproject.toml)")
 
@@ -159,7 +160,8 @@ def latent_matches(tab, ex, i: int) -> None:
     assert got["neighbours"] == [n["id"] for n in d["neighbours"]]
     if d["top"]:  # a heatmap over every top image that has one, and the histogram's bars
         assert got["heats"] == sum(e["heat"] is not None for e in d["top"]) > 0
-        assert got["bars"] == len(d["hist"])
+        nz = np.flatnonzero(d["hist"])  # bars from the first to the last non-zero bin
+        assert got["bars"] == (nz[-1] - nz[0] + 1 if len(nz) else len(d["hist"]))
 
 
 def test_fifty_random_latents_each_show_their_own_data_with_bounded_chunks(tab, explorers):
@@ -294,3 +296,43 @@ def test_a_folder_without_data_says_how_to_open_the_explorer(browser, tmp_path):
     assert "cannot load data/meta.js" in t.page.inner_text(".error")
     assert t.errors  # reported on the console too
     t.page.close()
+
+
+# ---- on real data: `actcache visuals` of a saved SAE over a real cache (tests/test_explorer.py) -----
+
+
+@pytest.fixture(scope="module")
+def encoded(explored):  # noqa: F811
+    """The SAE's encode of every cached patch row: (n_imgs, 16 patches, WIDTH)."""
+    import torch
+
+    from actcache.loaders import OrderedLoader
+    from actcache.sae.modeling import SAE
+
+    sae = SAE.load(explored["run"]).eval()
+    (batch,) = list(OrderedLoader(explored["cache"], batch_size=10**6, patches="image", layer=-2))
+    with torch.no_grad():
+        f = sae.encode(batch["act"]).numpy()
+    return f.reshape(explored["md"].n_imgs, 16, -1)
+
+
+def test_real_explorer_patch_click_lists_the_sae_encode_of_that_patch(browser, explored, encoded):  # noqa: F811
+    t = Tab(browser, explored["out"])
+    for n, img in enumerate(explored["held"]):
+        t.open(f"#image={img}")
+        for p in range(16) if n == 0 else (0, 7, 15):
+            t.page.click(f".cell[data-patch='{p}']")
+            t.page.wait_for_function("p => document.querySelector('.patch-panel').dataset.patch === String(p)", arg=p)
+            f = encoded[img, p]  # patches "image": token t is patch t
+            want = np.argsort(-f, kind="stable")[:10]
+            want = want[f[want] > 0]
+            assert t.ids("table.patch-latents tbody tr")[:10] == want.tolist()
+            assert close(t.values("table.patch-latents [data-key=act]")[:10], f[want])
+    t.close()
+
+
+def test_real_explorer_has_no_dead_link_broken_image_or_error(browser, explored):  # noqa: F811
+    t = Tab(browser, explored["out"])
+    visited, kinds, checked = crawl(t, t.base, max_views=12)
+    assert visited == 12 and kinds >= 5 and checked > 50, (visited, kinds, checked)
+    t.close()

@@ -188,7 +188,13 @@
   }
 
   // ---- histogram (inline SVG) -------------------------------------------------------------
-  function histogram(counts, edges) {
+  // only the bins from the first to the last non-zero one are drawn (the edges may span decades)
+  function histogram(allCounts, allEdges) {
+    let a = allCounts.findIndex(function (c) { return c > 0; }), b = allCounts.length - 1;
+    while (b > a && allCounts[b] === 0) b--;
+    if (a < 0) { a = 0; b = allCounts.length - 1; }
+    const counts = allCounts.slice(a, b + 1), edges = allEdges.slice(a, b + 2);
+    const geometric = edges.length > 2 && edges[0] > 0 && Math.abs(edges[2] / edges[1] - edges[1] / edges[0]) < 1e-3 * (edges[1] / edges[0]);
     const W = 420, H = 150, L = 48, B = 30, n = counts.length, max = Math.max(1, ...counts);
     const ns = "http://www.w3.org/2000/svg", svg = document.createElementNS(ns, "svg");
     const mk = function (tag, a, text) { const e = document.createElementNS(ns, tag); for (const k in a) e.setAttribute(k, a[k]); if (text !== undefined) e.textContent = text; svg.append(e); return e; };
@@ -209,7 +215,7 @@
       mk("text", { x: L, y: H - B + 12, "font-size": 10 }, fmt(edges[0]));
       mk("text", { x: W - 8, y: H - B + 12, "text-anchor": "end", "font-size": 10 }, fmt(edges[edges.length - 1]));
     }
-    mk("text", { x: (L + W) / 2, y: H - 4, "text-anchor": "middle", "font-size": 11 }, "activation");
+    mk("text", { x: (L + W) / 2, y: H - 4, "text-anchor": "middle", "font-size": 11 }, geometric ? "activation (log-spaced bins)" : "activation");
     mk("text", { x: 12, y: (H - B) / 2, "font-size": 11, transform: "rotate(-90 12 " + (H - B) / 2 + ")", "text-anchor": "middle" }, "tokens");
     return svg;
   }
