@@ -87,19 +87,22 @@ def _examples(rng, imgs, acts_NE: np.ndarray, m_N: np.ndarray, T: int, heats: in
     CLS token 0); the first ``heats`` examples carry a heat (act / max * 255 at ``tok``, at most half
     that elsewhere), the others null."""
     N, E = acts_NE.shape
-    rel_NE = acts_NE / m_N[:, None]
-    heat = (rng.random((N, E, T)) * 127 * rel_NE[..., None]).astype(np.uint8)
     tok = rng.integers(1, T, (N, E))
-    heat[np.arange(N)[:, None], np.arange(E)[None, :], tok] = np.clip(np.round(rel_NE * 255), 0, 255).astype(np.uint8)
-    acts = r6s(acts_NE)
-    out = []
-    for n in range(N):
-        row = []
-        for e in range(E):
-            b64 = base64.b64encode(heat[n, e].tobytes()).decode() if e < heats else None
-            row.append({"img": int(imgs[n, e]), "act": acts[n * E + e], "tok": int(tok[n, e]), "heat": b64})
-        out.append(row)
-    return out
+    b64 = [[None] * E for _ in range(N)]
+    if heats:
+        rel = acts_NE[:, :heats] / m_N[:, None]
+        heat = (rng.random((N, heats, T)) * 127 * rel[..., None]).astype(np.uint8)
+        heat[np.arange(N)[:, None], np.arange(heats)[None, :], tok[:, :heats]] = np.clip(np.round(rel * 255), 0, 255)
+        for n in range(N):
+            b64[n][:heats] = [base64.b64encode(h.tobytes()).decode() for h in heat[n]]
+    acts, imgs_l, tok_l = np.asarray(r6s(acts_NE)).reshape(N, E).tolist(), imgs.tolist(), tok.tolist()
+    return [
+        [
+            {"img": g, "act": a, "tok": t, "heat": h}
+            for g, a, t, h in zip(imgs_l[n], acts[n], tok_l[n], b64[n], strict=True)
+        ]
+        for n in range(N)
+    ]
 
 
 def _details(rng, start: int, stop: int, width: int, cols: dict, n_imgs: int, T: int, n_hist: int, sweep_ids):
@@ -115,29 +118,28 @@ def _details(rng, start: int, stop: int, width: int, cols: dict, n_imgs: int, T:
     q_imgs = rng.integers(0, n_imgs, (N, N_BINS * N_PER_BIN))
     tops = _examples(rng, top_imgs, top_NK, m_N, T, TOP_HEAT)
     qs = _examples(rng, q_imgs, q_NBE.reshape(N, -1), m_N, T, 0)
-    n_ex = rng.integers(0, N_PER_BIN + 1, (N, N_BINS))  # a bin may have no example
+    n_ex = rng.integers(0, N_PER_BIN + 1, (N, N_BINS)).tolist()  # a bin may have no example
     nb_NJ = rng.integers(0, width, (N, N_NEIGHBOURS))
-    cos_NJ = np.sort(rng.uniform(0.1, 0.9, (N, N_NEIGHBOURS)), 1)[:, ::-1]
-    hist = rng.integers(0, 500, (N, n_hist))
+    nb_NJ[nb_NJ == np.arange(start, stop)[:, None]] += 1  # never itself
+    nb_NJ %= width
+    cos_NJ = np.asarray(r6s(np.sort(rng.uniform(0.1, 0.9, (N, N_NEIGHBOURS)), 1)[:, ::-1])).reshape(N, -1).tolist()
+    e_NB = np.asarray(r6s(edges_NB)).reshape(N, -1).tolist()
+    nb_l, hist = nb_NJ.tolist(), rng.integers(0, 500, (N, n_hist)).tolist()
+    sweep = [(s, rng.integers(0, w, (N, 3)).tolist(), np.asarray(r6s(np.sort(rng.uniform(0.3, 0.99, (N, 3)), 1)[:, ::-1])).reshape(N, 3).tolist())
+             for s, w in sweep_ids]  # fmt: skip
     out = []
     for n in range(N):
-        i = start + n
-        if cols["freq"][i] == 0:
+        if cols["freq"][start + n] == 0:
             out.append({"top": [], "quantiles": [], "hist": [0] * n_hist, "neighbours": [], "sweep_neighbours": []})
             continue
-        e = r6s(edges_NB[n])
+        e, k = e_NB[n], n_ex[n]
         quantiles = [
-            {"lo": e[b], "hi": e[b + 1], "examples": qs[n][b * N_PER_BIN : b * N_PER_BIN + n_ex[n, b]]}
-            for b in range(N_BINS)
+            {"lo": e[b], "hi": e[b + 1], "examples": qs[n][b * N_PER_BIN : b * N_PER_BIN + k[b]]} for b in range(N_BINS)
         ]
-        nbs = [
-            {"id": int((j + 1) % width if j == i else j), "cos": c}
-            for j, c in zip(nb_NJ[n], r6s(cos_NJ[n]), strict=True)
-        ]
-        sweep_nb = [{"sae_id": s, "id": int(j), "cos": c} for s, w in sweep_ids
-                    for j, c in zip(rng.integers(0, w, 3), r6s(np.sort(rng.uniform(0.3, 0.99, 3))[::-1]), strict=True)]  # fmt: skip
-        out.append({"top": tops[n], "quantiles": quantiles, "hist": hist[n].tolist(), "neighbours": nbs,
-                    "sweep_neighbours": sweep_nb})  # fmt: skip
+        out.append({"top": tops[n], "quantiles": quantiles, "hist": hist[n],
+                    "neighbours": [{"id": j, "cos": c} for j, c in zip(nb_l[n], cos_NJ[n], strict=True)],
+                    "sweep_neighbours": [{"sae_id": s, "id": j, "cos": c} for s, ids, cs in sweep
+                                         for j, c in zip(ids[n], cs[n], strict=True)]})  # fmt: skip
     return out
 
 
