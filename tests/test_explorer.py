@@ -140,3 +140,34 @@ def test_decoder_neighbours_equal_brute_force_cosines(explored, monkeypatch):
     ids, _ = explorer.decoder_neighbours(W, W, 8, True)
     d = read_chunk(explored["data"], "latents/detail-0001")
     assert [[n["id"] for n in lat["neighbours"]] for lat in d["latents"]] == ids[8:16].tolist()
+
+
+def crawl(page: str, width: int) -> list[str]:
+    """Every href of ``page`` (a file): a relative file that exists, an anchor the page has, or a
+    #latent=ID into an explorer with 0 <= ID < width. Returns the hrefs."""
+    with open(page, encoding="utf-8") as fh:
+        text = fh.read()
+    hrefs = re.findall(r'href="([^"]+)"', text)
+    for h in hrefs:
+        path, _, frag = h.partition("#")
+        assert "://" not in h and not h.startswith("/"), h
+        if path:
+            assert os.path.isfile(os.path.join(os.path.dirname(page), path)), h
+        if frag.startswith("latent="):
+            assert path.endswith("explorer/index.html") and 0 <= int(frag[7:]) < width, h
+        elif frag and not path:
+            assert f'id="{frag}"' in text, h
+    return hrefs
+
+
+def test_every_link_on_the_page_opens_the_latent_it_names(explored):
+    page = os.path.join(explored["run"], "visuals", "index.html")
+    hrefs = crawl(page, WIDTH)
+    with open(page, encoding="utf-8") as fh:
+        text = fh.read()
+    on_page = {int(s) for s in re.findall(r'class="latent-card" id="latent-(\d+)"', text)}
+    assert len(on_page) == 4 and f"Showing 4 of {WIDTH} latents." in text
+    assert "explorer/index.html" in hrefs  # "Showing N of M": the explorer holds every latent
+    assert ("#latent-5" if 5 in on_page else "explorer/index.html#latent=5") in hrefs  # class 1's best latent
+    assert {f"explorer/index.html#latent={s}" for s in on_page} <= set(hrefs)
+    crawl(os.path.join(explored["run"], "visuals.html"), WIDTH)  # the one-file page, from RUN_DIR

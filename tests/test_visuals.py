@@ -409,6 +409,9 @@ def test_sweep_of_trained_saes(world, capsys, tmp_path):
     html = (sweep / "index.html").read_text()
     for link in re.findall(r'href="([^"]+)"', html):
         assert os.path.isfile(sweep / link)
+    for d in dirs:  # every SAE's explorer, from its row and its Pareto point
+        ex = os.path.relpath(os.path.join(d, "visuals", "explorer", "index.html"), sweep)
+        assert html.count(f'href="{ex}"') == 2
     # one dead count: eval.json, the page header, the report's one-file page, summary.json and the
     # exported model card show the same dead and almost-dead counts under one definition string
     from actcache.export import export_saelens

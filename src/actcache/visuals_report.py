@@ -34,6 +34,8 @@ _SET_SRC = (
     "function (i) { if (T[i.dataset.img]) { i.src = T[i.dataset.img]; } });})();</script>"
 )
 _MIME = {"png": "image/png", "jpg": "image/jpeg"}
+# The explorer from RUN_DIR/visuals.html (opened from disk; a report's data: URL cannot follow it).
+EXPLORER_FROM_RUN = "visuals/explorer/index.html"
 MAX_ASSET_BYTES = 64 * 2**20  # a plot or a top image is kilobytes; a larger file is left out of the page
 
 
@@ -120,8 +122,8 @@ def one_file_page(res: LatentSummary, latents: np.ndarray, info: dict, labels: d
                 f"small images, so that a browser can open it inside a report; the full page is {full_page}."
             )
         page = render_page(res, shown, info, labels, patch_of_token, heat, images, plots, [*notes, *extra], lazy=False,
-                           dense_frac=dense_frac)  # fmt: skip
-        return assets.inline(annotate_page(page, probes)), shown
+                           dense_frac=dense_frac, explorer=EXPLORER_FROM_RUN)  # fmt: skip
+        return assets.inline(annotate_page(page, probes, EXPLORER_FROM_RUN)), shown
 
     def fits(got: tuple[str, np.ndarray]) -> bool:
         return len(got[0].encode("utf-8")) <= budget
