@@ -243,41 +243,52 @@ def test_sweep_view_shows_the_image_top_latents_of_every_sae(tab, explorers):
 # ---- every link -----------------------------------------------------------------------------
 
 
-def kind(url: str, home: str) -> tuple[bool, str]:
-    """A view's kind: (in another explorer, the view's name: "" for the table, "latent", ...)."""
+def is_explorer(url: str) -> bool:
+    return urllib.parse.urldefrag(url)[0].endswith("/explorer/index.html")
+
+
+def kind(url: str) -> tuple[str, str]:
+    """A view's kind: (its file, the view's name: "" for the table, "latent", ...; "" off explorers)."""
     base, frag = urllib.parse.urldefrag(url)
-    return base != home, frag.split("=")[0]
+    return base, frag.split("=")[0] if is_explorer(base) else ""
 
 
 def crawl(tab, home: str, max_views: int) -> tuple[int, int, int]:
-    """Breadth-first over the views of ``home`` and of every explorer it links, a view of each kind
-    before more of a kind seen; on every visited view, every link is checked (its file exists; a
-    latent it names exists), every image loaded, no error shown. Returns (views, kinds of view, links checked)."""
+    """Breadth-first over the pages and explorer views reachable from ``home``, a view of each kind
+    before more of a kind seen. On every visited one, every link is checked (its file exists; an
+    anchor on the same page exists; a latent it names exists), every image loaded, no error shown.
+    Returns (views, kinds of view, links checked)."""
     seen, queue, kinds, widths, visited, checked = {home}, [home], set(), {}, 0, 0
     while queue and visited < max_views:
-        url = queue.pop(next((j for j, u in enumerate(queue) if kind(u, home) not in kinds), 0))
-        kinds.add(kind(url, home))
+        url = queue.pop(next((j for j, u in enumerate(queue) if kind(u) not in kinds), 0))
+        kinds.add(kind(url))
         base, frag = urllib.parse.urldefrag(url)
-        tab.open("#" + frag if frag else "", url=base)
+        if is_explorer(base):
+            tab.open("#" + frag if frag else "", url=base)
+            assert not tab.page.locator(".error").count(), f"{url}: {tab.page.inner_text('.error')}"
+            widths.setdefault(base, tab.page.evaluate("__explorer.meta.width"))
+        else:
+            tab.page.goto(base)
         visited += 1
-        broken = tab.page.evaluate(
-            "[...document.images].filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src)"
-        )
+        broken = tab.page.evaluate(ALL_IMAGES)
         assert not broken, f"broken images on {url}: {broken}"
-        assert not tab.page.locator(".error").count(), f"{url}: {tab.page.inner_text('.error')}"
-        widths.setdefault(base, tab.page.evaluate("__explorer.meta.width"))
         for href in tab.page.eval_on_selector_all("a[href]", "es => es.map(e => e.href)"):
             checked += 1
             target, tfrag = urllib.parse.urldefrag(href)
+            assert target.startswith("file://"), f"a link off the disk on {url}: {href}"
             assert os.path.isfile(urllib.parse.unquote(urllib.parse.urlparse(target).path)), (
                 f"dead link on {url}: {href}"
             )
-            m = re.fullmatch(r"latent=(\d+)", tfrag)
-            if m and target in widths:
-                assert int(m.group(1)) < widths[target], f"{href} on {url} names no latent of that SAE"
-            if href not in seen:
-                seen.add(href)
-                queue.append(href)
+            if is_explorer(target):
+                m = re.fullmatch(r"latent=(\d+)", tfrag)
+                if m and target in widths:
+                    assert int(m.group(1)) < widths[target], f"{href} on {url} names no latent of that SAE"
+            elif tfrag and target == base:
+                assert tab.page.locator(f"[id='{tfrag}']").count(), f"dead anchor on {url}: {href}"
+            follow = href if is_explorer(target) else target if target.endswith(".html") else None
+            if follow and follow not in seen:
+                seen.add(follow)
+                queue.append(follow)
     return visited, len(kinds), checked
 
 
@@ -331,8 +342,8 @@ def test_real_explorer_patch_click_lists_the_sae_encode_of_that_patch(browser, e
     t.close()
 
 
-def test_real_explorer_has_no_dead_link_broken_image_or_error(browser, explored):  # noqa: F811
+def test_real_explorer_and_visuals_page_have_no_dead_link_broken_image_or_error(browser, explored):  # noqa: F811
     t = Tab(browser, explored["out"])
-    visited, kinds, checked = crawl(t, t.base, max_views=12)
-    assert visited == 12 and kinds >= 5 and checked > 50, (visited, kinds, checked)
+    visited, kinds, checked = crawl(t, "file://" + os.path.join(explored["run"], "visuals", "index.html"), max_views=14)
+    assert visited == 14 and kinds >= 6 and checked > 50, (visited, kinds, checked)
     t.close()
