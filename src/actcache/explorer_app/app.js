@@ -500,7 +500,9 @@
 
   // ---- routing ----------------------------------------------------------------------------
   async function route() {
-    const seq = ++S.seq, app = document.getElementById("app"), h = decodeURIComponent(location.hash.slice(1));
+    const seq = ++S.seq, app = document.getElementById("app"), raw = location.hash.slice(1);
+    let h = raw;
+    try { h = decodeURIComponent(raw); } catch (e) { /* a stray "%": the hash as typed */ }
     const eq = h.indexOf("="), view = eq < 0 ? h : h.slice(0, eq), arg = eq < 0 ? "" : h.slice(eq + 1);
     try {
       if (view === "latent") await viewLatent(app, seq, arg);
