@@ -32,8 +32,7 @@ of the tokens of that bin whatever the median and max turn out to be; at the end
 bin takes the samples that fall in it. Each of the ``R`` lanes is a priority sample (the entry
 with the largest random key of its slot wins; keys are unique), so a lane is a uniform draw and
 lanes are independent (duplicates are dropped at the end). Memory: 18 bytes per (latent, bin,
-lane), 1.7 KiB per latent (113 MiB at width 65,536); per-token heatmaps are kept for the top
-images only (a quantile example names its token instead).
+lane), 113 MiB at width 65,536; a quantile example names its token (no per-token heatmap).
 
 Vectorised per batch: one ``amax`` over each image's tokens, one ``torch.topk`` merging the
 running ``(S, k)`` top-k with the batch's ``(S, n_images)`` scores, one ``nonzero`` + ``bincount``
