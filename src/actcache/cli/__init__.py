@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="only the training curves and the NMSE-L0 plot (no pass over the cache)",
     )
     s.add_argument("--out", default=None, help="folder for the sweep plots (default: <common parent>/visuals)")
+    s.add_argument("--no-explorer", action="store_true",
+                   help="no visuals/explorer/ (every latent's data) and none of its statistics: a faster pass; "
+                   "only the page's cards are then reachable")  # fmt: skip
 
     s = sub.add_parser("serve", help="serve the explorers and pages under a folder over local HTTP (read-only)")
     s.add_argument("runs_dir", metavar="RUNS_DIR", help="the folder holding SAE runs (runs_to)")
