@@ -12,6 +12,7 @@ import base64
 import json
 import os
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -171,3 +172,14 @@ def test_every_link_on_the_page_opens_the_latent_it_names(explored):
     assert ("#latent-5" if 5 in on_page else "explorer/index.html#latent=5") in hrefs  # class 1's best latent
     assert {f"explorer/index.html#latent={s}" for s in on_page} <= set(hrefs)
     crawl(os.path.join(explored["run"], "visuals.html"), WIDTH)  # the one-file page, from RUN_DIR
+
+
+def test_no_explorer_writes_none_and_links_only_the_cards(explored, tmp_path):
+    run = str(tmp_path / "sae1")
+    shutil.copytree(explored["run"], run, ignore=shutil.ignore_patterns("visuals*"))
+    assert cli.main(["visuals", run, "--latents", "4", "--device", "cpu", "--no-explorer", "--no-images"]) == 0
+    assert not os.path.exists(os.path.join(run, "visuals", "explorer"))
+    hrefs = crawl(os.path.join(run, "visuals", "index.html"), WIDTH)
+    assert all("explorer" not in h for h in hrefs)
+    with np.load(os.path.join(run, "visuals", "latents.npz")) as z:
+        assert "q_img" not in z.files

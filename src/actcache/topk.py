@@ -32,8 +32,7 @@ of the tokens of that bin whatever the median and max turn out to be; at the end
 bin takes the samples that fall in it. Each of the ``R`` lanes is a priority sample (the entry
 with the largest random key of its slot wins; keys are unique), so a lane is a uniform draw and
 lanes are independent (duplicates are dropped at the end). Memory: 18 bytes per (latent, bin,
-lane), 1.7 KiB per latent (113 MiB at width 65,536); per-token heatmaps are kept for the top
-images only (a quantile example names its token instead).
+lane), 113 MiB at width 65,536; a quantile example names its token (no per-token heatmap).
 
 Vectorised per batch: one ``amax`` over each image's tokens, one ``torch.topk`` merging the
 running ``(S, k)`` top-k with the batch's ``(S, n_images)`` scores, one ``nonzero`` + ``bincount``
@@ -150,9 +149,9 @@ class LatentStats:
     """Accumulates :class:`LatentSummary` statistics batch by batch (see the module docstring)."""
 
     def __init__(self, width: int, tokens_per_img: int, k: int = 16, device: str | torch.device = "cpu",
-                 explore=(), seed: int = 0):  # fmt: skip
+                 explore=(), seed: int = 0, quantiles: bool = True):  # fmt: skip
         """``explore``: the explorable images (image indices) whose per-token latents are kept;
-        ``seed``: of the quantile samples."""
+        ``seed``: of the quantile samples; ``quantiles=False``: none (the summary has no q_*)."""
         if width < 1 or tokens_per_img < 1 or k < 1:
             raise ValueError(f"width, tokens_per_img and k must be >= 1, got {width}, {tokens_per_img}, {k}")
         self.S, self.T, self.K = int(width), int(tokens_per_img), int(k)
@@ -167,7 +166,8 @@ class LatentStats:
         self.top_phys = torch.arange(self.K, device=dev).repeat(self.S, 1)
         self.acts = torch.zeros((self.S, self.K, self.T), dtype=torch.float32, device=dev)
         self._carry: tuple[torch.Tensor, torch.Tensor] | None = None
-        slots = (self.S * N_BINS, QUANTILE_LANES)
+        self.quantiles = quantiles
+        slots = (self.S * N_BINS, QUANTILE_LANES if quantiles else 0)
         self.q_key = torch.full(slots, -1, dtype=torch.int64, device=dev)
         self.q_img = torch.full(slots, -1, dtype=torch.int32, device=dev)
         self.q_act = torch.zeros(slots, dtype=torch.float32, device=dev)
@@ -225,7 +225,7 @@ class LatentStats:
         if not slot.numel():
             return
         idx = torch.arange(slot.numel(), device=self.device)
-        for r in range(QUANTILE_LANES):
+        for r in range(self.q_key.shape[1]):
             key = torch.randint(0, 2**31, slot.shape, generator=self.gen, device=self.device).bitwise_left_shift_(32)
             key.bitwise_or_(idx)
             best = self.q_key[:, r].clone().scatter_reduce_(0, slot, key, "amax")
@@ -299,10 +299,16 @@ class LatentStats:
             hist=hist, top_img=self.top_img.cpu().numpy(),
             top_score=torch.where(filled, self.top_val, 0.0).cpu().numpy(),
             top_acts=torch.where(filled.unsqueeze(-1), top_acts, 0.0).cpu().numpy(),
-            q_img=self.q_img.view(self.S, N_BINS, -1).cpu().numpy().astype(np.int64),
-            q_act=self.q_act.view(self.S, N_BINS, -1).cpu().numpy(),
-            q_tok=self.q_tok.view(self.S, N_BINS, -1).cpu().numpy().astype(np.int64), **self._explored(),
+            **self._quantile_samples(), **self._explored(),
         )  # fmt: skip
+
+    def _quantile_samples(self) -> dict:
+        if not self.quantiles:
+            return {}
+        shape = (self.S, N_BINS, -1)
+        return dict(q_img=self.q_img.view(shape).cpu().numpy().astype(np.int64),
+                    q_act=self.q_act.view(shape).cpu().numpy(),
+                    q_tok=self.q_tok.view(shape).cpu().numpy().astype(np.int64))  # fmt: skip
 
 
 def _pad(x: np.ndarray, m: int) -> np.ndarray:

@@ -78,6 +78,7 @@ class VisualsOptions:
     reuse: bool = False
     plots_only: bool = False
     out: str | None = None
+    explorer: bool = True
 
 
 class VisualsError(ActCacheError):
@@ -239,9 +240,9 @@ def spliced_row(sp: dict) -> str:
 
 def compute_stats(cache, saes: list, patches: str, layer: int, scale_norm: bool, k: int = 16,
                   batch_images: int | None = None, device: str = "cpu",
-                  timings: dict | None = None, explore=()) -> list[LatentSummary]:  # fmt: skip
+                  timings: dict | None = None, explore=(), quantiles: bool = True) -> list[LatentSummary]:  # fmt: skip
     """One ordered pass over ``cache``; per SAE, its :class:`LatentSummary` (``explore``: the
-    explorable images, whose per-token latents it keeps).
+    explorable images, whose per-token latents it keeps; ``quantiles``: the quantile samples).
 
     ``timings`` (a dict) receives the seconds spent waiting for batches (``wait_s``), in the
     SAEs' ``encode`` (``encode_s``) and in the statistics (``stats_s``).
@@ -256,7 +257,7 @@ def compute_stats(cache, saes: list, patches: str, layer: int, scale_norm: bool,
     width = max(s.cfg.width for s in saes)
     if batch_images is None:
         batch_images = max(1, min(16384 // per_img, TARGET_BATCH_BYTES // (4 * per_img * width)))
-    stats = [LatentStats(s.cfg.width, per_img, k, device, explore=explore) for s in saes]
+    stats = [LatentStats(s.cfg.width, per_img, k, device, explore=explore, quantiles=quantiles) for s in saes]
     for s in saes:
         s.to(device).eval()
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
@@ -374,7 +375,8 @@ def write_visuals(run: Run, cache, res: LatentSummary, src, opts, timings: dict,
             shown = ",".join(str(i) for i in ids)
             raise ConfigError(f"--latent-ids: ids must be in [0, {res.width}), got {shown}")
         latents = vh.select_latents(res, opts.latents, opts.select, ids)
-        plan = ExplorerPlan.of(res)
+        plan = ExplorerPlan.of(res) if opts.explorer else ExplorerPlan([], [])
+        href = "explorer/index.html" if opts.explorer else None
         pot = _patch_of_token(md, run.patches, run.layer)
         grid = math.isqrt(md.n_patches_per_img)
         heat = (pot >= 0).any() and grid * grid == md.n_patches_per_img
@@ -407,7 +409,7 @@ def write_visuals(run: Run, cache, res: LatentSummary, src, opts, timings: dict,
         timings["page_s"] = time.perf_counter() - t0
         ev, cfg = run.eval(), run.sae_config()
         t0 = time.perf_counter()
-        explorer_bytes = _write_explorer(run, cache, res, plan, src, ev, tmp, sweep)
+        explorer_bytes = _write_explorer(run, cache, res, plan, src, ev, tmp, sweep) if opts.explorer else 0
         timings["explorer_s"] = time.perf_counter() - t0
         info = {
             "SAE": run.name, "what": sae_title(run, res.width),
@@ -418,14 +420,15 @@ def write_visuals(run: Run, cache, res: LatentSummary, src, opts, timings: dict,
         }  # fmt: skip
         dense_frac = float(ev.get("dense_frac", cfg.get("dense_frac", 0.1)))
         page = vh.render_page(res, latents, info, labels, pot, heat, src.dataset is not None, plots, notes,
-                              dense_frac=dense_frac)  # fmt: skip
+                              dense_frac=dense_frac, explorer=href)  # fmt: skip
         from actcache.visuals_probes import annotate_page
 
-        page = annotate_page(page, ev.get("probes"))
+        page = annotate_page(page, ev.get("probes"), href)
         vh.write_page(os.path.join(tmp, PAGE_FILE), page)
         standalone, one_file = one_file_page(res, latents, info, labels, pot, heat, src.dataset is not None, plots,
                                              notes, tmp, os.path.abspath(os.path.join(final, PAGE_FILE)),
-                                             probes=ev.get("probes"), dense_frac=dense_frac)  # fmt: skip
+                                             probes=ev.get("probes"), dense_frac=dense_frac,
+                                             explorer=opts.explorer)  # fmt: skip
         summary = {
             "version": 1, "sae_id": run.name, "run_dir": os.path.abspath(run.dir), "cache": run.cache,
             "cache_hash": md.hash, "layer": run.layer, "patches": run.patches, "scale_norm": run.scale_norm,
@@ -434,7 +437,8 @@ def write_visuals(run: Run, cache, res: LatentSummary, src, opts, timings: dict,
             "dead_definition": ev.get("dead_definition"),
             "latents_shown": [int(s) for s in latents], "one_file_latents": [int(s) for s in one_file],
             "sae_weights": _weights_stamp(run.dir), "reused": timings.pop("reused", False), "seconds": timings,
-            "explorer": {"dir": EXPLORER_DIR, "data_bytes": explorer_bytes, "images": res.ex_img.tolist()},
+            "explorer": {"dir": EXPLORER_DIR, "data_bytes": explorer_bytes, "images": res.ex_img.tolist()}
+            if opts.explorer else None,
             "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         }  # fmt: skip
         atomic_write_bytes(os.path.join(tmp, SUMMARY_FILE), (json.dumps(summary, indent=2) + "\n").encode())
@@ -521,7 +525,7 @@ def _reusable(run: Run, md, opts, explore: np.ndarray) -> LatentSummary | None:
     same = (doc.get("sae_weights") == _weights_stamp(run.dir) and doc.get("cache_hash") == md.hash
             and doc.get("layer") == run.layer and doc.get("patches") == run.patches and doc.get("k") == opts.top_k)  # fmt: skip
     got = _load_summary(os.path.join(d, STATS_FILE), run.sae_config().get("width"), opts.top_k) if same else None
-    if got is not None and not (got.has_explorer_stats and np.array_equal(got.ex_img, explore)):
+    if got is not None and opts.explorer and not (got.has_explorer_stats and np.array_equal(got.ex_img, explore)):
         log.info("%s lacks the explorer's statistics (or for other images); computing it again", d)
         return None
     return got
@@ -564,7 +568,7 @@ def _stream_pages(key: tuple, cache, members: list[Run], opts: VisualsOptions, r
 
     src = image_source(cache.metadata, opts.no_images, cache.path)  # fails before the pass, not after it
     todo, results = [], {}
-    explore = explore_ids(members, cache.metadata.n_imgs)
+    explore = explore_ids(members, cache.metadata.n_imgs) if opts.explorer else np.zeros(0, np.int64)
     for r in members:
         got = _reusable(r, cache.metadata, opts, explore) if opts.reuse else None
         if got is not None:
@@ -578,7 +582,8 @@ def _stream_pages(key: tuple, cache, members: list[Run], opts: VisualsOptions, r
         saes = [SAE.load(r.dir) for r in todo]
         device = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
         for r, res in zip(todo, compute_stats(cache, saes, key[2], key[1], key[3], opts.top_k,
-                                              opts.batch_images, device, timings, explore), strict=True):  # fmt: skip
+                                              opts.batch_images, device, timings, explore, opts.explorer),
+                                strict=True):  # fmt: skip
             results[r.dir] = res
     pass_s = time.perf_counter() - t0
     for r in members:

@@ -105,12 +105,14 @@ def spread(latents: np.ndarray, m: int) -> np.ndarray:
 def one_file_page(res: LatentSummary, latents: np.ndarray, info: dict, labels: dict[int, str],
                   patch_of_token: np.ndarray, heat: bool, images: bool, plots: list[str], notes: list[str],
                   base_dir: str, full_page: str, budget: int | None = None,
-                  probes: dict | None = None, dense_frac: float = 0.1) -> tuple[str, np.ndarray]:  # fmt: skip
+                  probes: dict | None = None, dense_frac: float = 0.1,
+                  explorer: bool = True) -> tuple[str, np.ndarray]:  # fmt: skip
     """(page, latents shown): the page of ``base_dir`` (a visuals folder) in one file of at most
     ``budget`` bytes (default PAGE_BUDGET) where that is possible, with as many of ``latents`` as
     fit (the page's size grows with the count of cards). ``probes`` (eval.json "probes") adds each
     card's best class and the best-latent table, as on the full page."""
     budget = PAGE_BUDGET if budget is None else budget
+    href = EXPLORER_FROM_RUN if explorer else None
     assets = InlineAssets(base_dir)
 
     def build(m: int) -> tuple[str, np.ndarray]:
@@ -122,8 +124,8 @@ def one_file_page(res: LatentSummary, latents: np.ndarray, info: dict, labels: d
                 f"small images, so that a browser can open it inside a report; the full page is {full_page}."
             )
         page = render_page(res, shown, info, labels, patch_of_token, heat, images, plots, [*notes, *extra], lazy=False,
-                           dense_frac=dense_frac, explorer=EXPLORER_FROM_RUN)  # fmt: skip
-        return assets.inline(annotate_page(page, probes, EXPLORER_FROM_RUN)), shown
+                           dense_frac=dense_frac, explorer=href)  # fmt: skip
+        return assets.inline(annotate_page(page, probes, href)), shown
 
     def fits(got: tuple[str, np.ndarray]) -> bool:
         return len(got[0].encode("utf-8")) <= budget
