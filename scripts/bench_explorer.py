@@ -4,8 +4,8 @@
 
 Per width, a synthetic explorer (tests/explorer_data.py: the app plus contract-conformant data,
 196 patches + CLS per image, 1,024 images of which 64 explorable) is written once under ``--out``,
-then opened from ``file://`` and over HTTP (a stdlib ThreadingHTTPServer on 127.0.0.1; `actcache
-serve` is not used here) in alternating rounds, each in a fresh browser context (Playwright
+then opened from ``file://`` and over HTTP (`actcache serve`'s server, actcache.serve.make_server, on
+127.0.0.1) in alternating rounds, each in a fresh browser context (Playwright
 driving Debian's Chromium):
 
 - ``blank``: the reference, measured in the same round: navigation start -> load event of an
@@ -23,7 +23,6 @@ Medians over the rounds. Targets (issue #60): open <= 2 s and memory <= 500 MB a
 from __future__ import annotations
 
 import argparse
-import functools
 import http.server
 import os
 import shutil
@@ -39,6 +38,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import benchlib  # noqa: E402
 from playwright.sync_api import sync_playwright  # noqa: E402
 from tests.explorer_data import write_synthetic_explorer  # noqa: E402
+
+from actcache.explorer_app import copy_app  # noqa: E402
+from actcache.serve import make_server  # noqa: E402
 
 GRID, N_IMGS, N_EXPLORABLE, N_PAGES = 14, 1024, 64, 20
 MB = 2**20
@@ -64,6 +66,7 @@ def build(out: str, width: int) -> tuple[str, float]:
         t = time.perf_counter()
         write_synthetic_explorer(folder, width, n_imgs=N_IMGS, n_explorable=N_EXPLORABLE, grid=GRID)
         print(f"wrote the width-{width:,} explorer in {time.perf_counter() - t:.1f} s", flush=True)
+    copy_app(folder)  # the app as it is now (the data may be from an earlier run)
     with open(os.path.join(folder, "blank.html"), "w") as fh:
         fh.write('<!doctype html><title>blank</title><link rel="icon" href="data:,">\n')
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(folder, "data")) for f in fs)
@@ -71,11 +74,8 @@ def build(out: str, width: int) -> tuple[str, float]:
 
 
 def serve(root: str) -> tuple[http.server.ThreadingHTTPServer, str]:
-    class Quiet(http.server.SimpleHTTPRequestHandler):
-        def log_message(self, *a):  # no line per request
-            pass
-
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=root))
+    """`actcache serve`'s server of ``root`` on a free port of 127.0.0.1, serving in a thread."""
+    srv = make_server(root, "127.0.0.1", 0)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     return srv, f"http://127.0.0.1:{srv.server_address[1]}"
 
@@ -187,7 +187,7 @@ def main() -> None:
     setup = [
         f"Synthetic explorers (tests/explorer_data.py): {GRID * GRID} patches + CLS per image, {N_IMGS:,} images "
         f"({N_EXPLORABLE} explorable), chunks of 1,024 (table) and 256 (detail) latents; the app from src/actcache/explorer_app.",
-        "Headless Chromium (Debian) through Playwright, a fresh context per round; file:// and a stdlib HTTP server on "
+        "Headless Chromium (Debian) through Playwright, a fresh context per round; file:// and `actcache serve` on "
         "127.0.0.1; reference: an empty page's load in the same round (blank ms).",
         "open = navigation start -> the table's first 50 rows rendered; sort = click -> sorted by frequency (every table "
         f"chunk loaded); memory after open, after the sort, after {N_PAGES} random latent pages (LRU of 8 detail chunks).",
