@@ -18,6 +18,10 @@
     act: "the latent's activation",
     cos: "cosine between decoder rows",
     hist: "tokens per activation bin",
+    chance: "AP of a random ranking: the class's prevalence among the probe's images",
+    quantiles: "examples sampled from bins between the median and the max of the latent's non-zero activations",
+    neighbours: "latents with the largest cosine between decoder rows",
+    patches: "per token: its top latents by activation (non-zero only)",
   };
 
   const S = {
@@ -296,7 +300,7 @@
         el("td", {}, num("mean_act", r.mean_act)), el("td", {}, num("dec_norm", r.dec_norm)),
         el("td", { class: "l", text: className(r.best_class) }),
         el("td", {}, num("best_ap", r.best_ap, r.best_ap === null ? "" : "95% interval [" + fmt(r.best_ap_lo) + ", " + fmt(r.best_ap_hi) + "]; " + nProbe(r.best_class))),
-        el("td", {}, num("chance", r.best_class >= 0 ? chance(r.best_class) : null, "AP of a random ranking: the class's prevalence")));
+        el("td", {}, num("chance", r.best_class >= 0 ? chance(r.best_class) : null, probeN())));
     });
     const go = function (p) { return function () { t.page = p; rerender(); }; };
     const pager = el("div", { class: "pager" },
@@ -333,13 +337,13 @@
       el("dt", { title: def("best_class"), text: "best class" }), el("dd", { class: "best-class", text: className(r.best_class) }),
       el("dt", { title: def("best_ap"), text: "AP" }), el("dd", {}, num("best_ap", r.best_ap, r.best_ap === null ? "" : nProbe(r.best_class)),
         r.best_ap === null ? null : el("span", { class: "muted", text: " 95% [" + fmt(r.best_ap_lo) + ", " + fmt(r.best_ap_hi) + "], chance " }),
-        r.best_ap === null ? null : num("chance", chance(r.best_class), "AP of a random ranking: the class's prevalence"),
+        r.best_ap === null ? null : num("chance", chance(r.best_class), probeN()),
         r.best_ap === null ? null : el("span", { class: "muted", text: ", " + probeN() })));
     const parts = [el("h2", { text: "Latent " + id }), nav, stats];
     parts.push(el("h3", { title: "the images with the largest activations; red: " + def("act") + " per patch, relative to the latent's max", text: "Top images" }));
     parts.push(det.top.length ? el("div", { class: "figs top" }, det.top.map(exampleFig)) : el("p", { class: "muted", text: "never fires in the pass" }));
     if (det.quantiles && det.quantiles.length) {
-      parts.push(el("h3", { title: "examples sampled from bins between the median and the max of its non-zero activations", text: "Examples by activation" }));
+      parts.push(el("h3", { title: def("quantiles"), text: "Examples by activation" }));
       parts.push(el("div", { class: "bins" }, det.quantiles.flatMap(function (q) {
         return [el("span", { class: "bin", text: fmt(q.lo) + " – " + fmt(q.hi) }),
           q.examples.length ? el("div", { class: "figs" }, q.examples.map(exampleFig)) : el("span", { class: "muted", text: "no example in this bin" })];
@@ -347,7 +351,7 @@
     }
     const nh = det.hist.reduce(function (a, b) { return a + b; }, 0);
     parts.push(el("h3", { title: def("hist"), text: "Activation histogram (n = " + nh + " tokens)" }), histogram(det.hist, m.hist_edges));
-    parts.push(el("h3", { title: def("cos"), text: "Nearest latents by decoder cosine" }),
+    parts.push(el("h3", { title: def("neighbours") + "; " + def("cos"), text: "Nearest latents by decoder cosine" }),
       det.neighbours.length ? el("ul", { class: "neighbours" }, det.neighbours.map(function (nb) { return el("li", {}, latentLink(nb.id), " · cos ", num("cos", nb.cos)); }))
         : el("p", { class: "muted", text: "none" }));
     if (det.sweep_neighbours && det.sweep_neighbours.length) {
@@ -411,7 +415,7 @@
     if (pinned !== null && !(g && Number.isInteger(pinned) && pinned >= 0 && pinned < g * g)) throw new UserError("no patch " + JSON.stringify(patchArg) + ": patches run from 0 to " + (g * g - 1));
     const showPatch = function (p) {
       const t = tokenOf[p], pl = im.patches[t] || { ids: [], acts: [] };
-      patchPanel.replaceChildren(el("h3", { title: "top latents of this patch's token (at most 16, non-zero only); " + def("act"),
+      patchPanel.replaceChildren(el("h3", { title: def("patches") + "; " + def("act"),
         text: "Patch " + p + " (row " + Math.floor(p / g) + ", column " + (p % g) + ", token " + t + ")" }),
         latentList(pl.ids, pl.acts, "patch-latents"));
       patchPanel.dataset.patch = p;
