@@ -251,15 +251,18 @@ def is_explorer(url: str) -> bool:
 
 
 def kind(url: str) -> tuple[str, str]:
-    """A view's kind: (its file, the view's name: "" for the table, "latent", ...; "" off explorers)."""
+    """A view's kind: (its file, the view's name: "" for the table, "latent", "image=" for the image
+    browser, "image" for one image, ...; "" off explorers)."""
     base, frag = urllib.parse.urldefrag(url)
-    return base, frag.split("=")[0] if is_explorer(base) else ""
+    name, eq, arg = frag.partition("=")
+    return base, name + ("=" if eq and not arg else "") if is_explorer(base) else ""  # "image=": the browser
 
 
 def crawl(tab, home: str, max_views: int) -> tuple[int, int, int]:
     """Breadth-first over the pages and explorer views reachable from ``home``, a view of each kind
     before more of a kind seen. On every visited one, every link is checked (its file exists; an
-    anchor on the same page exists; a latent it names exists), every image loaded, no error shown.
+    anchor on the same page exists; a latent it names exists), every image loaded, no error and no
+    "null", "undefined" or "NaN" shown.
     Returns (views, kinds of view, links checked)."""
     seen, queue, kinds, widths, visited, checked = {home}, [home], set(), {}, 0, 0
     while queue and visited < max_views:
@@ -270,6 +273,8 @@ def crawl(tab, home: str, max_views: int) -> tuple[int, int, int]:
             tab.open("#" + frag if frag else "", url=base)
             assert not tab.page.locator(".error").count(), f"{url}: {tab.page.inner_text('.error')}"
             widths.setdefault(base, tab.page.evaluate("__explorer.meta.width"))
+            shown = re.search(r"\b(null|undefined|NaN|\[object \w+\])", tab.page.inner_text("#app"))
+            assert not shown, f"{url} shows {shown.group(0)!r}"
         else:
             tab.page.goto(base)
         visited += 1

@@ -123,6 +123,8 @@
     }
     return e;
   }
+  // replaceChildren would write a null part as the text "null"
+  function show(node) { node.replaceChildren(...Array.prototype.slice.call(arguments, 1).filter(function (x) { return x; })); }
   function fmt(v) {
     if (v === null || v === undefined || Number.isNaN(v)) return "–";
     if (Number.isInteger(v)) return String(v);
@@ -364,7 +366,7 @@
           return el("li", {}, s ? el("a", { href: s.href + "#latent=" + nb.id, text: label }) : el("span", { text: label }), " · cos ", num("cos", nb.cos));
         })));
     }
-    app.replaceChildren(...parts);
+    show(app, ...parts);
   }
 
   // ---- images: browse, patch grid, patch -> latents -----------------------------------------
@@ -446,7 +448,7 @@
     const nav = el("p", {}, idx > 0 ? el("a", { href: "#image=" + m.images[idx - 1].id, text: "◀ previous image" }) : null, " ",
       idx + 1 < m.images.length ? el("a", { href: "#image=" + m.images[idx + 1].id, text: "next image ▶" }) : null, " ",
       m.sweep && m.sweep.length ? el("a", { href: "#sweep=" + id, text: "this image in every SAE of the sweep" }) : null);
-    app.replaceChildren(el("h2", { text: "Image " + id + (im.label === null || im.label === undefined ? "" : " · " + className(im.label)) }), nav, imageBrowser(id),
+    show(app, el("h2", { text: "Image " + id + (im.label === null || im.label === undefined ? "" : " · " + className(im.label)) }), nav, imageBrowser(id),
       el("div", { class: "row" }, big, patchPanel,
         el("div", { class: "image-top" }, el("h3", { title: "the image's top latents by their max activation over its tokens; " + def("act"), text: "Top latents of the image" }),
           latentList(im.top.ids, im.top.acts, "image-latents"))),
@@ -475,7 +477,7 @@
       return el("div", { class: "sweep-col", "data-sae": c.s.sae_id }, el("h3", {}, el("a", { href: c.s.href || "#", text: c.s.title })),
         c.v ? latentList(c.v.top.ids, c.v.top.acts, "image-latents", c.s.href) : el("p", { class: "muted", text: "this image is not among that SAE's explorable images" }));
     }));
-    app.replaceChildren(el("h2", { text: "Sweep: image " + id }), el("div", { class: "thumb" }, thumbSrc(id) ? el("img", { src: thumbSrc(id), alt: "image " + id }) : null), nav,
+    show(app, el("h2", { text: "Sweep: image " + id }), el("div", { class: "thumb" }, thumbSrc(id) ? el("img", { src: thumbSrc(id), alt: "image " + id }) : null), nav,
       el("h3", { text: "Every explorer of the sweep" }), links, el("h3", { title: def("act"), text: "Top latents of image " + id + " in each SAE" }), row);
   }
 
