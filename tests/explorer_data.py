@@ -105,20 +105,32 @@ def _examples(rng, imgs, acts_NE: np.ndarray, m_N: np.ndarray, T: int, heats: in
     ]
 
 
-def _details(rng, start: int, stop: int, width: int, cols: dict, n_imgs: int, T: int, n_hist: int, sweep_ids):
+def _details(
+    rng,
+    start: int,
+    stop: int,
+    width: int,
+    cols: dict,
+    n_imgs: int,
+    T: int,
+    n_hist: int,
+    sweep_ids,
+    n_top: int,
+    per_bin: int,
+):
     """Latents ``start .. stop``'s detail entries, vectorised over the chunk."""
     N = stop - start
     m_N = np.asarray(r6s(cols["max_act"][start:stop]), np.float64)
-    top_NK = np.sort(rng.uniform(0.2, 1.0, (N, N_TOP)), 1)[:, ::-1] * m_N[:, None]
+    top_NK = np.sort(rng.uniform(0.2, 1.0, (N, n_top)), 1)[:, ::-1] * m_N[:, None]
     top_NK[:, 0] = m_N
-    top_imgs = rng.random((N, n_imgs)).argsort(1)[:, :N_TOP]
+    top_imgs = rng.random((N, n_imgs)).argsort(1)[:, :n_top]
     edges_NB = 0.3 * m_N[:, None] + 0.7 * m_N[:, None] * np.linspace(0, 1, N_BINS + 1)[None, :]
     lo, hi = edges_NB[:, :-1, None], edges_NB[:, 1:, None]
-    q_NBE = np.sort(lo + (hi - lo) * rng.random((N, N_BINS, N_PER_BIN)), 2)[:, :, ::-1]
-    q_imgs = rng.integers(0, n_imgs, (N, N_BINS * N_PER_BIN))
-    tops = _examples(rng, top_imgs, top_NK, m_N, T, TOP_HEAT)
+    q_NBE = np.sort(lo + (hi - lo) * rng.random((N, N_BINS, per_bin)), 2)[:, :, ::-1]
+    q_imgs = rng.integers(0, n_imgs, (N, N_BINS * per_bin))
+    tops = _examples(rng, top_imgs, top_NK, m_N, T, min(n_top, TOP_HEAT))
     qs = _examples(rng, q_imgs, q_NBE.reshape(N, -1), m_N, T, 0)
-    n_ex = rng.integers(0, N_PER_BIN + 1, (N, N_BINS)).tolist()  # a bin may have no example
+    n_ex = rng.integers(0, per_bin + 1, (N, N_BINS)).tolist()  # a bin may have no example
     nb_NJ = rng.integers(0, width, (N, N_NEIGHBOURS))
     nb_NJ[nb_NJ == np.arange(start, stop)[:, None]] += 1  # never itself
     nb_NJ %= width
@@ -134,7 +146,7 @@ def _details(rng, start: int, stop: int, width: int, cols: dict, n_imgs: int, T:
             continue
         e, k = e_NB[n], n_ex[n]
         quantiles = [
-            {"lo": e[b], "hi": e[b + 1], "examples": qs[n][b * N_PER_BIN : b * N_PER_BIN + k[b]]} for b in range(N_BINS)
+            {"lo": e[b], "hi": e[b + 1], "examples": qs[n][b * per_bin : b * per_bin + k[b]]} for b in range(N_BINS)
         ]
         out.append({"top": tops[n], "quantiles": quantiles, "hist": hist[n],
                     "neighbours": [{"id": j, "cos": c} for j, c in zip(nb_l[n], cos_NJ[n], strict=True)],
@@ -160,11 +172,14 @@ def _image(rng, img: int, label, file: str, width: int, T: int, cls_token: bool)
 
 def write_synthetic_explorer(out: str, width: int, *, n_imgs: int = 64, n_explorable: int = 12, grid: int = 4,
                              seed: int = 0, sae_id: str | None = None, sweep: list[dict] | None = None,
-                             chunk: int = 1024, detail_chunk: int = 256) -> dict:  # fmt: skip
+                             chunk: int = 1024, detail_chunk: int = 256, n_top: int = N_TOP,
+                             per_bin: int = N_PER_BIN) -> dict:  # fmt: skip
     """Write an explorer (app + data) for ``width`` latents into ``out``; returns what was written:
     {"meta", "table" (numpy columns), "images" {id: payload}, "detail" {latent: payload}, "dir"}.
     ``sweep``: the other SAEs' {"sae_id", "title", "href", "width"} (their width bounds the sweep
-    neighbours' ids). Every explorer written here shares its images, labels and explorable set."""
+    neighbours' ids). ``n_top``, ``per_bin``: top examples per latent and at most so many examples
+    per quantile bin (fewer: a faster write). Every explorer written here shares its images, labels
+    and explorable set."""
     world = np.random.default_rng(1234)  # the images, labels and explorable set: shared by a sweep's SAEs
     rng = np.random.default_rng(seed)
     T = grid * grid + 1
@@ -185,7 +200,7 @@ def write_synthetic_explorer(out: str, width: int, *, n_imgs: int = 64, n_explor
         "probe_prevalence": {str(c): r6(p) for c, p in enumerate(prevalence)},
         "images": [{"id": i, "label": int(labels[i]), "file": thumbs[str(i)]} for i in explorable],
         "image_thumbs": thumbs, "sweep": [{k: s[k] for k in ("sae_id", "title", "href")} for s in sweep],
-        "top_heat": TOP_HEAT, "explore_source": "spread",
+        "top_heat": min(n_top, TOP_HEAT), "explore_source": "spread",
         "definitions": {
             "freq": "fraction of tokens where the latent is non-zero in the visuals pass",
             "max_act": "largest activation of the latent over the pass's tokens",
@@ -205,9 +220,8 @@ def write_synthetic_explorer(out: str, width: int, *, n_imgs: int = 64, n_explor
     detail = {}
     other_ids = [(s["sae_id"], s.get("width", width)) for s in sweep]
     for c, start in enumerate(range(0, width, detail_chunk)):
-        lat = _details(
-            rng, start, min(width, start + detail_chunk), width, cols, n_imgs, T, len(hist_edges) - 1, other_ids
-        )
+        stop = min(width, start + detail_chunk)
+        lat = _details(rng, start, stop, width, cols, n_imgs, T, len(hist_edges) - 1, other_ids, n_top, per_bin)
         detail.update((start + j, d) for j, d in enumerate(lat))
         write_chunk(data, f"latents/detail-{c:04d}", {"start": start, "latents": lat})
     images = {}

@@ -16,10 +16,9 @@ import urllib.parse
 
 import numpy as np
 import pytest
+from playwright import sync_api as playwright_api  # the dev extra (pyproject.toml): a missing one fails
 from tests.explorer_data import write_synthetic_explorer
 from tests.test_explorer import explored  # noqa: F401  (a real explorer: `actcache visuals` of a small run)
-
-playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the dev extra (pyproject.toml)")
 
 WIDTH, OTHER_WIDTH, TOL = 16384, 1024, 1e-4
 
