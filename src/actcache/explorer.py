@@ -22,7 +22,7 @@ import shutil
 
 import numpy as np
 
-from actcache.topk import LatentSummary, quantile_examples
+from actcache.topk import LatentSummary, median_act, quantile_examples
 
 FORMAT = 1
 CHUNK = 1024
@@ -77,7 +77,8 @@ class ExplorerPlan:
 
     @classmethod
     def of(cls, res: LatentSummary) -> ExplorerPlan:
-        q = [quantile_examples(res, s) for s in range(res.width)]
+        med, mx = median_act(res.hist, res.hist_edges).tolist(), res.max_act.tolist()
+        q = [quantile_examples(res, s, median=med[s], max_act=mx[s]) for s in range(res.width)]
         ids = set(res.top_img[res.top_img >= 0].tolist()) | set(res.ex_img.tolist())
         ids |= {e["img"] for bins in q for b in bins for e in b["examples"]}
         return cls(q, sorted(int(i) for i in ids))
@@ -138,9 +139,11 @@ def _write_chunk(data_dir: str, name: str, doc) -> int:
     return len(text)
 
 
-def _heat(acts_T: np.ndarray, vmax: float) -> str:
-    u8 = np.round(np.clip(acts_T / vmax, 0, 1) * 255).astype(np.uint8) if vmax > 0 else np.zeros(len(acts_T), np.uint8)
-    return base64.b64encode(u8.tobytes()).decode()
+def _heats(res: LatentSummary, a: int, b: int) -> np.ndarray:
+    """(b - a, TOP_HEAT, T) uint8: latents a..b-1's top heat maps, act / the latent's max * 255."""
+    vmax = res.max_act[a:b, None, None].astype(np.float32)
+    rel = np.divide(res.top_acts[a:b, :TOP_HEAT], vmax, out=np.zeros_like(res.top_acts[a:b, :TOP_HEAT]), where=vmax > 0)
+    return np.round(np.clip(rel, 0, 1) * 255).astype(np.uint8)
 
 
 def _best(res: LatentSummary, probes: dict | None) -> dict:
@@ -170,23 +173,29 @@ def _tables(data_dir: str, res: LatentSummary, dec_norm: np.ndarray, best: dict)
     return n
 
 
-def _latent_detail(res: LatentSummary, s: int, quantiles: list[dict], nb: tuple, sweep_nb: list) -> dict:
+def _latent_detail(res: LatentSummary, s: int, quantiles: list[dict], nb: tuple, sweep_nb: list,
+                   heat_KT: np.ndarray) -> dict:  # fmt: skip
     top = []
-    vmax = float(res.max_act[s])
-    for r in range(res.top_img.shape[1]):
-        i = int(res.top_img[s, r])
+    for r, (i, act) in enumerate(zip(res.top_img[s].tolist(), res.top_score[s].tolist(), strict=True)):
         if i < 0:
             break
-        heat = _heat(res.top_acts[s, r], vmax) if r < TOP_HEAT else None
-        top.append({"img": i, "act": float(f"{res.top_score[s, r]:.6g}"), "heat": heat})
+        heat = base64.b64encode(heat_KT[r].tobytes()).decode() if r < TOP_HEAT else None
+        top.append({"img": i, "act": float(f"{act:.6g}"), "heat": heat})
     q = [{"lo": float(f"{b['lo']:.6g}"), "hi": float(f"{b['hi']:.6g}"),
           "examples": [{"img": e["img"], "act": float(f"{e['act']:.6g}"), "tok": e["tok"], "heat": None}
                        for e in b["examples"]]} for b in quantiles]  # fmt: skip
+    return {
+        "top": top,
+        "quantiles": q,
+        "hist": res.hist[s].tolist(),
+        "neighbours": _near(nb, s),
+        "sweep_neighbours": [{"sae_id": sid, **n} for sid, other in sweep_nb for n in _near(other, s)],
+    }
+
+
+def _near(nb: tuple, s: int) -> list[dict]:
     ids, cos = nb
-    return {"top": top, "quantiles": q, "hist": res.hist[s].tolist(),
-            "neighbours": [{"id": int(j), "cos": float(f"{v:.6g}")} for j, v in zip(ids[s], cos[s], strict=True)],
-            "sweep_neighbours": [{"sae_id": sid, "id": int(j), "cos": float(f"{v:.6g}")}
-                                 for sid, (i2, c2) in sweep_nb for j, v in zip(i2[s], c2[s], strict=True)]}  # fmt: skip
+    return [{"id": j, "cos": float(f"{v:.6g}")} for j, v in zip(ids[s].tolist(), cos[s].tolist(), strict=True)]
 
 
 def _details(data_dir: str, res: LatentSummary, plan: ExplorerPlan, info: ExplorerInfo) -> int:
@@ -196,7 +205,8 @@ def _details(data_dir: str, res: LatentSummary, plan: ExplorerPlan, info: Explor
     n = 0
     for c, a in enumerate(range(0, res.width, DETAIL_CHUNK)):
         b = min(a + DETAIL_CHUNK, res.width)
-        lat = [_latent_detail(res, s, plan.quantiles[s], nb, sweep_nb) for s in range(a, b)]
+        heat = _heats(res, a, b)
+        lat = [_latent_detail(res, s, plan.quantiles[s], nb, sweep_nb, heat[s - a]) for s in range(a, b)]
         n += _write_chunk(data_dir, f"latents/detail-{c:04d}", {"start": a, "latents": lat})
     return n
 

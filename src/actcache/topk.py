@@ -333,15 +333,19 @@ def median_act(hist_SH: np.ndarray, edges: np.ndarray = HIST_EDGES) -> np.ndarra
     return np.where(n > 0, med, 0.0)
 
 
-def quantile_examples(res: LatentSummary, s: int, n_bins: int = N_QUANTILES, per_bin: int = 3) -> list[dict]:
+def quantile_examples(res: LatentSummary, s: int, n_bins: int = N_QUANTILES, per_bin: int = 3,
+                      median: float | None = None, max_act: float | None = None) -> list[dict]:  # fmt: skip
     """Latent ``s``'s examples below the top: ``n_bins`` equal-width bins of activation between
-    the median of its firing activations (:func:`median_act`) and its max, each with up to
-    ``per_bin`` sampled tokens ``{"img", "act", "tok"}`` in it, largest first (the last bin
-    includes the max)."""
-    mx = float(res.max_act[s])
+    the median of its firing activations (:func:`median_act`) and its max (``median``,
+    ``max_act``: given, for many latents),
+    each with up to ``per_bin`` sampled tokens ``{"img", "act", "tok"}`` in it, largest first
+    (the last bin includes the max)."""
+    mx = float(res.max_act[s]) if max_act is None else max_act
     if res.fire_count[s] == 0 or res.q_img is None:
         return []
-    med = min(float(median_act(res.hist[s : s + 1], res.hist_edges)[0]), mx)
+    if median is None:
+        median = float(median_act(res.hist[s : s + 1], res.hist_edges)[0])
+    med = min(median, mx)
     edges = np.linspace(med, mx, n_bins + 1)
     img, act, tok = res.q_img[s].ravel(), res.q_act[s].ravel(), res.q_tok[s].ravel()
     ok = img >= 0
