@@ -1,6 +1,6 @@
 """Benchmark the explorer's cost in `actcache visuals`: time and bytes at widths 4,096 to 65,536.
 
-    python scripts/bench_explorer.py [--widths 4096,16384,65536] [--n-imgs 256] [--d 64] [--device cpu]
+    python scripts/bench_explorer_pass.py [--widths 4096,16384,65536] [--n-imgs 256] [--d 64] [--device cpu]
 
 A small cache (d=64, 65 tokens: CLS + 64 patches, 1 layer, synthetic activations, a
 SyntheticImages dataset so the explorer has real images to write) and per width a random-init
