@@ -66,6 +66,7 @@ class ExplorerInfo:
     images_dir: str | None = None  # the folder with <image>.jpg (None: no images)
     explore_source: str = "spread"
     sweep: list[dict] = dataclasses.field(default_factory=list)  # {"sae_id", "title", "href", "dec_W"}
+    device: str = "cpu"  # where the decoder cosines are computed
 
 
 @dataclasses.dataclass
@@ -89,19 +90,21 @@ def explore_images(split: dict | None, n_imgs: int, limit: int = MAX_EXPLORE) ->
     of all images, evenly spaced; the same for every SAE of a cache with the same split."""
     held = (split or {}).get("heldout_images")
     pool, source = (np.asarray(held, np.int64), "held-out") if held else (np.arange(n_imgs, dtype=np.int64), "spread")
+    pool = pool[(pool >= 0) & (pool < n_imgs)]
     if len(pool) > limit:
         pool = pool[np.unique(np.linspace(0, len(pool) - 1, limit).round().astype(np.int64))]
     return pool, source
 
 
-def decoder_neighbours(a_SD: np.ndarray, b_RD: np.ndarray, k: int, same: bool) -> tuple[np.ndarray, np.ndarray]:
+def decoder_neighbours(a_SD: np.ndarray, b_RD: np.ndarray, k: int, same: bool,
+                       device: str = "cpu") -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """(ids (S, k), cos (S, k)): for each row of ``a_SD`` the ``k`` rows of ``b_RD`` with the largest
-    cosine, best first (``same``: a row is not its own neighbour). Chunks of rows, so an S x R
-    matrix never exists at once; a zero row has cosine 0 with everything."""
+    cosine, best first (``same``: a row is not its own neighbour), computed on ``device``. Chunks
+    of rows, so an S x R matrix never exists at once; a zero row has cosine 0 with everything."""
     import torch
 
-    a = torch.nn.functional.normalize(torch.as_tensor(a_SD, dtype=torch.float32), dim=1)
-    b = torch.nn.functional.normalize(torch.as_tensor(b_RD, dtype=torch.float32), dim=1)
+    a = torch.nn.functional.normalize(torch.as_tensor(a_SD, dtype=torch.float32, device=device), dim=1)
+    b = torch.nn.functional.normalize(torch.as_tensor(b_RD, dtype=torch.float32, device=device), dim=1)
     k = min(k, b.shape[0] - (1 if same else 0))
     ids = np.zeros((a.shape[0], max(k, 0)), np.int64)
     cos = np.zeros((a.shape[0], max(k, 0)), np.float32)
@@ -111,9 +114,10 @@ def decoder_neighbours(a_SD: np.ndarray, b_RD: np.ndarray, k: int, same: bool) -
     for i in range(0, a.shape[0], step):
         c = a[i : i + step] @ b.T
         if same:
-            c[torch.arange(c.shape[0]), torch.arange(i, i + c.shape[0])] = -torch.inf
+            rows = torch.arange(c.shape[0], device=c.device)
+            c[rows, rows + i] = -torch.inf
         v, j = c.topk(k, dim=1)
-        ids[i : i + step], cos[i : i + step] = j.numpy(), v.numpy()
+        ids[i : i + step], cos[i : i + step] = j.cpu().numpy(), v.cpu().numpy()
     return ids, cos
 
 
@@ -199,8 +203,8 @@ def _near(nb: tuple, s: int) -> list[dict]:
 
 
 def _details(data_dir: str, res: LatentSummary, plan: ExplorerPlan, info: ExplorerInfo) -> int:
-    nb = decoder_neighbours(info.dec_W, info.dec_W, N_NEIGHBOURS, same=True)
-    sweep_nb = [(o["sae_id"], decoder_neighbours(info.dec_W, o["dec_W"], N_SWEEP_NEIGHBOURS, same=False))
+    nb = decoder_neighbours(info.dec_W, info.dec_W, N_NEIGHBOURS, same=True, device=info.device)
+    sweep_nb = [(o["sae_id"], decoder_neighbours(info.dec_W, o["dec_W"], N_SWEEP_NEIGHBOURS, False, info.device))
                 for o in info.sweep if o.get("dec_W") is not None and o["dec_W"].shape[1] == info.dec_W.shape[1]]  # fmt: skip
     n = 0
     for c, a in enumerate(range(0, res.width, DETAIL_CHUNK)):
