@@ -237,3 +237,19 @@ def test_summary_without_the_explorer_fields_still_loads(tmp_path):
     new = LatentSummary.load(str(tmp_path / "new.npz"))
     assert new.has_explorer_stats
     np.testing.assert_array_equal(new.q_img, res.q_img)
+
+
+def test_quantile_samples_are_uniform_over_the_stream():
+    """300 latents firing equally on each of 1,000 tokens (one bin), fed in 20 batches: their
+    3 x 300 sampled tokens spread evenly over the stream (no bias to early or late batches)."""
+    from actcache.topk import QUANTILE_LANES
+
+    st = LatentStats(300, 1, 1)
+    for b in range(20):
+        st.update(torch.ones(50, 300), torch.arange(50 * b, 50 * (b + 1)))
+    res = st.result()
+    h = int(np.flatnonzero(res.hist[0])[0])
+    picked = res.q_img[:, h, :].ravel()
+    assert picked.shape == (300 * QUANTILE_LANES,) and picked.min() >= 0
+    assert abs(picked.mean() - 499.5) < 4 * 289 / np.sqrt(len(picked))
+    assert np.histogram(picked, bins=4, range=(0, 1000))[0].min() > 0.8 * len(picked) / 4

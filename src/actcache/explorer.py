@@ -22,7 +22,7 @@ import shutil
 
 import numpy as np
 
-from actcache.topk import LatentSummary, quantile_examples
+from actcache.topk import LatentSummary, median_act, quantile_examples
 
 FORMAT = 1
 CHUNK = 1024
@@ -66,6 +66,7 @@ class ExplorerInfo:
     images_dir: str | None = None  # the folder with <image>.jpg (None: no images)
     explore_source: str = "spread"
     sweep: list[dict] = dataclasses.field(default_factory=list)  # {"sae_id", "title", "href", "dec_W"}
+    device: str = "cpu"  # where the decoder cosines are computed
 
 
 @dataclasses.dataclass
@@ -77,7 +78,8 @@ class ExplorerPlan:
 
     @classmethod
     def of(cls, res: LatentSummary) -> ExplorerPlan:
-        q = [quantile_examples(res, s) for s in range(res.width)]
+        med, mx = median_act(res.hist, res.hist_edges).tolist(), res.max_act.tolist()
+        q = [quantile_examples(res, s, median=med[s], max_act=mx[s]) for s in range(res.width)]
         ids = set(res.top_img[res.top_img >= 0].tolist()) | set(res.ex_img.tolist())
         ids |= {e["img"] for bins in q for b in bins for e in b["examples"]}
         return cls(q, sorted(int(i) for i in ids))
@@ -88,19 +90,21 @@ def explore_images(split: dict | None, n_imgs: int, limit: int = MAX_EXPLORE) ->
     of all images, evenly spaced; the same for every SAE of a cache with the same split."""
     held = (split or {}).get("heldout_images")
     pool, source = (np.asarray(held, np.int64), "held-out") if held else (np.arange(n_imgs, dtype=np.int64), "spread")
+    pool = pool[(pool >= 0) & (pool < n_imgs)]
     if len(pool) > limit:
         pool = pool[np.unique(np.linspace(0, len(pool) - 1, limit).round().astype(np.int64))]
     return pool, source
 
 
-def decoder_neighbours(a_SD: np.ndarray, b_RD: np.ndarray, k: int, same: bool) -> tuple[np.ndarray, np.ndarray]:
+def decoder_neighbours(a_SD: np.ndarray, b_RD: np.ndarray, k: int, same: bool,
+                       device: str = "cpu") -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """(ids (S, k), cos (S, k)): for each row of ``a_SD`` the ``k`` rows of ``b_RD`` with the largest
-    cosine, best first (``same``: a row is not its own neighbour). Chunks of rows, so an S x R
-    matrix never exists at once; a zero row has cosine 0 with everything."""
+    cosine, best first (``same``: a row is not its own neighbour), computed on ``device``. Chunks
+    of rows, so an S x R matrix never exists at once; a zero row has cosine 0 with everything."""
     import torch
 
-    a = torch.nn.functional.normalize(torch.as_tensor(a_SD, dtype=torch.float32), dim=1)
-    b = torch.nn.functional.normalize(torch.as_tensor(b_RD, dtype=torch.float32), dim=1)
+    a = torch.nn.functional.normalize(torch.as_tensor(a_SD, dtype=torch.float32, device=device), dim=1)
+    b = torch.nn.functional.normalize(torch.as_tensor(b_RD, dtype=torch.float32, device=device), dim=1)
     k = min(k, b.shape[0] - (1 if same else 0))
     ids = np.zeros((a.shape[0], max(k, 0)), np.int64)
     cos = np.zeros((a.shape[0], max(k, 0)), np.float32)
@@ -110,9 +114,10 @@ def decoder_neighbours(a_SD: np.ndarray, b_RD: np.ndarray, k: int, same: bool) -
     for i in range(0, a.shape[0], step):
         c = a[i : i + step] @ b.T
         if same:
-            c[torch.arange(c.shape[0]), torch.arange(i, i + c.shape[0])] = -torch.inf
+            rows = torch.arange(c.shape[0], device=c.device)
+            c[rows, rows + i] = -torch.inf
         v, j = c.topk(k, dim=1)
-        ids[i : i + step], cos[i : i + step] = j.numpy(), v.numpy()
+        ids[i : i + step], cos[i : i + step] = j.cpu().numpy(), v.cpu().numpy()
     return ids, cos
 
 
@@ -138,9 +143,11 @@ def _write_chunk(data_dir: str, name: str, doc) -> int:
     return len(text)
 
 
-def _heat(acts_T: np.ndarray, vmax: float) -> str:
-    u8 = np.round(np.clip(acts_T / vmax, 0, 1) * 255).astype(np.uint8) if vmax > 0 else np.zeros(len(acts_T), np.uint8)
-    return base64.b64encode(u8.tobytes()).decode()
+def _heats(res: LatentSummary, a: int, b: int) -> np.ndarray:
+    """(b - a, TOP_HEAT, T) uint8: latents a..b-1's top heat maps, act / the latent's max * 255."""
+    vmax = res.max_act[a:b, None, None].astype(np.float32)
+    rel = np.divide(res.top_acts[a:b, :TOP_HEAT], vmax, out=np.zeros_like(res.top_acts[a:b, :TOP_HEAT]), where=vmax > 0)
+    return np.round(np.clip(rel, 0, 1) * 255).astype(np.uint8)
 
 
 def _best(res: LatentSummary, probes: dict | None) -> dict:
@@ -170,33 +177,40 @@ def _tables(data_dir: str, res: LatentSummary, dec_norm: np.ndarray, best: dict)
     return n
 
 
-def _latent_detail(res: LatentSummary, s: int, quantiles: list[dict], nb: tuple, sweep_nb: list) -> dict:
+def _latent_detail(res: LatentSummary, s: int, quantiles: list[dict], nb: tuple, sweep_nb: list,
+                   heat_KT: np.ndarray) -> dict:  # fmt: skip
     top = []
-    vmax = float(res.max_act[s])
-    for r in range(res.top_img.shape[1]):
-        i = int(res.top_img[s, r])
+    for r, (i, act) in enumerate(zip(res.top_img[s].tolist(), res.top_score[s].tolist(), strict=True)):
         if i < 0:
             break
-        heat = _heat(res.top_acts[s, r], vmax) if r < TOP_HEAT else None
-        top.append({"img": i, "act": float(f"{res.top_score[s, r]:.6g}"), "heat": heat})
+        heat = base64.b64encode(heat_KT[r].tobytes()).decode() if r < TOP_HEAT else None
+        top.append({"img": i, "act": float(f"{act:.6g}"), "heat": heat})
     q = [{"lo": float(f"{b['lo']:.6g}"), "hi": float(f"{b['hi']:.6g}"),
           "examples": [{"img": e["img"], "act": float(f"{e['act']:.6g}"), "tok": e["tok"], "heat": None}
                        for e in b["examples"]]} for b in quantiles]  # fmt: skip
+    return {
+        "top": top,
+        "quantiles": q,
+        "hist": res.hist[s].tolist(),
+        "neighbours": _near(nb, s),
+        "sweep_neighbours": [{"sae_id": sid, **n} for sid, other in sweep_nb for n in _near(other, s)],
+    }
+
+
+def _near(nb: tuple, s: int) -> list[dict]:
     ids, cos = nb
-    return {"top": top, "quantiles": q, "hist": res.hist[s].tolist(),
-            "neighbours": [{"id": int(j), "cos": float(f"{v:.6g}")} for j, v in zip(ids[s], cos[s], strict=True)],
-            "sweep_neighbours": [{"sae_id": sid, "id": int(j), "cos": float(f"{v:.6g}")}
-                                 for sid, (i2, c2) in sweep_nb for j, v in zip(i2[s], c2[s], strict=True)]}  # fmt: skip
+    return [{"id": j, "cos": float(f"{v:.6g}")} for j, v in zip(ids[s].tolist(), cos[s].tolist(), strict=True)]
 
 
 def _details(data_dir: str, res: LatentSummary, plan: ExplorerPlan, info: ExplorerInfo) -> int:
-    nb = decoder_neighbours(info.dec_W, info.dec_W, N_NEIGHBOURS, same=True)
-    sweep_nb = [(o["sae_id"], decoder_neighbours(info.dec_W, o["dec_W"], N_SWEEP_NEIGHBOURS, same=False))
+    nb = decoder_neighbours(info.dec_W, info.dec_W, N_NEIGHBOURS, same=True, device=info.device)
+    sweep_nb = [(o["sae_id"], decoder_neighbours(info.dec_W, o["dec_W"], N_SWEEP_NEIGHBOURS, False, info.device))
                 for o in info.sweep if o.get("dec_W") is not None and o["dec_W"].shape[1] == info.dec_W.shape[1]]  # fmt: skip
     n = 0
     for c, a in enumerate(range(0, res.width, DETAIL_CHUNK)):
         b = min(a + DETAIL_CHUNK, res.width)
-        lat = [_latent_detail(res, s, plan.quantiles[s], nb, sweep_nb) for s in range(a, b)]
+        heat = _heats(res, a, b)
+        lat = [_latent_detail(res, s, plan.quantiles[s], nb, sweep_nb, heat[s - a]) for s in range(a, b)]
         n += _write_chunk(data_dir, f"latents/detail-{c:04d}", {"start": a, "latents": lat})
     return n
 

@@ -172,7 +172,7 @@ class LatentStats:
         self.q_img = torch.full(slots, -1, dtype=torch.int32, device=dev)
         self.q_act = torch.zeros(slots, dtype=torch.float32, device=dev)
         self.q_tok = torch.full(slots, -1, dtype=torch.int16, device=dev)
-        self.gen = torch.Generator(dev).manual_seed(seed)
+        self.seed = int(seed)
         self.explore = torch.as_tensor(sorted({int(i) for i in explore}), dtype=torch.int64, device=dev)
         self.ex: dict[int, tuple] = {}
 
@@ -215,18 +215,21 @@ class LatentStats:
         self.act_sum += torch.zeros(self.S, dtype=torch.float32, device=self.device).index_add_(0, lat, vals)
         slot = hist_bins(vals).add_(lat.mul_(N_BINS))
         self.hist += torch.bincount(slot, minlength=self.S * N_BINS)
-        self._sample(slot, vals, flat.div(self.S, rounding_mode="floor"), image_i)
+        self._sample(slot, vals, flat, image_i)
         self.n_tokens += f_BS.shape[0]
 
-    def _sample(self, slot: torch.Tensor, vals: torch.Tensor, row: torch.Tensor, image_i: torch.Tensor) -> None:
+    def _sample(self, slot: torch.Tensor, vals: torch.Tensor, flat: torch.Tensor, image_i: torch.Tensor) -> None:
         """Offer every firing (token, latent) of the batch to its (latent, bin) reservoir, one
-        priority sample per lane: key = random 31 bits above the entry's number in the batch (unique
-        in the batch; a tie with a stored key keeps either, both uniform)."""
+        priority sample per lane: key = 31 pseudo-random bits (a hash of the entry's place in the
+        stream, the lane and the seed) above the entry's number in the batch (unique in the batch;
+        a tie with a stored key keeps either, both uniform)."""
         if not slot.numel():
             return
+        row = flat.div(self.S, rounding_mode="floor")
         idx = torch.arange(slot.numel(), device=self.device)
+        where = flat.add(self.n_tokens * self.S).mul_(4)
         for r in range(self.q_key.shape[1]):
-            key = torch.randint(0, 2**31, slot.shape, generator=self.gen, device=self.device).bitwise_left_shift_(32)
+            key = _mix64(where + (r + 4 * self.seed)).bitwise_right_shift_(32).bitwise_left_shift_(32)
             key.bitwise_or_(idx)
             best = self.q_key[:, r].clone().scatter_reduce_(0, slot, key, "amax")
             win = key == best[slot]  # one entry per slot at most (keys are unique)
@@ -311,6 +314,26 @@ class LatentStats:
                     q_tok=self.q_tok.view(shape).cpu().numpy().astype(np.int64))  # fmt: skip
 
 
+def _signed(u: int) -> int:
+    return u - 2**64 if u >= 2**63 else u
+
+
+_GOLDEN, _M1, _M2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 of int64 values (wrapping arithmetic; >> made logical by a mask): well-mixed
+    pseudo-random bits, far cheaper than a generator call per entry; non-negative after >> 1."""
+
+    def lsr(v: torch.Tensor, n: int) -> torch.Tensor:
+        return v.bitwise_right_shift(n).bitwise_and_((1 << (64 - n)) - 1)
+
+    x = x + _GOLDEN
+    x = (x ^ lsr(x, 30)).mul_(_M1)
+    x = (x ^ lsr(x, 27)).mul_(_M2)
+    return lsr(x ^ lsr(x, 31), 1)
+
+
 def _pad(x: np.ndarray, m: int) -> np.ndarray:
     """``x`` (..., n) padded to (..., m) with -1 (ids) or 0 (values), for a width below m."""
     if x.shape[-1] >= m:
@@ -333,15 +356,19 @@ def median_act(hist_SH: np.ndarray, edges: np.ndarray = HIST_EDGES) -> np.ndarra
     return np.where(n > 0, med, 0.0)
 
 
-def quantile_examples(res: LatentSummary, s: int, n_bins: int = N_QUANTILES, per_bin: int = 3) -> list[dict]:
+def quantile_examples(res: LatentSummary, s: int, n_bins: int = N_QUANTILES, per_bin: int = 3,
+                      median: float | None = None, max_act: float | None = None) -> list[dict]:  # fmt: skip
     """Latent ``s``'s examples below the top: ``n_bins`` equal-width bins of activation between
-    the median of its firing activations (:func:`median_act`) and its max, each with up to
-    ``per_bin`` sampled tokens ``{"img", "act", "tok"}`` in it, largest first (the last bin
-    includes the max)."""
-    mx = float(res.max_act[s])
+    the median of its firing activations (:func:`median_act`) and its max (``median``,
+    ``max_act``: given, for many latents),
+    each with up to ``per_bin`` sampled tokens ``{"img", "act", "tok"}`` in it, largest first
+    (the last bin includes the max)."""
+    mx = float(res.max_act[s]) if max_act is None else max_act
     if res.fire_count[s] == 0 or res.q_img is None:
         return []
-    med = min(float(median_act(res.hist[s : s + 1], res.hist_edges)[0]), mx)
+    if median is None:
+        median = float(median_act(res.hist[s : s + 1], res.hist_edges)[0])
+    med = min(median, mx)
     edges = np.linspace(med, mx, n_bins + 1)
     img, act, tok = res.q_img[s].ravel(), res.q_act[s].ravel(), res.q_tok[s].ravel()
     ok = img >= 0

@@ -409,7 +409,8 @@ def write_visuals(run: Run, cache, res: LatentSummary, src, opts, timings: dict,
         timings["page_s"] = time.perf_counter() - t0
         ev, cfg = run.eval(), run.sae_config()
         t0 = time.perf_counter()
-        explorer_bytes = _write_explorer(run, cache, res, plan, src, ev, tmp, sweep) if opts.explorer else 0
+        device = opts.device or ("cuda" if _cuda() else "cpu")
+        explorer_bytes = _write_explorer(run, cache, res, plan, src, ev, tmp, sweep, device) if opts.explorer else 0
         timings["explorer_s"] = time.perf_counter() - t0
         info = {
             "SAE": run.name, "what": sae_title(run, res.width),
@@ -457,13 +458,19 @@ def write_visuals(run: Run, cache, res: LatentSummary, src, opts, timings: dict,
     return os.path.join(final, PAGE_FILE)
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _decoder(run: Run) -> np.ndarray:
     from actcache.sae.modeling import SAE
 
     return SAE.load(run.dir).W_dec.detach().float().cpu().numpy()
 
 
-def _write_explorer(run: Run, cache, res: LatentSummary, plan, src, ev: dict, tmp: str, sweep) -> int:
+def _write_explorer(run: Run, cache, res: LatentSummary, plan, src, ev: dict, tmp: str, sweep, device: str) -> int:
     """The explorer into ``tmp``/explorer (actcache.explorer); returns its data bytes."""
     from actcache.explorer import ExplorerInfo, write_explorer
     from actcache.labels import read_labels
@@ -484,7 +491,7 @@ def _write_explorer(run: Run, cache, res: LatentSummary, plan, src, ev: dict, tm
         probes=ev.get("probes"), labels=None if lab is None else lab[0],
         class_names=(ev.get("probes") or {}).get("class_names") or ([] if lab is None else lab[1]),
         images_dir=os.path.join(tmp, "img") if src.dataset is not None else None,
-        explore_source=_explore_source(run), sweep=others,
+        explore_source=_explore_source(run), sweep=others, device=device,
     )  # fmt: skip
     return write_explorer(os.path.join(tmp, EXPLORER_DIR), res, plan, info)
 
