@@ -180,6 +180,9 @@ def test_search_by_latent_id_opens_that_latent(tab, explorers):
     tab.page.press("#jump-id", "Enter")
     tab.wait("#latent=12345")
     latent_matches(tab, explorers[0], 12345)
+    tab.page.keyboard.press("ArrowRight")  # the arrow keys step to the neighbouring ids
+    tab.wait("#latent=12346")
+    latent_matches(tab, explorers[0], 12346)
 
 
 def test_a_latent_id_out_of_range_says_which_ids_exist(tab):

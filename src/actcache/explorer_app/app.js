@@ -146,6 +146,7 @@
   const nTokens = function () { return "n = " + S.meta.n_tokens + " tokens"; };
   const probeN = function () { return S.meta.probe_n === null || S.meta.probe_n === undefined ? "n not recorded" : "n = " + S.meta.probe_n + " images"; };
   const nProbe = function (label) { return probeN() + "; chance (prevalence of " + className(label) + ") = " + fmt(chance(label)); };
+  const stepLink = function (a, rel) { a.dataset.step = rel; return a; };
   const latentLink = function (id, text) { return el("a", { href: "#latent=" + id, class: "latent", "data-id": id, text: text === undefined ? String(id) : text }); };
   function explorable(id) { return S.meta.images.some(function (im) { return im.id === id; }); }
 
@@ -330,7 +331,8 @@
     const [r, d] = await Promise.all([row(id), detailChunk(dc)]);
     if (seq !== S.seq) return;
     const det = d.latents[id - d.start];
-    const nav = el("p", {}, id > 0 ? latentLink(id - 1, "◀ " + (id - 1)) : null, " ", id + 1 < m.width ? latentLink(id + 1, (id + 1) + " ▶") : null);
+    const nav = el("p", { title: "the arrow keys step too" }, id > 0 ? stepLink(latentLink(id - 1, "◀ " + (id - 1)), "prev") : null, " ",
+      id + 1 < m.width ? stepLink(latentLink(id + 1, (id + 1) + " ▶"), "next") : null);
     const stats = el("dl", { class: "stats" },
       el("dt", { title: def("freq"), text: "frequency" }), el("dd", {}, num("freq", r.freq, nTokens()), el("span", { class: "muted", text: " (" + nTokens() + ")" })),
       el("dt", { title: def("max_act"), text: "max activation" }), el("dd", {}, num("max_act", r.max_act)),
@@ -445,8 +447,8 @@
       const pl = im.patches[t] || { ids: [], acts: [] };
       other.push(el("h4", { text: "token " + t + " (not a patch: CLS or register)" }), latentList(pl.ids, pl.acts, "token-latents"));
     });
-    const nav = el("p", {}, idx > 0 ? el("a", { href: "#image=" + m.images[idx - 1].id, text: "◀ previous image" }) : null, " ",
-      idx + 1 < m.images.length ? el("a", { href: "#image=" + m.images[idx + 1].id, text: "next image ▶" }) : null, " ",
+    const nav = el("p", {}, idx > 0 ? el("a", { href: "#image=" + m.images[idx - 1].id, "data-step": "prev", text: "◀ previous image" }) : null, " ",
+      idx + 1 < m.images.length ? el("a", { href: "#image=" + m.images[idx + 1].id, "data-step": "next", text: "next image ▶" }) : null, " ",
       m.sweep && m.sweep.length ? el("a", { href: "#sweep=" + id, text: "this image in every SAE of the sweep" }) : null);
     show(app, el("h2", { text: "Image " + id + (im.label === null || im.label === undefined ? "" : " · " + className(im.label)) }), nav, imageBrowser(id),
       el("div", { class: "row" }, big, patchPanel,
@@ -470,9 +472,9 @@
     }));
     if (seq !== S.seq) return;
     const idx = m.images.findIndex(function (x) { return x.id === id; });
-    const nav = el("p", {}, idx > 0 ? el("a", { href: "#sweep=" + m.images[idx - 1].id, text: "◀ previous image" }) : null, " ",
+    const nav = el("p", {}, idx > 0 ? el("a", { href: "#sweep=" + m.images[idx - 1].id, "data-step": "prev", text: "◀ previous image" }) : null, " ",
       el("a", { href: "#image=" + id, text: "image " + id + " in this SAE" }), " ",
-      idx + 1 < m.images.length ? el("a", { href: "#sweep=" + m.images[idx + 1].id, text: "next image ▶" }) : null);
+      idx + 1 < m.images.length ? el("a", { href: "#sweep=" + m.images[idx + 1].id, "data-step": "next", text: "next image ▶" }) : null);
     const row = el("div", { class: "sweep" }, cols.map(function (c) {
       return el("div", { class: "sweep-col", "data-sae": c.s.sae_id }, el("h3", {}, el("a", { href: c.s.href || "#", text: c.s.title })),
         c.v ? latentList(c.v.top.ids, c.v.top.acts, "image-latents", c.s.href) : el("p", { class: "muted", text: "this image is not among that SAE's explorable images" }));
@@ -525,6 +527,14 @@
     if (seq === S.seq) { document.body.dataset.rendered = "#" + h; window.scrollTo(0, 0); }
   }
 
+  // the arrow keys step to the previous / next latent (or image) where the view has such links
+  function step(e) {
+    if (e.altKey || e.ctrlKey || e.metaKey || /^(INPUT|SELECT|TEXTAREA)$/.test((e.target || {}).tagName || "")) return;
+    const rel = e.key === "ArrowLeft" ? "prev" : e.key === "ArrowRight" ? "next" : null;
+    const a = rel && document.querySelector("#app a[data-step=" + rel + "]");
+    if (a) { e.preventDefault(); location.hash = a.getAttribute("href"); }
+  }
+
   async function start() {
     try {
       S.meta = await own("meta", true);
@@ -537,8 +547,14 @@
     document.getElementById("title").textContent = S.meta.title + " · " + S.meta.sae_id + " · " + S.meta.width + " latents";
     document.title = S.meta.title + " · explorer";
     if (S.meta.sweep && S.meta.sweep.length) document.getElementById("nav-sweep").hidden = false;
-    document.getElementById("jump").addEventListener("submit", function (e) { e.preventDefault(); location.hash = "#latent=" + document.getElementById("jump-id").value; });
+    document.getElementById("jump").addEventListener("submit", function (e) {
+      e.preventDefault();
+      const input = document.getElementById("jump-id");
+      input.blur();  // the arrow keys then step through latents
+      location.hash = "#latent=" + input.value;
+    });
     window.addEventListener("hashchange", route);
+    document.addEventListener("keydown", step);
     route();
   }
   start();
