@@ -10,6 +10,7 @@ One browser per module; each test opens its own page.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import urllib.parse
@@ -18,7 +19,6 @@ import numpy as np
 import pytest
 from playwright import sync_api as playwright_api  # the dev extra (pyproject.toml): a missing one fails
 from tests.explorer_data import write_synthetic_explorer
-from tests.test_explorer import explored  # noqa: F401  (a real explorer: `actcache visuals` of a small run)
 
 WIDTH, OTHER_WIDTH, TOL = 16384, 1024, 1e-4
 
@@ -319,32 +319,68 @@ def test_a_folder_without_data_says_how_to_open_the_explorer(browser, tmp_path):
     t.page.close()
 
 
-# ---- on real data: `actcache visuals` of a saved SAE over a real cache (tests/test_explorer.py) -----
+# ---- on real data: `actcache visuals` of two saved SAEs (a sweep) over a real cache ------------------
 
 
 @pytest.fixture(scope="module")
-def encoded(explored):  # noqa: F811
-    """The SAE's encode of every cached patch row: (n_imgs, 16 patches, WIDTH)."""
+def real(tmp_path_factory):
+    """The small real world of tests/test_visuals.py (coloured shapes, a CLIP preprocessing
+    checkpoint, a cache of colour activations), two saved SAEs on it with a held-out split, and
+    `actcache visuals` of both (a sweep: explorers that link each other, the sweep page); with each
+    SAE's encode of every cached patch row (n_imgs, 16, width)."""
     import torch
+    from tests.test_visuals import D, colour_activations, save_run, write_checkpoint
 
+    from actcache import cli, explorer
+    from actcache.demo import make_image_folder
+    from actcache.images import ImageFolder, metadata_data, open_dataset
     from actcache.loaders import OrderedLoader
+    from actcache.protocol import Metadata
     from actcache.sae.modeling import SAE
+    from actcache.writer import write_cache_from_array
 
-    sae = SAE.load(explored["run"]).eval()
-    (batch,) = list(OrderedLoader(explored["cache"], batch_size=10**6, patches="image", layer=-2))
-    with torch.no_grad():
-        f = sae.encode(batch["act"]).numpy()
-    return f.reshape(explored["md"].n_imgs, 16, -1)
+    root = tmp_path_factory.mktemp("real")
+    cfg = ImageFolder(make_image_folder(str(root / "images"), n_per_class=4))
+    ds = open_dataset(cfg)
+    ckpt = write_checkpoint(root / "ckpt")
+    md = Metadata(vit_family="clip", vit_ckpt=ckpt, layers=(-2,), n_patches_per_img=16, cls_token=True, d_vit=D,
+                  n_imgs=len(ds), max_patches_per_shard=10 * 17, data=metadata_data(cfg))  # fmt: skip
+    acts = colour_activations(ds, ckpt)
+    labels = [ds[i][1] for i in range(len(ds))]
+    cache = write_cache_from_array(
+        root / "cache", md, acts, labels=np.asarray(labels), class_names=list(ds.class_names)
+    )
+    held, runs = [1, 4, 6, 9, 11], []
+    for seed, k in ((1, 4), (2, 6)):
+        run = save_run(root / "runs" / md.hash / f"sae{seed}", cache, md, acts, seed=seed, k=k, sae_id=f"sae{seed}")
+        with open(os.path.join(run, "run.json")) as fh:
+            doc = json.load(fh)
+        doc["split"] = {"rule": "test", "heldout_images": held}
+        with open(os.path.join(run, "run.json"), "w") as fh:
+            json.dump(doc, fh)
+        runs.append(run)
+    with pytest.MonkeyPatch.context() as mp:  # several table and detail chunks
+        mp.setattr(explorer, "CHUNK", 16)
+        mp.setattr(explorer, "DETAIL_CHUNK", 8)
+        assert cli.main(["visuals", *runs, "--latents", "4", "--device", "cpu"]) == 0
+    (batch,) = list(OrderedLoader(cache, batch_size=10**6, patches="image", layer=-2))
+    encoded = {}
+    for run in runs:
+        with torch.no_grad():
+            encoded[run] = SAE.load(run).eval().encode(batch["act"]).numpy().reshape(md.n_imgs, 16, -1)
+    return {"runs": runs, "held": held, "encoded": encoded,
+            "explorers": [os.path.join(r, "visuals", "explorer") for r in runs],
+            "sweep_page": os.path.join(root, "runs", md.hash, "visuals", "index.html")}  # fmt: skip
 
 
-def test_real_explorer_patch_click_lists_the_sae_encode_of_that_patch(browser, explored, encoded):  # noqa: F811
-    t = Tab(browser, explored["out"])
-    for n, img in enumerate(explored["held"]):
+def test_real_explorer_patch_click_lists_the_sae_encode_of_that_patch(browser, real):
+    t = Tab(browser, real["explorers"][0])
+    for n, img in enumerate(real["held"]):
         t.open(f"#image={img}")
         for p in range(16) if n == 0 else (0, 7, 15):
             t.page.click(f".cell[data-patch='{p}']")
             t.page.wait_for_function("p => document.querySelector('.patch-panel').dataset.patch === String(p)", arg=p)
-            f = encoded[img, p]  # patches "image": token t is patch t
+            f = real["encoded"][real["runs"][0]][img, p]  # patches "image": token t is patch t
             want = np.argsort(-f, kind="stable")[:10]
             want = want[f[want] > 0]
             assert t.ids("table.patch-latents tbody tr")[:10] == want.tolist()
@@ -352,8 +388,23 @@ def test_real_explorer_patch_click_lists_the_sae_encode_of_that_patch(browser, e
     t.close()
 
 
-def test_real_explorer_and_visuals_page_have_no_dead_link_broken_image_or_error(browser, explored):  # noqa: F811
-    t = Tab(browser, explored["out"])
-    visited, kinds, checked = crawl(t, "file://" + os.path.join(explored["run"], "visuals", "index.html"), max_views=14)
-    assert visited == 14 and kinds >= 6 and checked > 50, (visited, kinds, checked)
+def test_real_sweep_view_shows_each_sae_top_latents_of_the_image(browser, real):
+    t = Tab(browser, real["explorers"][0])
+    img = real["held"][2]
+    t.open(f"#sweep={img}")
+    for run in real["runs"]:
+        f = real["encoded"][run][img].max(0)  # the image's top latents: by max over its tokens
+        want = np.argsort(-f, kind="stable")[:32]
+        want = want[f[want] > 0]
+        col = f".sweep-col[data-sae={os.path.basename(run)}] "
+        got = t.ids(col + "a.latent")
+        assert got[:10] == want[:10].tolist()
+        assert close(t.values(col + "[data-key=act]"), f[got])
+    t.close()
+
+
+def test_real_sweep_page_and_explorers_have_no_dead_link_broken_image_or_error(browser, real):
+    t = Tab(browser, real["explorers"][0])
+    visited, kinds, checked = crawl(t, "file://" + real["sweep_page"], max_views=16)
+    assert visited == 16 and kinds >= 10 and checked > 50, (visited, kinds, checked)
     t.close()
