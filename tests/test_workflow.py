@@ -292,6 +292,8 @@ def test_end_to_end_trained_saes_visuals_and_report(done_project, report_html):
         with open(os.path.join(run, "visuals.html")) as fd:
             page = fd.read()
         assert page.count('class="latent-card"') > 0 and 'src="img/' not in page  # one self-contained file
+        assert 'href="visuals/explorer/index.html"' in page  # the explorer of every latent, in the folder
+        assert os.path.isfile(os.path.join(run, "visuals", "explorer", "data", "meta.js"))
     with open(report_html) as fd:
         text = fd.read()
     assert "SAE latents" in text and "SAE sweeps" in text  # the report's categories
