@@ -4,8 +4,8 @@ For each SAE run directory (actcache.rundir), ONE ordered pass over its cache (t
 and scaling it was trained on, every image; SAEs of the same stream share the pass) gives
 per-latent statistics (actcache.topk). :func:`write_visuals` turns them into the run's visuals/
 folder (latents.npz, summary.json, an HTML page with its images, training curves, frequency
-plot) and the page as one small self-contained file beside it, for `snakemake --report`
-(actcache.visuals_report).
+plot, and the explorer of every latent in visuals/explorer/: actcache.explorer) and the page as
+one small self-contained file beside it, for `snakemake --report` (actcache.visuals_report).
 :func:`make_visuals` does this for a list of runs; with several runs it also writes the sweep
 plots (NMSE against L0, every SAE's curves) into ``opts.out`` (default: their common parent's
 visuals/). ``plots_only`` skips the pass and the per-SAE pages.
