@@ -66,6 +66,7 @@ def explored(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(explorer, "CHUNK", 16)
         mp.setattr(explorer, "DETAIL_CHUNK", 8)
+        mp.setattr(explorer, "FORK_MIN_CHUNKS", 2)  # the detail chunks by forked writers (2 cores or more)
         assert cli.main(["visuals", run, "--latents", "4", "--device", "cpu"]) == 0
     out = os.path.join(run, "visuals", "explorer")
     return {"run": run, "cache": cache, "out": out, "data": os.path.join(out, "data"), "held": held, "md": md,
