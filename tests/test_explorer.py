@@ -66,9 +66,11 @@ def explored(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(explorer, "CHUNK", 16)
         mp.setattr(explorer, "DETAIL_CHUNK", 8)
+        mp.setattr(explorer, "FORK_MIN_CHUNKS", 2)  # the detail chunks by forked writers (2 cores or more)
         assert cli.main(["visuals", run, "--latents", "4", "--device", "cpu"]) == 0
     out = os.path.join(run, "visuals", "explorer")
-    return {"run": run, "cache": cache, "out": out, "data": os.path.join(out, "data"), "held": held, "md": md}
+    return {"run": run, "cache": cache, "out": out, "data": os.path.join(out, "data"), "held": held, "md": md,
+            "acts": acts}  # fmt: skip
 
 
 def test_every_file_the_meta_implies_exists_and_every_latent_is_covered(explored):
@@ -183,3 +185,19 @@ def test_no_explorer_writes_none_and_links_only_the_cards(explored, tmp_path):
     assert all("explorer" not in h for h in hrefs)
     with np.load(os.path.join(run, "visuals", "latents.npz")) as z:
         assert "q_img" not in z.files
+
+
+def test_an_sae_made_alone_links_its_siblings_explorers_with_their_nearest_latents(explored, tmp_path):
+    """As the workflow makes them, one SAE at a time: the second links the first's explorer."""
+    first = tmp_path / "HASH" / "sae1"
+    shutil.copytree(explored["run"], first, symlinks=True)
+    second = save_run(tmp_path / "HASH" / "sae2", explored["cache"], explored["md"], explored["acts"], seed=7,
+                      sae_id="sae2")  # fmt: skip
+    assert cli.main(["visuals", second, "--latents", "2", "--device", "cpu", "--no-images"]) == 0
+    ex = os.path.join(second, "visuals", "explorer")
+    (other,) = read_chunk(os.path.join(ex, "data"), "meta")["sweep"]
+    assert other["sae_id"] == "sae1" and os.path.isfile(os.path.join(ex, other["href"]))
+    lat = read_chunk(os.path.join(ex, "data"), "latents/detail-0000")["latents"][0]
+    W1, W2 = (SAE.load(str(d)).W_dec.detach().numpy() for d in (first, second))
+    ids, _ = explorer.decoder_neighbours(W2, W1, 3, same=False)
+    assert [(n["sae_id"], n["id"]) for n in lat["sweep_neighbours"]] == [("sae1", int(j)) for j in ids[0]]

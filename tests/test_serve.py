@@ -7,7 +7,10 @@ from __future__ import annotations
 import http.client
 import os
 import socket
+import subprocess
+import sys
 import threading
+import urllib.request
 
 import pytest
 
@@ -76,3 +79,17 @@ def test_missing_folder_and_port_in_use_are_one_line_exit_2(tmp_path, capsys):
         assert cli.main(["serve", str(tmp_path), "--port", str(port)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"port {port} on 127.0.0.1 is in use; pass another with --port P." in err
+
+
+def test_the_command_prints_each_explorers_url_and_serves_it(served):
+    runs, _ = served
+    proc = subprocess.Popen([sys.executable, "-m", "actcache.cli", "serve", str(runs), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        first = proc.stdout.readline().strip()
+        assert first.startswith("http://127.0.0.1:") and first.endswith("/HASH/sae1/visuals/explorer/index.html")
+        with urllib.request.urlopen(first, timeout=10) as r:
+            assert r.status == 200 and b"explorer" in r.read()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

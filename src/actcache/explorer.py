@@ -15,8 +15,10 @@ TOP_HEAT x T bytes before base64), the rest is about 1-2 KB per latent.
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import dataclasses
 import json
+import multiprocessing
 import os
 import shutil
 
@@ -31,6 +33,7 @@ TOP_HEAT = 8  # top examples per latent with a per-token heat map
 N_NEIGHBOURS = 8
 N_SWEEP_NEIGHBOURS = 3
 MAX_EXPLORE = 256  # explorable images per SAE
+FORK_MIN_CHUNKS = 16  # from this many detail chunks on, forked processes write them (one per core, 16 at most)
 MATMUL_ELEMS = 2**25  # cosines computed at once (a chunk of rows against all of the other decoder)
 APP_FILES = ("index.html", "app.js")
 DEFINITIONS = {
@@ -206,13 +209,50 @@ def _details(data_dir: str, res: LatentSummary, plan: ExplorerPlan, info: Explor
     nb = decoder_neighbours(info.dec_W, info.dec_W, N_NEIGHBOURS, same=True, device=info.device)
     sweep_nb = [(o["sae_id"], decoder_neighbours(info.dec_W, o["dec_W"], N_SWEEP_NEIGHBOURS, False, info.device))
                 for o in info.sweep if o.get("dec_W") is not None and o["dec_W"].shape[1] == info.dec_W.shape[1]]  # fmt: skip
+    state = (data_dir, res, plan, nb, sweep_nb)
+    chunks = list(range(-(-res.width // DETAIL_CHUNK)))
+    workers = min(_cores(), 16, len(chunks))
+    if workers < 2 or len(chunks) < FORK_MIN_CHUNKS or "fork" not in multiprocessing.get_all_start_methods():
+        return _detail_chunks(state, chunks)
+    return _forked_details(state, chunks, workers)
+
+
+def _detail_chunks(state: tuple, chunks: list[int]) -> int:
+    """Write the given detail chunks; returns their bytes."""
+    data_dir, res, plan, nb, sweep_nb = state
     n = 0
-    for c, a in enumerate(range(0, res.width, DETAIL_CHUNK)):
-        b = min(a + DETAIL_CHUNK, res.width)
+    for c in chunks:
+        a, b = c * DETAIL_CHUNK, min((c + 1) * DETAIL_CHUNK, res.width)
         heat = _heats(res, a, b)
         lat = [_latent_detail(res, s, plan.quantiles[s], nb, sweep_nb, heat[s - a]) for s in range(a, b)]
         n += _write_chunk(data_dir, f"latents/detail-{c:04d}", {"start": a, "latents": lat})
     return n
+
+
+_FORKED: tuple | None = None  # what forked writers inherit (set around the fork)
+
+
+def _forked_chunks(chunks: list[int]) -> int:
+    return _detail_chunks(_FORKED, chunks)
+
+
+def _forked_details(state: tuple, chunks: list[int], workers: int) -> int:
+    """The detail chunks by ``workers`` forked processes, which inherit the statistics (nothing
+    is pickled but chunk numbers): building the records is Python, so threads would not scale.
+    The children use numpy, json and base64 only, never torch."""
+    global _FORKED
+    parts = [p.tolist() for p in np.array_split(np.asarray(chunks), 2 * workers) if len(p)]
+    _FORKED = state
+    try:
+        ctx = multiprocessing.get_context("fork")
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+            return sum(pool.map(_forked_chunks, parts))
+    finally:
+        _FORKED = None
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _label(info: ExplorerInfo, i: int):

@@ -4,8 +4,8 @@ For each SAE run directory (actcache.rundir), ONE ordered pass over its cache (t
 and scaling it was trained on, every image; SAEs of the same stream share the pass) gives
 per-latent statistics (actcache.topk). :func:`write_visuals` turns them into the run's visuals/
 folder (latents.npz, summary.json, an HTML page with its images, training curves, frequency
-plot) and the page as one small self-contained file beside it, for `snakemake --report`
-(actcache.visuals_report).
+plot, and the explorer of every latent in visuals/explorer/: actcache.explorer) and the page as
+one small self-contained file beside it, for `snakemake --report` (actcache.visuals_report).
 :func:`make_visuals` does this for a list of runs; with several runs it also writes the sweep
 plots (NMSE against L0, every SAE's curves) into ``opts.out`` (default: their common parent's
 visuals/). ``plots_only`` skips the pass and the per-SAE pages.
@@ -555,6 +555,18 @@ def _load_summary(path: str, width, k: int) -> LatentSummary | None:
 # Runs -> pages
 
 
+def _siblings(run: Run) -> list[Run]:
+    """The runs beside ``run`` in its cache's folder (``<runs_to>/<HASH>/``) whose explorer exists,
+    for the explorer of one SAE made alone (as the workflow does): its sweep links and neighbours."""
+    try:
+        dirs = find_runs([os.path.dirname(os.path.abspath(run.dir))])
+        others = [load_run(d) for d in dirs if os.path.realpath(d) != os.path.realpath(run.dir)]
+    except ActCacheError:
+        return []
+    made = [o for o in others if os.path.isfile(os.path.join(o.dir, VISUALS_DIR, EXPLORER_DIR, PAGE_FILE))]
+    return [o for o in made if o.has_weights and o.info.get("d_vit") == run.info.get("d_vit")]
+
+
 def _group_streams(runs: list[Run]) -> tuple[dict[tuple, list[Run]], dict]:
     """Runs by the stream of activations they read: (cache, layer, patches, scale_norm)."""
     streams: dict[tuple, list[Run]] = {}
@@ -614,7 +626,7 @@ def make_visuals(run_dirs: list[str], opts: VisualsOptions, report=print) -> Non
         threading.Thread(target=_preload_plotting, name="actcache-import-matplotlib", daemon=True).start()
         streams, caches = _group_streams(runs)
         for key, members in streams.items():
-            _stream_pages(key, caches[key], members, opts, report, runs if len(runs) > 1 else [])
+            _stream_pages(key, caches[key], members, opts, report, runs if len(runs) > 1 else _siblings(runs[0]))
     if len(runs) > 1 or opts.out or opts.plots_only:
         out = opts.out or os.path.join(os.path.commonpath([os.path.abspath(os.path.dirname(r.dir)) for r in runs]),
                                        VISUALS_DIR)  # fmt: skip
