@@ -169,6 +169,11 @@ IN_FLIGHT = in_flight_claims(
     else {},
     {_h: os.path.join(DUMP_TO, _h, DUMP_MARKS_DIR) for _h in CACHES},
 )
+# A live job of an earlier run under another job layout (cache.shards_per_job) keeps its range,
+# awaited like the others; the current layout's ranges are cut around it (actcache.plan.around).
+for _h, _jobs in IN_FLIGHT.items():
+    if _jobs:
+        DUMP_MARKS[_h] = dump_marks(CACHES[_h], os.path.join(DUMP_TO, _h), in_flight=list(_jobs))
 IN_FLIGHT_RANGES = "|".join(sorted({r for ranges in IN_FLIGHT.values() for r in ranges})) or "(?!)"
 
 
