@@ -217,11 +217,10 @@ def claimed_ranges(live: dict[str, str], hash: str, tags: list[str], marks_dir: 
     claimed = {n[: -len(CLAIM_SUFFIX)] for n in names if n.endswith(CLAIM_SUFFIX)}
     in_comment = re.compile(rf"rule_dump_wildcards_{re.escape(hash)}_(\d{{6}}-\d{{6}})_")
     queued = {m.group(1): j for j, c in sorted(live.items()) if (m := in_comment.match(c))}
+    others = [(r, _span(r)) for r in (claimed | set(queued)) - set(tags)]  # ranges of another layout
+    overlapping = [r for r, span in others if span and any(span[0] < b and a < span[1] for a, b in wanted)]
     found: dict[str, str] = {}
-    for r in sorted(claimed | set(queued) | set(tags)):
-        span = _span(r)
-        if span is None or not any(span[0] < b and a < span[1] for a, b in wanted):
-            continue
+    for r in sorted([*tags, *overlapping]):
         job = read_claim(claim_path(marks_dir, r)) if r in claimed else None
         if job in live:
             found[r] = job
