@@ -87,7 +87,7 @@ def job_shards(md: Metadata, shards_per_job: int | str, gib_per_job: float) -> i
     return max(1, min(md.n_shards, int(gib_per_job * 2**30 // md.shard_nbytes)))
 
 
-def shard_ranges(md: Metadata, shards_per_job: int | str, gib_per_job: float = 64.0) -> list[tuple[int, int]]:
+def shard_ranges(md: Metadata, shards_per_job: int | str, gib_per_job: float) -> list[tuple[int, int]]:
     """[(A, B), ...] covering every shard, :func:`job_shards` shards per dump job."""
     n = job_shards(md, shards_per_job, gib_per_job)
     return [(a, min(a + n, md.n_shards)) for a in range(0, md.n_shards, n)]
