@@ -14,6 +14,7 @@ asks for, so parsing the workflow writes nothing. See :func:`current_mark` for w
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 from actcache.config import AUTO, Experiment, load_experiment
@@ -160,8 +161,8 @@ class Planned:
     runs_to: str
     ranges: tuple[tuple[int, int], ...]
 
-    @property
-    def hash(self) -> str:
+    @functools.cached_property
+    def hash(self) -> str:  # asked per shard range while the workflow is parsed: computed once
         return self.metadata.hash
 
     @property
