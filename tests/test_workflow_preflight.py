@@ -85,11 +85,14 @@ def plan_cli(cfg: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_min_job_age_warning_uses_the_status_check_delay_in_force(tmp_path, monkeypatch):
-    """A cluster (scontrol and sacctmgr on PATH) whose MinJobAge is 60 s: the profile's 40 s delay is too long
-    (the plugin falls back to sacct under 3 x 40 s); the 20 s the warning suggests is not."""
+    """A cluster (scontrol and sacctmgr on PATH) whose MinJobAge is 200 s: a 70 s status-check delay is
+    too long (the plugin falls back to sacct under 3 x 70 s), the 66 s the warning suggests and the
+    profile's own delay are not. One of 60 s is too short for any delay (the plugin may wait 180 s)."""
+    from actcache.slurmjobs import site_warnings
+
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    fake = {"scontrol": "echo 'MinJobAge               = 60 sec'", "sacctmgr": "echo proj1"}
+    fake = {"scontrol": 'echo "MinJobAge               = ${FAKE_MIN_JOB_AGE:-200} sec"', "sacctmgr": "echo proj1"}
     for name, body in fake.items():
         (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
         (bin_dir / name).chmod(0o755)
@@ -102,12 +105,16 @@ def test_min_job_age_warning_uses_the_status_check_delay_in_force(tmp_path, monk
         "data": {"kind": "synthetic", "n_imgs": 8},
     }
     cfg = write_project(str(tmp_path), {"wf": exp})
-    proc = snakemake(cfg, "-n", profile="osc")
+    proc = snakemake(cfg, "-n", "--slurm-init-seconds-before-status-checks", "70", profile="osc")
     (line,) = [x for x in proc.stderr.splitlines() if "MinJobAge" in x]
-    assert proc.returncode == 0 and "under 3 x 40 s" in line and "--slurm-init-seconds-before-status-checks 20" in line
-    proc = snakemake(cfg, "-n", "--slurm-init-seconds-before-status-checks", "20", profile="osc")
+    assert proc.returncode == 0 and "under 3 x 70 s" in line and "--slurm-init-seconds-before-status-checks 66" in line
+    proc = snakemake(cfg, "-n", profile="osc")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "actcache: warning" not in proc.stderr, proc.stderr[-3000:]
+    monkeypatch.setenv("FAKE_MIN_JOB_AGE", "60")
+    for delay in (10, 40):
+        (line,) = [w for w in site_warnings(status_init_s=delay) if "MinJobAge" in w]
+        assert "waits up to 180 s" in line and "at least 300 s" in line and "--slurm-init" not in line
 
 
 def test_sbatch_extra_joins_the_site_flags_of_a_rule_and_warns_on_a_plugin_managed_one(tmp_path):

@@ -269,3 +269,24 @@ def test_scancel_of_a_train_job_checkpoints_and_the_retry_resumes(slurm_cluster,
     assert m and int(m.group(1)) > 0, second.read_text()[-3000:]
     (sae,) = plan_of(cfg)["training"]
     assert sae["done"], sae
+
+
+def test_dry_run_stops_on_a_partition_gpu_model_or_account_the_cluster_lacks(slurm_cluster, tmp_path):
+    """With the osc profile, `snakemake -n` asks the local Slurm whether the site settings fit it:
+    a wrong partition, GPU model or account is one line naming the variable to set, exit status 2."""
+    cfg = dump_project(tmp_path, n_imgs=10)
+    cases = {
+        "ACTCACHE_SLURM_GPU_PARTITION": ("gpu", "names no partition of this cluster (GPU partitions you may use: "),
+        "ACTCACHE_SLURM_GPU_MODEL": ("a100", "matches no node of partition debug (its GPUs have no model name)"),
+        "ACTCACHE_SLURM_ACCOUNT": ("nosuchproject", "is not a Slurm account of user root (sacctmgr: "),
+    }
+    for var, (value, why) in cases.items():
+        dry = subprocess.run(
+            osc_cmd(cfg, "-n", timeout=120), capture_output=True, text=True, env={**site_env(), var: value},
+            cwd=os.path.dirname(cfg),
+        )  # fmt: skip
+        lines = [line for line in dry.stderr.splitlines() if line.startswith("actcache: Slurm site:")]
+        assert dry.returncode == 2 and len(lines) == 1, dry.stderr[-3000:]
+        assert lines[0].startswith(f"actcache: Slurm site: {var}={value} {why}"), lines
+        assert lines[0].endswith((f"set {var} to one of them", f"unset {var}")), lines  # the fix names it too
+        assert "job stats" not in dry.stdout.lower()  # stopped before planning any job

@@ -31,7 +31,8 @@ RESERVATION_VAR = "ACTCACHE_SLURM_RESERVATION"
 EXTRA_VAR = "ACTCACHE_SLURM_EXTRA"  # every job; ACTCACHE_SLURM_<RULE>_EXTRA: one rule's jobs
 JOB_RULES = ("dump", "gather", "train", "spliced_eval", "report", "sweep_report")  # profiles/osc's set-resources
 CLAIM_SUFFIX = ".job"
-STATUS_INIT_S = 40  # profiles/osc: slurm-init-seconds-before-status-checks
+STATUS_INIT_S = 40  # the plugin's default slurm-init-seconds-before-status-checks (profiles/osc sets its own)
+POLL_MAX_S = 180  # plugin 2.8: its longest wait between two status checks
 LIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING"}
 
 
@@ -118,7 +119,15 @@ def site_warnings(env=None, status_init_s: int = STATUS_INIT_S, rules=JOB_RULES)
             "submission will fail. Set it to one of them."
         )
     age = min_job_age_s()
-    if age is not None and age < 3 * status_init_s:
+    if age is not None and age <= POLL_MAX_S:
+        out.append(
+            f"Slurm's MinJobAge is {age} s: squeue forgets a finished job after that, but the Slurm plugin waits up "
+            f"to {POLL_MAX_S} s between two status checks of a long job, so a job can end unseen and the workflow "
+            f"wait for it forever (under 3 x {status_init_s} s, slurm-init-seconds-before-status-checks, the plugin "
+            "uses sacct instead, which does not see a cancelled job as ended). Ask your Slurm admins for a "
+            "MinJobAge of at least 300 s (Slurm's default)."
+        )
+    elif age is not None and age < 3 * status_init_s:
         out.append(
             f"Slurm's MinJobAge is {age} s, under 3 x {status_init_s} s (slurm-init-seconds-before-status-checks): "
             "the plugin then checks job status with sacct, which does not see a cancelled job as ended. "

@@ -14,6 +14,7 @@ from actcache.errors import ActCacheError
 from actcache.plan import DUMP_MARKS as DUMP_MARKS_DIR
 from actcache.plan import MARK_SLOTS, dump_marks, external_caches, other_mark, plan, train_jobs
 from actcache.slurmjobs import in_flight_claims, site_warnings, status_init_in_force
+from actcache.slurmsite import SKIP_VAR, check_site, jobs_from_resources, submits_to_slurm
 from actcache.protocol import SHARDS_FILE
 from actcache.rundir import (
     DONE_FILE,
@@ -115,6 +116,29 @@ def fail_fast(command):
 def attempt(wildcards, attempt):
     return attempt
 
+
+# ---- Slurm site checks (actcache.slurmsite) ---------------------------------------------------
+# Before anything is submitted, the snakemake a user started asks the cluster (sacctmgr, scontrol)
+# whether the account, partitions, GPU model and QOS of the profile in force exist and admit this
+# user: one line per problem naming the variable to set, then the run (or dry run) stops, exit
+# status 2. Quiet where Slurm is not installed; ACTCACHE_SLURM_SKIP_CHECKS=1 skips it.
+_SITE_JOBS = (
+    jobs_from_resources(workflow.resource_settings.default_resources, workflow.resource_settings.overwrite_resources)
+    if workflow.is_main_process
+    else []
+)
+if submits_to_slurm(sys.argv, _SITE_JOBS):
+    _SITE_PROBLEMS = check_site(_SITE_JOBS)
+    for _line in _SITE_PROBLEMS:
+        print(f"actcache: Slurm site: {_line}", file=sys.stderr)
+    if _SITE_PROBLEMS:
+        print(
+            f"actcache: nothing was submitted. (Asked of the cluster with sacctmgr and scontrol; where a check "
+            f"is wrong for your site, {SKIP_VAR}=1 skips them.)",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+# ---- end of the Slurm site checks -------------------------------------------------------------
 
 # Warnings about the Slurm site settings (account unset or unknown, MinJobAge too short for the
 # squeue status check), once, on the login node: never inside a job.
