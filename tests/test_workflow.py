@@ -241,6 +241,8 @@ EDITS = [
      {"train": 1, "trained": 2, "evaluated": 1, "report": 1, "spliced_eval": 1, "sweep_report": 1, "all": 1}, [], 1, 0),
     ("lost shard, shards_per_job 1 -> 2", lambda d: d["cache"].update(shards_per_job=2), 2,
      {"dump": 1, "gather": 1, "all": 1}, ["000002-000004"], 0, 1),
+    ("lost shard, shards_per_job 1 -> auto", lambda d: d["cache"].pop("shards_per_job"), 2,
+     {"dump": 1, "gather": 1, "all": 1}, ["000000-000004"], 0, 1),  # a tiny cache: one job for all 4 shards
 ]  # fmt: skip
 
 

@@ -204,25 +204,44 @@ def live_jobs() -> dict[str, str]:
 def in_flight_claims(ranges: dict[str, list[str]], marks_dirs: dict[str, str]) -> dict[str, dict[str, str]]:
     """hash -> {range tag: job id} for the given unfinished ranges that a live Slurm job is dumping:
     one that claimed the range (running), or one whose comment, set by the Snakemake plugin to the
-    rule and its wildcards, names the range (still queued, so without a claim yet)."""
+    rule and its wildcards, names the range (still queued, so without a claim yet). A live job of
+    an earlier run under another job layout (``cache.shards_per_job``) is found too, under its own
+    range tag, when its range overlaps one of the given ranges."""
     if not any(ranges.values()):
         return {h: {} for h in ranges}
     live = live_jobs()
     if not live:
         return {h: {} for h in ranges}
-    out: dict[str, dict[str, str]] = {}
-    for h, tags in ranges.items():
-        found = out.setdefault(h, {})
-        for r in tags:
-            job = read_claim(claim_path(marks_dirs[h], r))
-            if job in live:
-                found[r] = job
-        by_comment = {c: j for j, c in live.items() if c.startswith(f"rule_dump_wildcards_{h}_")}
-        for comment, job in by_comment.items():
-            for r in tags:
-                if r not in found and comment.startswith(f"rule_dump_wildcards_{h}_{r}_"):
-                    found[r] = job
-    return out
+    return {h: claimed_ranges(live, h, tags, marks_dirs[h]) for h, tags in ranges.items()}
+
+
+def claimed_ranges(live: dict[str, str], hash: str, tags: list[str], marks_dir: str) -> dict[str, str]:
+    """{range tag: job id} of the live jobs (``live``: job id -> comment) dumping a range of cache
+    ``hash`` that overlaps one of the range tags ``tags``; a claim file names a running job."""
+    wanted = [_span(t) for t in tags]
+    try:
+        names = os.listdir(marks_dir)
+    except OSError:
+        names = []
+    claimed = {n[: -len(CLAIM_SUFFIX)] for n in names if n.endswith(CLAIM_SUFFIX)}
+    in_comment = re.compile(rf"rule_dump_wildcards_{re.escape(hash)}_(\d{{6}}-\d{{6}})_")
+    queued = {m.group(1): j for j, c in sorted(live.items()) if (m := in_comment.match(c))}
+    others = [(r, _span(r)) for r in (claimed | set(queued)) - set(tags)]  # ranges of another layout
+    overlapping = [r for r, span in others if span and any(span[0] < b and a < span[1] for a, b in wanted)]
+    found: dict[str, str] = {}
+    for r in sorted([*tags, *overlapping]):
+        job = read_claim(claim_path(marks_dir, r)) if r in claimed else None
+        if job in live:
+            found[r] = job
+        elif r in queued:
+            found[r] = queued[r]
+    return found
+
+
+def _span(tag: str) -> tuple[int, int] | None:
+    """A range tag ``AAAAAA-BBBBBB`` -> (A, B); None for any other name."""
+    m = re.fullmatch(r"(\d{6})-(\d{6})", tag)
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def await_job(job: str, mark: str, poll_s: float = 10.0) -> int:

@@ -41,16 +41,21 @@ RUNS_TO = config["runs_to"]
 
 
 def _validate_experiment_schemas(files):
+    """Each experiment file against its schema, read once (Snakemake's validate() reads it per call)."""
+    import jsonschema
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's, where built
+    with open(os.path.join(workflow.basedir, "workflow", "schemas", "experiment.schema.yaml")) as fd:
+        schema = jsonschema.Draft202012Validator(yaml.load(fd, Loader=loader))
     for f in files:
         try:
             with open(f) as fd:
-                doc = yaml.safe_load(fd)
+                doc = yaml.load(fd, Loader=loader)
         except (OSError, yaml.YAMLError):
             continue  # actcache.plan reports these with the file and line
-        try:
-            validate(doc, "../schemas/experiment.schema.yaml")
-        except Exception as err:  # snakemake's WorkflowError from jsonschema
-            _fail(f"{f}: {err}")
+        err = jsonschema.exceptions.best_match(schema.iter_errors(doc))
+        if err is not None:
+            _fail(f"{f}: key '{'.'.join(map(str, err.absolute_path)) or 'top level'}': {err.message} (config/README.md)")
 
 
 try:
@@ -193,6 +198,11 @@ IN_FLIGHT = in_flight_claims(
     else {},
     {_h: os.path.join(DUMP_TO, _h, DUMP_MARKS_DIR) for _h in CACHES},
 )
+# A live job of an earlier run under another job layout (cache.shards_per_job) keeps its range,
+# awaited like the others; the current layout's ranges are cut around it (actcache.plan.around).
+for _h, _jobs in IN_FLIGHT.items():
+    if _jobs:
+        DUMP_MARKS[_h] = dump_marks(CACHES[_h], os.path.join(DUMP_TO, _h), in_flight=list(_jobs))
 IN_FLIGHT_RANGES = "|".join(sorted({r for ranges in IN_FLIGHT.values() for r in ranges})) or "(?!)"
 
 
