@@ -201,3 +201,13 @@ def test_an_sae_made_alone_links_its_siblings_explorers_with_their_nearest_laten
     W1, W2 = (SAE.load(str(d)).W_dec.detach().numpy() for d in (first, second))
     ids, _ = explorer.decoder_neighbours(W2, W1, 3, same=False)
     assert [(n["sae_id"], n["id"]) for n in lat["sweep_neighbours"]] == [("sae1", int(j)) for j in ids[0]]
+
+
+def test_a_non_finite_number_is_one_error_naming_the_file(tmp_path):
+    from actcache.errors import ActCacheError
+    from actcache.explorer import _write_chunk
+
+    with pytest.raises(ActCacheError, match=r"latents/detail-0000\.js: .*non-finite"):
+        os.makedirs(tmp_path / "latents")
+        _write_chunk(str(tmp_path), "latents/detail-0000", {"acts": [1.0, float("nan")]})
+    assert not (tmp_path / "latents" / "detail-0000.js").exists()

@@ -24,6 +24,7 @@ import shutil
 
 import numpy as np
 
+from actcache.errors import ActCacheError
 from actcache.topk import LatentSummary, median_act, quantile_examples
 
 FORMAT = 1
@@ -140,7 +141,15 @@ def _r6(values) -> list:
 
 def _write_chunk(data_dir: str, name: str, doc) -> int:
     path = os.path.join(data_dir, name + ".js")
-    text = f"actcache_chunk({json.dumps(name)}, {json.dumps(doc, separators=(',', ':'), allow_nan=False)});\n"
+    try:
+        body = json.dumps(doc, separators=(",", ":"), allow_nan=False)
+    except ValueError:  # a NaN or an infinity: the SAE's activations are not finite
+        raise ActCacheError(
+            f"{path}: the explorer's data hold a non-finite number (NaN or inf): the SAE's activations are not "
+            "finite on this cache; check its weights (`actcache eval` reports NaN losses) and retrain or pick an "
+            "earlier checkpoint"
+        ) from None
+    text = f"actcache_chunk({json.dumps(name)}, {body});\n"
     with open(path, "w", encoding="utf-8") as fh:
         fh.write(text)
     return len(text)
