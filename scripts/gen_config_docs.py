@@ -75,6 +75,7 @@ def _typed_schema(types: tuple) -> dict:
     numeric = "integer" in names or "number" in names
     if numeric:
         names.append("string")  # YAML reads 3e-4 as a string; the validator accepts it
+    names = list(dict.fromkeys(names))  # a key of a numeric type or a word (`auto`) names string once
     out: dict = {"type": names[0] if len(names) == 1 else names}
     lists = [t for t in types if isinstance(t, ListOf)]
     if lists:

@@ -158,3 +158,50 @@ def test_plan_warns_about_the_slurm_site_only_for_a_cluster_run(monkeypatch, cap
     assert capsys.readouterr().err == ""
     cli_plan._warn_slurm_site(env={"ACTCACHE_SLURM_GPU_PARTITION": "gpu"})  # a cluster run
     assert "ACTCACHE_SLURM_ACCOUNT is not set" in capsys.readouterr().err
+
+
+def test_auto_shards_per_job_fills_gib_per_job_and_an_integer_is_exact():
+    from actcache.plan import shard_ranges
+    from actcache.writer import synthetic_metadata
+
+    # 17 tokens x 32 floats = 2,176 bytes per image; 4 images (8,704 bytes) per shard; 10 shards
+    md = synthetic_metadata(40, d_vit=32, max_patches_per_shard=17 * 4)
+    assert md.shard_nbytes == 8704 and md.n_shards == 10
+    gib_3_shards = 3.5 * md.shard_nbytes / 2**30  # room for 3 whole shards, not 4
+    assert shard_ranges(md, "auto", gib_3_shards) == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert shard_ranges(md, "auto", 1e-9) == [(i, i + 1) for i in range(10)]  # at least one shard
+    assert shard_ranges(md, "auto", 64.0) == [(0, 10)]  # a small cache: one job
+    assert shard_ranges(md, 4, 1e-9) == [(0, 4), (4, 8), (8, 10)]  # an integer ignores gib_per_job
+
+
+def test_a_live_dump_job_of_another_layout_keeps_its_range_and_complete_shards_get_no_job(tmp_path, ckpt):
+    """A rerun under a new job layout (here auto: one range of 4 shards, where the killed run had one
+    job per shard) awaits the earlier run's live jobs on their own ranges, claimed (running) or named
+    by their job comment (queued), and gives the rest new ranges cut around them; a complete shard
+    outside them gets no job, and a finished job's old claim names no live job."""
+    from actcache.plan import DUMP_MARKS, dump_marks
+    from actcache.protocol import shard_name
+    from actcache.slurmjobs import claimed_ranges
+
+    doc = {**experiment(ckpt, "a", [2]), "data": {"kind": "synthetic", "n_imgs": 16, "seed": 1, "size": 40}}
+    cfg = write_project(str(tmp_path), {"a": doc})
+    (p,) = plan_from_config(cfg)
+    assert p.ranges == ((0, 4),)  # 4 shards of a few KiB: one job under `auto`
+    marks_dir = os.path.join(p.cache_dir, DUMP_MARKS)
+    os.makedirs(marks_dir)
+    for tag, job in (("000001-000002", "101"), ("000003-000004", "99")):  # 99: finished long ago
+        with open(os.path.join(marks_dir, tag + ".job"), "w") as fd:
+            fd.write(job + "\n")
+    with open(os.path.join(p.cache_dir, shard_name(0)), "wb") as fd:  # shard 0 complete (its size)
+        fd.truncate(p.metadata.shard_nbytes)
+    live = {"101": "rule_dump_wildcards_{h}_000001-000002_done", "102": "rule_dump_wildcards_{h}_000002-000003_done",
+            "103": "rule_dump_wildcards_0123abcd_000000-000004_done"}  # fmt: skip
+    live = {j: c.format(h=p.hash) for j, c in live.items()}  # 103: a job of another cache
+    unfinished = [os.path.basename(m).rsplit(".", 1)[0] for m in dump_marks(p, p.cache_dir)]
+    assert unfinished == ["000000-000004"]
+    in_flight = claimed_ranges(live, p.hash, unfinished, marks_dir)
+    assert in_flight == {"000001-000002": "101", "000002-000003": "102"}
+    marks = dump_marks(p, p.cache_dir, in_flight=list(in_flight))
+    tags = [os.path.basename(m) for m in marks]
+    assert tags == ["000001-000002.done", "000002-000003.done", "000003-000004.done"]
+    assert claimed_ranges(live, p.hash, ["000003-000004"], marks_dir) == {}  # nothing live overlaps it

@@ -154,3 +154,102 @@ def test_bad_order_and_incomplete_image_are_errors():
     st.update(torch.ones(6, 3), torch.tensor([0, 0, 0, 0, 1, 1]))
     with pytest.raises(ValueError, match="incomplete"):
         st.result()
+
+
+def test_quantile_samples_are_real_firing_tokens_in_ordered_bins_between_median_and_max(cache):
+    from actcache.topk import QUANTILE_LANES, median_act, quantile_examples
+
+    path, md, acts = cache
+    sae = make_sae("relu", seed=3)
+    st = LatentStats(24, 9, K)
+    with torch.no_grad():
+        for b in OrderedLoader(path, batch_size=13, patches="image", layer=7):
+            st.update(sae.encode(b["act"]), b["image_i"])
+    res = st.result()
+    f = brute_force(sae, tokens(acts, "image", 1))["f"]  # (N, T, S)
+    assert res.q_img.shape == (24, N_BINS, QUANTILE_LANES)
+    ok = res.q_img >= 0
+    s_idx = np.nonzero(ok)[0]
+    np.testing.assert_allclose(res.q_act[ok], f[res.q_img[ok], res.q_tok[ok], s_idx], rtol=1e-6)
+    # every sampled token lies in its histogram bin; every non-empty bin has min(R, count) samples
+    h_idx = np.nonzero(ok)[1]
+    assert np.all(res.q_act[ok] >= HIST_EDGES32[h_idx] * (h_idx > 0)) and np.all(res.q_act[ok] > 0)
+    np.testing.assert_array_equal(ok.sum(2) > 0, res.hist > 0)
+    med = median_act(res.hist)
+    n_examples = 0
+    for s in np.flatnonzero(res.fire_count):
+        fs = np.sort(f[:, :, s][f[:, :, s] > 0])
+        true_med = fs[(len(fs) + 1) // 2 - 1]  # the value where the count reaches half (the lower median)
+        assert true_med / 10**0.25 <= med[s] * (1 + 1e-6) and med[s] <= true_med * 10**0.25 * (1 + 1e-6)
+        bins = quantile_examples(res, int(s))
+        assert len(bins) == 5
+        los = [b["lo"] for b in bins]
+        assert los == sorted(los) and bins[-1]["hi"] == pytest.approx(float(res.max_act[s]))
+        assert los[0] == pytest.approx(min(med[s], res.max_act[s]))
+        for b in bins:
+            for e in b["examples"]:
+                assert b["lo"] <= e["act"] <= b["hi"]
+                assert e["act"] == pytest.approx(float(f[e["img"], e["tok"], s]), rel=1e-6)
+                n_examples += 1
+    assert n_examples > 0
+
+
+def test_explorable_images_keep_each_tokens_top_latents_equal_to_encode(cache):
+    from actcache.topk import IMAGE_TOP, PATCH_TOP
+
+    path, md, acts = cache
+    sae = make_sae("relu", seed=4)
+    explore = [0, 5, 22]
+    st = LatentStats(24, 9, K, explore=explore)
+    with torch.no_grad():
+        for b in OrderedLoader(path, batch_size=7, patches="image", layer=7):
+            st.update(sae.encode(b["act"]), b["image_i"])
+    res = st.result()
+    f = brute_force(sae, tokens(acts, "image", 1))["f"]
+    np.testing.assert_array_equal(res.ex_img, explore)
+    assert res.ex_ids.shape == (3, 9, PATCH_TOP) and res.ex_top_ids.shape == (3, IMAGE_TOP)
+    for e, i in enumerate(explore):
+        for t in range(9):
+            ids = res.ex_ids[e, t][res.ex_ids[e, t] >= 0]
+            want = np.argsort(-f[i, t], kind="stable")[:PATCH_TOP]
+            want = want[f[i, t, want] > 0]
+            np.testing.assert_allclose(res.ex_acts[e, t, : len(ids)], f[i, t, want], atol=1e-5)
+            np.testing.assert_allclose(f[i, t, ids], res.ex_acts[e, t, : len(ids)], atol=1e-5)
+            assert len(ids) == len(want)
+        mx = f[i].max(0)
+        ids = res.ex_top_ids[e][res.ex_top_ids[e] >= 0]
+        assert len(ids) == min(IMAGE_TOP, int((mx > 0).sum()))
+        np.testing.assert_allclose(res.ex_top_acts[e, : len(ids)], mx[ids], atol=1e-6)
+        assert np.all(np.diff(res.ex_top_acts[e, : len(ids)]) <= 0)
+
+
+def test_summary_without_the_explorer_fields_still_loads(tmp_path):
+    st = LatentStats(6, 4, 3)
+    st.update(torch.rand(8, 6), torch.arange(2).repeat_interleave(4))
+    res = st.result()
+    assert res.has_explorer_stats
+    old = {n: getattr(res, n) for n in ("fire_count", "act_sum", "hist", "top_img", "top_score", "top_acts")}
+    np.savez_compressed(tmp_path / "old.npz", version=np.int64(1), n_tokens=np.int64(8), n_imgs=np.int64(2),
+                        hist_edges=HIST_EDGES, **old)  # fmt: skip
+    back = LatentSummary.load(str(tmp_path / "old.npz"))
+    assert not back.has_explorer_stats and back.q_img is None
+    res.save(tmp_path / "new.npz")
+    new = LatentSummary.load(str(tmp_path / "new.npz"))
+    assert new.has_explorer_stats
+    np.testing.assert_array_equal(new.q_img, res.q_img)
+
+
+def test_quantile_samples_are_uniform_over_the_stream():
+    """300 latents firing equally on each of 1,000 tokens (one bin), fed in 20 batches: their
+    3 x 300 sampled tokens spread evenly over the stream (no bias to early or late batches)."""
+    from actcache.topk import QUANTILE_LANES
+
+    st = LatentStats(300, 1, 1)
+    for b in range(20):
+        st.update(torch.ones(50, 300), torch.arange(50 * b, 50 * (b + 1)))
+    res = st.result()
+    h = int(np.flatnonzero(res.hist[0])[0])
+    picked = res.q_img[:, h, :].ravel()
+    assert picked.shape == (300 * QUANTILE_LANES,) and picked.min() >= 0
+    assert abs(picked.mean() - 499.5) < 4 * 289 / np.sqrt(len(picked))
+    assert np.histogram(picked, bins=4, range=(0, 1000))[0].min() > 0.8 * len(picked) / 4

@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import shutil
+import subprocess
 import sys
 
 import numpy as np
@@ -327,6 +328,14 @@ def test_reuse_skips_the_pass(world, page, capsys):
     with np.load(os.path.join(page, "latents.npz")) as z:
         strongest = set(np.argsort(-z["max_act"], kind="stable")[:5].tolist())
     assert set(after["latents_shown"]) == strongest
+    # a summary from before the explorer (no quantile samples, no explorable images) is not reused
+    with np.load(os.path.join(page, "latents.npz")) as z:
+        old = {n: z[n] for n in z.files if not n.startswith(("q_", "ex_"))}
+    np.savez_compressed(os.path.join(page, "latents.npz"), **old)
+    rc, _, _ = run_cli(capsys, world["run"], "--reuse", "--latents", "5")
+    assert rc == 0 and jload(os.path.join(page, "summary.json"))["reused"] is False
+    with np.load(os.path.join(page, "latents.npz")) as z:
+        assert "q_img" in z.files and "ex_ids" in z.files
     rc, _, _ = run_cli(capsys, world["run"], "--latents", "12")  # restore the default page for other tests
     assert rc == 0 and before["latents_shown"] == jload(os.path.join(page, "summary.json"))["latents_shown"]
 
@@ -339,15 +348,17 @@ def test_full_disk_is_a_clear_error_and_keeps_the_page(world, page, tmp_path):
     # mount namespace (root), with 16 pages to spare. The new page does not fit: one clear error,
     # and the page already there is untouched, with no temporary folder left.
     run = tmp_path / "run"
-    shutil.copytree(world["run"], run)
-    files = [os.path.join(d, f) for d, _, fs in os.walk(run) for f in fs]
-    pages_used = sum(-(-os.path.getsize(f) // 4096) for f in files)
-    page_bytes = sum(os.path.getsize(f) for f in files if os.sep + "visuals" + os.sep in f)
-    assert page_bytes > 16 * 4096  # the page cannot fit again in the room left
+    subprocess.run(["cp", "-a", str(world["run"]), str(run)], check=True)  # the explorer's hard links kept
+    files = {os.stat(p).st_ino: p for p in (os.path.join(d, f) for d, _, fs in os.walk(run) for f in fs)}
+    n_dirs = sum(1 for _ in os.walk(run))
+    pages_used = sum(-(-os.path.getsize(f) // 4096) for f in files.values())
+    page_bytes = sum(os.path.getsize(f) for f in files.values() if os.sep + "visuals" + os.sep in f)
+    room = 16 + n_dirs  # pages
+    assert page_bytes > room * 4096  # the page cannot fit again in the room left
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     script = (
-        f"mount -t tmpfs -o size={(pages_used + 16 + len(files)) * 4096} tmpfs {mnt} || exit 99\n"
+        f"mount -t tmpfs -o size={(pages_used + room) * 4096} tmpfs {mnt} || exit 99\n"
         f'cp -a {run} {mnt}/run || exit 98\n"$@" {mnt}/run; echo "rc=$?" >&2\n'
         f"diff -r {run} {mnt}/run && echo SAME\n"
     )
@@ -381,6 +392,14 @@ def test_sweep_of_trained_saes(world, capsys, tmp_path):
             pass
     points = jload(sweep / "sweep.json")["points"]
     assert sorted(p["sae_id"] for p in points) == sorted(r.sae_id for r in members)
+    from tests.test_explorer import read_chunk
+
+    for d in dirs:  # each explorer links the other SAE's and names its nearest latents by decoder cosine
+        ex = os.path.join(d, "visuals", "explorer")
+        (other,) = read_chunk(os.path.join(ex, "data"), "meta")["sweep"]
+        assert other["sae_id"] != os.path.basename(d) and os.path.isfile(os.path.join(ex, other["href"]))
+        lat = read_chunk(os.path.join(ex, "data"), "latents/detail-0000")["latents"][0]
+        assert [n["sae_id"] for n in lat["sweep_neighbours"]] == [other["sae_id"]] * 3
     assert {p["source"] for p in points} == {"eval"}
     evals = {jload(os.path.join(d, "eval.json"))["l0"] for d in dirs}
     assert {p["l0"] for p in points} == evals
@@ -390,6 +409,9 @@ def test_sweep_of_trained_saes(world, capsys, tmp_path):
     html = (sweep / "index.html").read_text()
     for link in re.findall(r'href="([^"]+)"', html):
         assert os.path.isfile(sweep / link)
+    for d in dirs:  # every SAE's explorer, from its row and its Pareto point
+        ex = os.path.relpath(os.path.join(d, "visuals", "explorer", "index.html"), sweep)
+        assert html.count(f'href="{ex}"') == 2
     # one dead count: eval.json, the page header, the report's one-file page, summary.json and the
     # exported model card show the same dead and almost-dead counts under one definition string
     from actcache.export import export_saelens
@@ -591,5 +613,13 @@ def test_page_images_from_forked_workers_equal_the_threads(world, page, capsys, 
 
     assert not multiprocessing.active_children()
     monkeypatch.undo()
+    # a summary from before the explorer (no quantile samples, no explorable images) is not reused
+    with np.load(os.path.join(page, "latents.npz")) as z:
+        old = {n: z[n] for n in z.files if not n.startswith(("q_", "ex_"))}
+    np.savez_compressed(os.path.join(page, "latents.npz"), **old)
+    rc, _, _ = run_cli(capsys, world["run"], "--reuse", "--latents", "5")
+    assert rc == 0 and jload(os.path.join(page, "summary.json"))["reused"] is False
+    with np.load(os.path.join(page, "latents.npz")) as z:
+        assert "q_img" in z.files and "ex_ids" in z.files
     rc, _, _ = run_cli(capsys, world["run"], "--latents", "12")  # restore the default page for other tests
     assert rc == 0

@@ -30,14 +30,17 @@ def test_views_without_data_are_placeholders_that_say_why(tmp_path):
 def test_page_gets_each_latents_best_class_and_the_best_latent_table():
     from actcache.visuals_probes import annotate_page
 
-    page = '<div class="card-head"><b>latent 3</b><span>freq</span></div><h2>Latents</h2><b>latent 0</b>'
+    page = ('<h2>Latents</h2><div class="latent-card" id="latent-3"><div class="card-head"><b>latent 3</b>'
+            "<span>freq</span></div></div><b>latent 0</b>")  # fmt: skip
     probes = {"latent_best_class": [-1, -1, -1, 1], "class_names": ["cat", "dog"],
-              "best_latent_per_class": [{"name": "dog", "latent": 3, "ap": 0.995, "n_images": 40}],
+              "best_latent_per_class": [{"name": "dog", "latent": 3, "ap": 0.995, "n_images": 40},
+                                        {"name": "cat", "latent": 2, "ap": 0.5, "n_images": 40}],
               "sparse_probe_acc": {"1": 0.9, "5": None}}  # fmt: skip
     out = annotate_page(page, probes)
     assert '<b>latent 3</b><span class="best-class">best class: dog</span>' in out
     assert "<b>latent 0</b><span" not in out  # never fired: no class
     assert '<a href="#latent-3">latent 3</a></td><td>0.995</td>' in out and "k=1: 0.900" in out
+    assert '<a href="explorer/index.html#latent=2">latent 2</a>' in out  # no card on the page: the explorer
     assert out.index("Best latent per class") < out.index("<h2>Latents</h2>")
     assert annotate_page(page, None) == page
 

@@ -241,6 +241,8 @@ EDITS = [
      {"train": 1, "trained": 2, "evaluated": 1, "report": 1, "spliced_eval": 1, "sweep_report": 1, "all": 1}, [], 1, 0),
     ("lost shard, shards_per_job 1 -> 2", lambda d: d["cache"].update(shards_per_job=2), 2,
      {"dump": 1, "gather": 1, "all": 1}, ["000002-000004"], 0, 1),
+    ("lost shard, shards_per_job 1 -> auto", lambda d: d["cache"].pop("shards_per_job"), 2,
+     {"dump": 1, "gather": 1, "all": 1}, ["000000-000004"], 0, 1),  # a tiny cache: one job for all 4 shards
 ]  # fmt: skip
 
 
@@ -292,6 +294,8 @@ def test_end_to_end_trained_saes_visuals_and_report(done_project, report_html):
         with open(os.path.join(run, "visuals.html")) as fd:
             page = fd.read()
         assert page.count('class="latent-card"') > 0 and 'src="img/' not in page  # one self-contained file
+        assert 'href="visuals/explorer/index.html"' in page  # the explorer of every latent, in the folder
+        assert os.path.isfile(os.path.join(run, "visuals", "explorer", "data", "meta.js"))
     with open(report_html) as fd:
         text = fd.read()
     assert "SAE latents" in text and "SAE sweeps" in text  # the report's categories

@@ -14,9 +14,10 @@ asks for, so parsing the workflow writes nothing. See :func:`current_mark` for w
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
-from actcache.config import Experiment, load_experiment
+from actcache.config import AUTO, Experiment, load_experiment
 from actcache.errors import ConfigError
 from actcache.preflight import COMMAND_LINE, Setting, check_inputs, check_listed_once, check_writable_dir
 from actcache.protocol import METADATA_FILE, SHARDS_FILE, Metadata, shard_name
@@ -79,9 +80,39 @@ def _as_written(msg: str) -> str:
     return " ".join(re.sub(r"\bvit_(ckpt|family)\b", r"vit.\1", msg).split())  # one line, as every error
 
 
-def shard_ranges(md: Metadata, shards_per_job: int) -> list[tuple[int, int]]:
-    """[(A, B), ...] covering every shard, ``shards_per_job`` shards per dump job."""
-    return [(a, min(a + shards_per_job, md.n_shards)) for a in range(0, md.n_shards, shards_per_job)]
+def job_shards(md: Metadata, shards_per_job: int | str, gib_per_job: float) -> int:
+    """Shards per dump job: an integer as given; ``auto``: as many full shards as fit in
+    ``gib_per_job`` GiB (at least one), so the job count falls as shards shrink or caches grow."""
+    if shards_per_job != AUTO:
+        return int(shards_per_job)
+    return max(1, min(md.n_shards, int(gib_per_job * 2**30 // md.shard_nbytes)))
+
+
+def shard_ranges(md: Metadata, shards_per_job: int | str, gib_per_job: float) -> list[tuple[int, int]]:
+    """[(A, B), ...] covering every shard, :func:`job_shards` shards per dump job."""
+    n = job_shards(md, shards_per_job, gib_per_job)
+    return [(a, min(a + n, md.n_shards)) for a in range(0, md.n_shards, n)]
+
+
+def around(ranges: tuple[tuple[int, int], ...], fixed: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """``ranges`` with the ranges ``fixed`` kept as they are (the ranges of dump jobs still in flight,
+    submitted under another job layout) and every other range cut to the shards outside them."""
+    out = set(fixed)
+    for a, b in ranges:
+        cuts = sorted((max(a, fa), min(b, fb)) for fa, fb in fixed if fa < b and a < fb)
+        start = a
+        for ca, cb in cuts:
+            if start < ca:
+                out.add((start, ca))
+            start = max(start, cb)
+        if start < b:
+            out.add((start, b))
+    return tuple(sorted(out))
+
+
+def parse_range_tag(tag: str) -> tuple[int, int]:
+    a, b = tag.split("-")
+    return int(a), int(b)
 
 
 def range_tag(a: int, b: int) -> str:
@@ -130,8 +161,8 @@ class Planned:
     runs_to: str
     ranges: tuple[tuple[int, int], ...]
 
-    @property
-    def hash(self) -> str:
+    @functools.cached_property
+    def hash(self) -> str:  # asked per shard range while the workflow is parsed: computed once
         return self.metadata.hash
 
     @property
@@ -343,14 +374,18 @@ def external_caches(entries, runs_to: str, base_dir: str, where: str) -> list[Ex
     return out
 
 
-def dump_marks(p: Planned, cache_dir: str) -> list[str]:
+def dump_marks(p: Planned, cache_dir: str, in_flight: list[str] = ()) -> list[str]:
     """The mark of each shard range of ``p`` under ``cache_dir`` that the workflow asks for.
+    ``in_flight``: the range tags of live dump jobs of an earlier run; one of another job layout is
+    kept as it is (its job is awaited) and the ranges of ``p`` are cut around it (:func:`around`).
 
     The job layout (``cache.shards_per_job``) is not part of the cache: a complete, gathered cache
     asks for the marks its own jobs left, whatever the layout now, so it never schedules work; in
     an incomplete one, a range of the current layout whose shards are all there and that has no
     mark asks for none, so a lost shard brings back the one range that holds it.
     """
+    if in_flight:
+        p = dataclasses.replace(p, ranges=around(p.ranges, [parse_range_tag(t) for t in in_flight]))
     complete = {(a, b): p.range_complete(a, b) for a, b in p.ranges}
     if all(complete.values()) and os.path.exists(os.path.join(cache_dir, SHARDS_FILE)):
         return marks_on_disk(cache_dir)
@@ -439,7 +474,8 @@ def plan(
     listing_cache = os.path.join(dump_to.value, ".listings")
     for exp, d_to, r_to in exps:
         md = experiment_metadata(exp, listing_cache=listing_cache, relist=relist)
-        out.append(Planned(exp, md, d_to.value, r_to.value, tuple(shard_ranges(md, exp.cache.shards_per_job))))
+        ranges = shard_ranges(md, exp.cache.shards_per_job, exp.cache.gib_per_job)
+        out.append(Planned(exp, md, d_to.value, r_to.value, tuple(ranges)))
     return out
 
 

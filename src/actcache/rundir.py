@@ -49,6 +49,7 @@ SET_ASIDE_MARK = ".invalid"  # a checkpoint found damaged is renamed step-NNNNNN
 VISUALS_DIR = "visuals"
 VISUALS_PAGE = "visuals.html"  # the visuals/ page in one small file, beside the folder (for snakemake --report)
 PAGE_FILE = "index.html"
+EXPLORER_DIR = "explorer"  # visuals/explorer/: the explorer's static files (actcache.explorer)
 STATS_FILE = "latents.npz"
 SUMMARY_FILE = "summary.json"
 SWEEP_FILE = "sweep.json"

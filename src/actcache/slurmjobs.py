@@ -227,7 +227,7 @@ def plugin_comment(rule: str, *wildcards: str) -> str:
     return f"rule_{rule}_wildcards_{'_'.join(wildcards)}".replace("/", "_") if wildcards else f"rule_{rule}"
 
 
-def _slot_of(comment: str, want: str, slots) -> str | None:
+def slot_of(comment: str, want: str, slots) -> str | None:
     """The slot of a job whose comment is ``want`` (then "") or ``want_<slot>``; None: another job."""
     if comment == want:
         return ""
@@ -250,12 +250,43 @@ def in_flight(claims: dict, slots=(), live: dict[str, str] | None = None) -> dic
     out = {}
     for key, claim in claims.items():
         job = read_claim(claim.path)
-        if job not in live or _slot_of(live[job], claim.comment, slots) is None:
+        if job not in live or slot_of(live[job], claim.comment, slots) is None:
             wanted = [claim.comment, *(f"{claim.comment}_{s}" for s in slots)]
             job = next((by_comment[c] for c in wanted if c in by_comment), None)
         if job is not None:
-            out[key] = InFlight(job, _slot_of(live[job], claim.comment, slots))
+            out[key] = InFlight(job, slot_of(live[job], claim.comment, slots))
     return out
+
+
+def claimed_ranges(live: dict[str, str], hash: str, tags: list[str], marks_dir: str) -> dict[str, str]:
+    """{range tag: job id} of the live jobs (``live``: job id -> comment) dumping a range of cache
+    ``hash`` that overlaps one of the range tags ``tags``, also one of another job layout
+    (``cache.shards_per_job``) under its own tag: a claim file names a running job (trusted while
+    that job's comment names that range), the plugin's comment a queued one."""
+    wanted = [_span(t) for t in tags]
+    try:
+        names = os.listdir(marks_dir)
+    except OSError:
+        names = []
+    claimed = {n[: -len(CLAIM_SUFFIX)] for n in names if n.endswith(CLAIM_SUFFIX)}
+    in_comment = re.compile(rf"rule_dump_wildcards_{re.escape(hash)}_(\d{{6}}-\d{{6}})_")
+    queued = {m.group(1): j for j, c in sorted(live.items()) if (m := in_comment.match(c))}
+    others = [(r, _span(r)) for r in (claimed | set(queued)) - set(tags)]  # ranges of another layout
+    overlapping = [r for r, span in others if span and any(span[0] < b and a < span[1] for a, b in wanted)]
+    found: dict[str, str] = {}
+    for r in sorted([*tags, *overlapping]):
+        job = read_claim(claim_path(marks_dir, r)) if r in claimed else None
+        if job in live and live[job].startswith(f"rule_dump_wildcards_{hash}_{r}_"):  # the claiming job
+            found[r] = job
+        elif r in queued:
+            found[r] = queued[r]
+    return found
+
+
+def _span(tag: str) -> tuple[int, int] | None:
+    """A range tag ``AAAAAA-BBBBBB`` -> (A, B); None for any other name."""
+    m = re.fullmatch(r"(\d{6})-(\d{6})", tag)
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def await_job(job: str, output: str, poll_s: float = 30.0) -> int:

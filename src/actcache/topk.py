@@ -18,6 +18,21 @@ a token when its activation is > 0. For every latent ``s``:
   (the max of the latent over the image's tokens), best first; ``-1`` / ``0`` fill the slots
   when fewer than ``k`` images make it fire.
 - ``top_acts[s, :k, :T]``: the latent's activation on every token of those images (heatmaps).
+- ``q_img[s, h, :R]``, ``q_act``, ``q_tok``: a uniform sample of up to ``R`` (QUANTILE_LANES) firing
+  tokens per histogram bin ``h`` (their image, activation and token position in the image; -1 /
+  0 / -1 fill empty slots), for examples below the top (:func:`quantile_examples`).
+- For the *explorable images* given to LatentStats (``explore``): per token, its top
+  ``PATCH_TOP`` non-zero latents (``ex_ids``, ``ex_acts``; -1 / 0 fill) and per image its top
+  ``IMAGE_TOP`` latents by max over its tokens (``ex_top_ids``, ``ex_top_acts``).
+
+Quantile examples, why per histogram bin: the examples wanted lie between the median and the max
+of a latent's firing activations, both known only at the end. The log-spaced histogram bins are
+fixed in advance and cover every value, so one reservoir per (latent, bin) holds a uniform sample
+of the tokens of that bin whatever the median and max turn out to be; at the end each quantile
+bin takes the samples that fall in it. Each of the ``R`` lanes is a priority sample (the entry
+with the largest random key of its slot wins; keys are unique), so a lane is a uniform draw and
+lanes are independent (duplicates are dropped at the end). Memory: 18 bytes per (latent, bin,
+lane), 113 MiB at width 65,536; a quantile example names its token (no per-token heatmap).
 
 Vectorised per batch: one ``amax`` over each image's tokens, one ``torch.topk`` merging the
 running ``(S, k)`` top-k with the batch's ``(S, n_images)`` scores, one ``nonzero`` + ``bincount``
@@ -40,7 +55,12 @@ HIST_LO, HIST_HI, BINS_PER_DECADE = -4, 4, 4
 N_BINS = (HIST_HI - HIST_LO) * BINS_PER_DECADE
 HIST_EDGES = 10.0 ** (HIST_LO + np.arange(N_BINS + 1) / BINS_PER_DECADE)
 HIST_EDGES32 = HIST_EDGES.astype(np.float32)
-STATS_VERSION = 1
+STATS_VERSION = 2
+QUANTILE_LANES = 3  # R: sampled tokens per (latent, histogram bin)
+N_QUANTILES = 5  # quantile bins between the median and the max of the firing activations
+PATCH_TOP = 16  # latents kept per token of an explorable image
+IMAGE_TOP = 32  # latents kept per explorable image (by max over its tokens)
+_OPTIONAL = ("q_img", "q_act", "q_tok", "ex_img", "ex_ids", "ex_acts", "ex_top_ids", "ex_top_acts")
 
 
 def hist_bins(values: torch.Tensor) -> torch.Tensor:
@@ -71,6 +91,19 @@ class LatentSummary:
     top_score: np.ndarray  # (S, K) float32, 0 = empty slot
     top_acts: np.ndarray  # (S, K, T) float32 (saved as float16)
     hist_edges: np.ndarray = dataclasses.field(default_factory=lambda: HIST_EDGES.copy())
+    # Absent (None) in a summary saved before STATS_VERSION 2: the explorer needs them.
+    q_img: np.ndarray | None = None  # (S, N_BINS, R) int64, -1 = empty slot
+    q_act: np.ndarray | None = None  # (S, N_BINS, R) float32
+    q_tok: np.ndarray | None = None  # (S, N_BINS, R) int64 token position in its image
+    ex_img: np.ndarray | None = None  # (E,) int64 explorable images, sorted
+    ex_ids: np.ndarray | None = None  # (E, T, PATCH_TOP) int64, -1 = none
+    ex_acts: np.ndarray | None = None  # (E, T, PATCH_TOP) float32
+    ex_top_ids: np.ndarray | None = None  # (E, IMAGE_TOP) int64, -1 = none
+    ex_top_acts: np.ndarray | None = None  # (E, IMAGE_TOP) float32
+
+    @property
+    def has_explorer_stats(self) -> bool:
+        return all(getattr(self, n) is not None for n in _OPTIONAL)
 
     @property
     def width(self) -> int:
@@ -97,6 +130,7 @@ class LatentSummary:
             fire_count=self.fire_count, act_sum=self.act_sum, freq=self.freq, mean_act=self.mean_act,
             max_act=self.max_act, hist=self.hist, hist_edges=self.hist_edges, top_img=self.top_img,
             top_score=self.top_score, top_acts=np.clip(self.top_acts, -f16, f16).astype(np.float16),
+            **{n: getattr(self, n) for n in _OPTIONAL if getattr(self, n) is not None},
         )  # fmt: skip
         atomic_write_bytes(os.fspath(path), buf.getvalue())
 
@@ -107,13 +141,17 @@ class LatentSummary:
                 n_tokens=int(z["n_tokens"]), n_imgs=int(z["n_imgs"]), fire_count=z["fire_count"],
                 act_sum=z["act_sum"], hist=z["hist"], top_img=z["top_img"], top_score=z["top_score"],
                 top_acts=z["top_acts"].astype(np.float32), hist_edges=z["hist_edges"],
+                **{n: z[n] for n in _OPTIONAL if n in z.files},
             )  # fmt: skip
 
 
 class LatentStats:
     """Accumulates :class:`LatentSummary` statistics batch by batch (see the module docstring)."""
 
-    def __init__(self, width: int, tokens_per_img: int, k: int = 16, device: str | torch.device = "cpu"):
+    def __init__(self, width: int, tokens_per_img: int, k: int = 16, device: str | torch.device = "cpu",
+                 explore=(), seed: int = 0, quantiles: bool = True):  # fmt: skip
+        """``explore``: the explorable images (image indices) whose per-token latents are kept;
+        ``seed``: of the quantile samples; ``quantiles=False``: none (the summary has no q_*)."""
         if width < 1 or tokens_per_img < 1 or k < 1:
             raise ValueError(f"width, tokens_per_img and k must be >= 1, got {width}, {tokens_per_img}, {k}")
         self.S, self.T, self.K = int(width), int(tokens_per_img), int(k)
@@ -128,6 +166,15 @@ class LatentStats:
         self.top_phys = torch.arange(self.K, device=dev).repeat(self.S, 1)
         self.acts = torch.zeros((self.S, self.K, self.T), dtype=torch.float32, device=dev)
         self._carry: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.quantiles = quantiles
+        slots = (self.S * N_BINS, QUANTILE_LANES if quantiles else 0)
+        self.q_key = torch.full(slots, -1, dtype=torch.int64, device=dev)
+        self.q_img = torch.full(slots, -1, dtype=torch.int32, device=dev)
+        self.q_act = torch.zeros(slots, dtype=torch.float32, device=dev)
+        self.q_tok = torch.full(slots, -1, dtype=torch.int16, device=dev)
+        self.seed = int(seed)
+        self.explore = torch.as_tensor(sorted({int(i) for i in explore}), dtype=torch.int64, device=dev)
+        self.ex: dict[int, tuple] = {}
 
     @torch.no_grad()
     def update(self, f_BS: torch.Tensor, image_i: torch.Tensor) -> None:
@@ -140,7 +187,7 @@ class LatentStats:
             return
         f_BS = f_BS.to(self.device, torch.float32)
         image_i = image_i.to(self.device, torch.int64)
-        self._count(f_BS)
+        self._count(f_BS, image_i)
         if self._carry is not None:
             f_BS = torch.cat([self._carry[0], f_BS])
             image_i = torch.cat([self._carry[1], image_i])
@@ -157,17 +204,40 @@ class LatentStats:
             self._merge(f_BS[: n * self.T].view(n, self.T, self.S), img_NT[:, 0])
             self.n_imgs += n
 
-    def _count(self, f_BS: torch.Tensor) -> None:
+    def _count(self, f_BS: torch.Tensor, image_i: torch.Tensor) -> None:
         f = f_BS.reshape(-1)
         flat = f.nonzero().squeeze(1)
         vals = f[flat]
-        lat = flat.remainder_(self.S)
         if vals.numel() and float(vals.min()) <= 0:  # negative activations do not count as firing
             keep = vals > 0
-            lat, vals = lat[keep], vals[keep]
+            flat, vals = flat[keep], vals[keep]
+        lat = flat.remainder(self.S)
         self.act_sum += torch.zeros(self.S, dtype=torch.float32, device=self.device).index_add_(0, lat, vals)
-        self.hist += torch.bincount(hist_bins(vals).add_(lat.mul_(N_BINS)), minlength=self.S * N_BINS)
+        slot = hist_bins(vals).add_(lat.mul_(N_BINS))
+        self.hist += torch.bincount(slot, minlength=self.S * N_BINS)
+        self._sample(slot, vals, flat, image_i)
         self.n_tokens += f_BS.shape[0]
+
+    def _sample(self, slot: torch.Tensor, vals: torch.Tensor, flat: torch.Tensor, image_i: torch.Tensor) -> None:
+        """Offer every firing (token, latent) of the batch to its (latent, bin) reservoir, one
+        priority sample per lane: key = 31 pseudo-random bits (a hash of the entry's place in the
+        stream, the lane and the seed) above the entry's number in the batch (unique in the batch;
+        a tie with a stored key keeps either, both uniform)."""
+        if not slot.numel():
+            return
+        row = flat.div(self.S, rounding_mode="floor")
+        idx = torch.arange(slot.numel(), device=self.device)
+        where = flat.add(self.n_tokens * self.S).mul_(4)
+        for r in range(self.q_key.shape[1]):
+            key = _mix64(where + (r + 4 * self.seed)).bitwise_right_shift_(32).bitwise_left_shift_(32)
+            key.bitwise_or_(idx)
+            best = self.q_key[:, r].clone().scatter_reduce_(0, slot, key, "amax")
+            win = key == best[slot]  # one entry per slot at most (keys are unique)
+            s, e = slot[win], row[win]
+            self.q_key[s, r] = key[win]
+            self.q_img[s, r] = image_i[e].to(torch.int32)
+            self.q_act[s, r] = vals[win]
+            self.q_tok[s, r] = (e + self.n_tokens).remainder(self.T).to(torch.int16)
 
     def _merge(self, f_NTS: torch.Tensor, img_N: torch.Tensor) -> None:
         """Merge a batch of whole images into the running top-k.
@@ -177,6 +247,8 @@ class LatentStats:
         slot of the one it evicts, so only new entries are written.
         """
         S, K, n = self.S, self.K, f_NTS.shape[0]
+        if self.explore.numel():
+            self._explore(f_NTS, img_N)
         score_SN = f_NTS.amax(1).T
         score_SN = torch.where(score_SN > 0, score_SN, -torch.inf)  # an image that never fires is no candidate
         val_SK, pos_SK = torch.cat([self.top_val, score_SN], 1).topk(K, dim=1)
@@ -196,6 +268,26 @@ class LatentStats:
         self.top_val, self.top_phys = val_SK, phys_SK
         self.top_img = torch.where(val_SK > 0, img_SK, -1)
 
+    def _explore(self, f_NTS: torch.Tensor, img_N: torch.Tensor) -> None:
+        """Each explorable image of the batch: its tokens' top latents and its own (non-zero only)."""
+        for n in torch.isin(img_N, self.explore).nonzero().squeeze(1).tolist():
+            f_TS = f_NTS[n]
+            v_TP, i_TP = f_TS.topk(min(PATCH_TOP, self.S), dim=1)
+            v_I, i_I = f_TS.amax(0).topk(min(IMAGE_TOP, self.S))
+            self.ex[int(img_N[n])] = tuple(_pad(x.cpu().numpy(), m) for x, m in (
+                (torch.where(v_TP > 0, i_TP, -1), PATCH_TOP), (v_TP.clamp_min(0), PATCH_TOP),
+                (torch.where(v_I > 0, i_I, -1), IMAGE_TOP), (v_I.clamp_min(0), IMAGE_TOP)))  # fmt: skip
+
+    def _explored(self) -> dict:
+        imgs = sorted(self.ex)
+        T = self.T
+        parts = [np.stack([self.ex[i][j] for i in imgs]) if imgs else np.zeros((0, *shape), dt)
+                 for j, (shape, dt) in enumerate((((T, PATCH_TOP), np.int64), ((T, PATCH_TOP), np.float32),
+                                                  ((IMAGE_TOP,), np.int64), ((IMAGE_TOP,), np.float32)))]  # fmt: skip
+        return dict(ex_img=np.asarray(imgs, np.int64), ex_ids=parts[0].astype(np.int64),
+                    ex_acts=parts[1].astype(np.float32), ex_top_ids=parts[2].astype(np.int64),
+                    ex_top_acts=parts[3].astype(np.float32))  # fmt: skip
+
     def result(self) -> LatentSummary:
         """The statistics so far (numpy); an image still incomplete at the end is an error."""
         if self._carry is not None:
@@ -210,4 +302,86 @@ class LatentStats:
             hist=hist, top_img=self.top_img.cpu().numpy(),
             top_score=torch.where(filled, self.top_val, 0.0).cpu().numpy(),
             top_acts=torch.where(filled.unsqueeze(-1), top_acts, 0.0).cpu().numpy(),
+            **self._quantile_samples(), **self._explored(),
         )  # fmt: skip
+
+    def _quantile_samples(self) -> dict:
+        if not self.quantiles:
+            return {}
+        shape = (self.S, N_BINS, -1)
+        return dict(q_img=self.q_img.view(shape).cpu().numpy().astype(np.int64),
+                    q_act=self.q_act.view(shape).cpu().numpy(),
+                    q_tok=self.q_tok.view(shape).cpu().numpy().astype(np.int64))  # fmt: skip
+
+
+def _signed(u: int) -> int:
+    return u - 2**64 if u >= 2**63 else u
+
+
+_GOLDEN, _M1, _M2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 of int64 values (wrapping arithmetic; >> made logical by a mask): well-mixed
+    pseudo-random bits, far cheaper than a generator call per entry; non-negative after >> 1."""
+
+    def lsr(v: torch.Tensor, n: int) -> torch.Tensor:
+        return v.bitwise_right_shift(n).bitwise_and_((1 << (64 - n)) - 1)
+
+    x = x + _GOLDEN
+    x = (x ^ lsr(x, 30)).mul_(_M1)
+    x = (x ^ lsr(x, 27)).mul_(_M2)
+    return lsr(x ^ lsr(x, 31), 1)
+
+
+def _pad(x: np.ndarray, m: int) -> np.ndarray:
+    """``x`` (..., n) padded to (..., m) with -1 (ids) or 0 (values), for a width below m."""
+    if x.shape[-1] >= m:
+        return x
+    fill = -1 if x.dtype.kind == "i" else 0
+    return np.concatenate([x, np.full((*x.shape[:-1], m - x.shape[-1]), fill, x.dtype)], -1)
+
+
+def median_act(hist_SH: np.ndarray, edges: np.ndarray = HIST_EDGES) -> np.ndarray:
+    """(S,) the median of each latent's firing activations, from its histogram: the bin where the
+    count reaches half, interpolated geometrically inside it (exact to a bin's width, a factor
+    10^(1/BINS_PER_DECADE)); 0 for a latent that never fires."""
+    n = hist_SH.sum(1)
+    cum = np.cumsum(hist_SH, 1)
+    h = np.minimum((cum < (n / 2)[:, None]).sum(1), hist_SH.shape[1] - 1)
+    below = np.take_along_axis(cum, h[:, None], 1)[:, 0] - np.take_along_axis(hist_SH, h[:, None], 1)[:, 0]
+    inside = np.take_along_axis(hist_SH, h[:, None], 1)[:, 0]
+    t = np.clip((n / 2 - below) / np.maximum(inside, 1), 0, 1)
+    med = edges[h] * (edges[h + 1] / edges[h]) ** t
+    return np.where(n > 0, med, 0.0)
+
+
+def quantile_examples(res: LatentSummary, s: int, n_bins: int = N_QUANTILES, per_bin: int = 3,
+                      median: float | None = None, max_act: float | None = None) -> list[dict]:  # fmt: skip
+    """Latent ``s``'s examples below the top: ``n_bins`` equal-width bins of activation between
+    the median of its firing activations (:func:`median_act`) and its max (``median``,
+    ``max_act``: given, for many latents),
+    each with up to ``per_bin`` sampled tokens ``{"img", "act", "tok"}`` in it, largest first
+    (the last bin includes the max)."""
+    mx = float(res.max_act[s]) if max_act is None else max_act
+    if res.fire_count[s] == 0 or res.q_img is None:
+        return []
+    if median is None:
+        median = float(median_act(res.hist[s : s + 1], res.hist_edges)[0])
+    med = min(median, mx)
+    edges = np.linspace(med, mx, n_bins + 1)
+    img, act, tok = res.q_img[s].ravel(), res.q_act[s].ravel(), res.q_tok[s].ravel()
+    ok = img >= 0
+    seen = set()
+    samples = []
+    for i, a, t in sorted(zip(img[ok].tolist(), act[ok].tolist(), tok[ok].tolist(), strict=True), key=lambda x: -x[1]):
+        if (i, t) not in seen:
+            seen.add((i, t))
+            samples.append((i, a, t))
+    out = []
+    for b in range(n_bins):
+        lo, hi = float(edges[b]), float(edges[b + 1])
+        last = b == n_bins - 1
+        inside = [x for x in samples if lo <= x[1] and (x[1] < hi or (last and x[1] <= hi))]
+        out.append({"lo": lo, "hi": hi, "examples": [{"img": i, "act": a, "tok": t} for i, a, t in inside[:per_bin]]})
+    return out

@@ -4,8 +4,8 @@ For each SAE run directory (actcache.rundir), ONE ordered pass over its cache (t
 and scaling it was trained on, every image; SAEs of the same stream share the pass) gives
 per-latent statistics (actcache.topk). :func:`write_visuals` turns them into the run's visuals/
 folder (latents.npz, summary.json, an HTML page with its images, training curves, frequency
-plot) and the page as one small self-contained file beside it, for `snakemake --report`
-(actcache.visuals_report).
+plot, and the explorer of every latent in visuals/explorer/: actcache.explorer) and the page as
+one small self-contained file beside it, for `snakemake --report` (actcache.visuals_report).
 :func:`make_visuals` does this for a list of runs; with several runs it also writes the sweep
 plots (NMSE against L0, every SAE's curves) into ``opts.out`` (default: their common parent's
 visuals/). ``plots_only`` skips the pass and the per-SAE pages.
@@ -40,6 +40,7 @@ from actcache.fsutil import atomic_write_bytes
 from actcache.rundir import (
     CURVES_PLOT,
     DONE_FILE,
+    EXPLORER_DIR,
     FREQ_PLOT,
     PAGE_FILE,
     RUN_FILE,
@@ -77,6 +78,7 @@ class VisualsOptions:
     reuse: bool = False
     plots_only: bool = False
     out: str | None = None
+    explorer: bool = True
 
 
 class VisualsError(ActCacheError):
@@ -238,8 +240,9 @@ def spliced_row(sp: dict) -> str:
 
 def compute_stats(cache, saes: list, patches: str, layer: int, scale_norm: bool, k: int = 16,
                   batch_images: int | None = None, device: str = "cpu",
-                  timings: dict | None = None) -> list[LatentSummary]:  # fmt: skip
-    """One ordered pass over ``cache``; per SAE, its :class:`LatentSummary`.
+                  timings: dict | None = None, explore=(), quantiles: bool = True) -> list[LatentSummary]:  # fmt: skip
+    """One ordered pass over ``cache``; per SAE, its :class:`LatentSummary` (``explore``: the
+    explorable images, whose per-token latents it keeps; ``quantiles``: the quantile samples).
 
     ``timings`` (a dict) receives the seconds spent waiting for batches (``wait_s``), in the
     SAEs' ``encode`` (``encode_s``) and in the statistics (``stats_s``).
@@ -254,7 +257,7 @@ def compute_stats(cache, saes: list, patches: str, layer: int, scale_norm: bool,
     width = max(s.cfg.width for s in saes)
     if batch_images is None:
         batch_images = max(1, min(16384 // per_img, TARGET_BATCH_BYTES // (4 * per_img * width)))
-    stats = [LatentStats(s.cfg.width, per_img, k, device) for s in saes]
+    stats = [LatentStats(s.cfg.width, per_img, k, device, explore=explore, quantiles=quantiles) for s in saes]
     for s in saes:
         s.to(device).eval()
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
@@ -350,10 +353,12 @@ def _writing(what: str, kept: str):
         ) from err
 
 
-def write_visuals(run: Run, cache, res: LatentSummary, src, opts, timings: dict) -> str:
-    """Write RUN_DIR/visuals/ (into a temporary sibling, then renamed) and RUN_DIR/visuals.html
-    (the page in one small self-contained file); returns visuals/index.html."""
+def write_visuals(run: Run, cache, res: LatentSummary, src, opts, timings: dict, sweep: list[Run] = ()) -> str:
+    """Write RUN_DIR/visuals/ (into a temporary sibling, then renamed; the explorer in it) and
+    RUN_DIR/visuals.html (the page in one small self-contained file); returns visuals/index.html.
+    ``sweep``: the other runs shown beside this one (the explorer's links and neighbours)."""
     from actcache import visuals_html as vh
+    from actcache.explorer import ExplorerPlan
     from actcache.visuals_plots import plot_curves, plot_freq
     from actcache.visuals_report import one_file_page
 
@@ -370,6 +375,8 @@ def write_visuals(run: Run, cache, res: LatentSummary, src, opts, timings: dict)
             shown = ",".join(str(i) for i in ids)
             raise ConfigError(f"--latent-ids: ids must be in [0, {res.width}), got {shown}")
         latents = vh.select_latents(res, opts.latents, opts.select, ids)
+        plan = ExplorerPlan.of(res) if opts.explorer else ExplorerPlan([], [])
+        href = "explorer/index.html" if opts.explorer else None
         pot = _patch_of_token(md, run.patches, run.layer)
         grid = math.isqrt(md.n_patches_per_img)
         heat = (pot >= 0).any() and grid * grid == md.n_patches_per_img
@@ -383,7 +390,7 @@ def write_visuals(run: Run, cache, res: LatentSummary, src, opts, timings: dict)
             image_labels, stop_images = (lambda: {}), (lambda: None)
             if src.dataset is not None:
                 top = res.top_img[latents]
-                ids = sorted({int(i) for i in top[top >= 0]})
+                ids = sorted({int(i) for i in top[top >= 0]} | set(plan.image_ids))
                 image_labels, stop_images = vh.image_writer(src, ids, os.path.join(tmp, "img"), pool)
             try:
                 plots = []
@@ -401,6 +408,10 @@ def write_visuals(run: Run, cache, res: LatentSummary, src, opts, timings: dict)
                 raise
         timings["page_s"] = time.perf_counter() - t0
         ev, cfg = run.eval(), run.sae_config()
+        t0 = time.perf_counter()
+        device = opts.device or ("cuda" if _cuda() else "cpu")
+        explorer_bytes = _write_explorer(run, cache, res, plan, src, ev, tmp, sweep, device) if opts.explorer else 0
+        timings["explorer_s"] = time.perf_counter() - t0
         info = {
             "SAE": run.name, "what": sae_title(run, res.width),
             "cache": f"{md.hash[:16]}... ({run.cache})", "model": f"{md.vit_family} {md.vit_ckpt}",
@@ -410,14 +421,15 @@ def write_visuals(run: Run, cache, res: LatentSummary, src, opts, timings: dict)
         }  # fmt: skip
         dense_frac = float(ev.get("dense_frac", cfg.get("dense_frac", 0.1)))
         page = vh.render_page(res, latents, info, labels, pot, heat, src.dataset is not None, plots, notes,
-                              dense_frac=dense_frac)  # fmt: skip
+                              dense_frac=dense_frac, explorer=href)  # fmt: skip
         from actcache.visuals_probes import annotate_page
 
-        page = annotate_page(page, ev.get("probes"))
+        page = annotate_page(page, ev.get("probes"), href)
         vh.write_page(os.path.join(tmp, PAGE_FILE), page)
         standalone, one_file = one_file_page(res, latents, info, labels, pot, heat, src.dataset is not None, plots,
                                              notes, tmp, os.path.abspath(os.path.join(final, PAGE_FILE)),
-                                             probes=ev.get("probes"), dense_frac=dense_frac)  # fmt: skip
+                                             probes=ev.get("probes"), dense_frac=dense_frac,
+                                             explorer=opts.explorer)  # fmt: skip
         summary = {
             "version": 1, "sae_id": run.name, "run_dir": os.path.abspath(run.dir), "cache": run.cache,
             "cache_hash": md.hash, "layer": run.layer, "patches": run.patches, "scale_norm": run.scale_norm,
@@ -426,6 +438,8 @@ def write_visuals(run: Run, cache, res: LatentSummary, src, opts, timings: dict)
             "dead_definition": ev.get("dead_definition"),
             "latents_shown": [int(s) for s in latents], "one_file_latents": [int(s) for s in one_file],
             "sae_weights": _weights_stamp(run.dir), "reused": timings.pop("reused", False), "seconds": timings,
+            "explorer": {"dir": EXPLORER_DIR, "data_bytes": explorer_bytes, "images": res.ex_img.tolist()}
+            if opts.explorer else None,
             "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         }  # fmt: skip
         atomic_write_bytes(os.path.join(tmp, SUMMARY_FILE), (json.dumps(summary, indent=2) + "\n").encode())
@@ -444,6 +458,57 @@ def write_visuals(run: Run, cache, res: LatentSummary, src, opts, timings: dict)
     return os.path.join(final, PAGE_FILE)
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _decoder(run: Run) -> np.ndarray:
+    from actcache.sae.modeling import SAE
+
+    return SAE.load(run.dir).W_dec.detach().float().cpu().numpy()
+
+
+def _write_explorer(run: Run, cache, res: LatentSummary, plan, src, ev: dict, tmp: str, sweep, device: str) -> int:
+    """The explorer into ``tmp``/explorer (actcache.explorer); returns its data bytes."""
+    from actcache.explorer import ExplorerInfo, write_explorer
+    from actcache.labels import read_labels
+
+    md = cache.metadata
+    pot = _patch_of_token(md, run.patches, run.layer)
+    grid = math.isqrt(md.n_patches_per_img)
+    lab = read_labels(cache.path, md.n_imgs)
+    cfg = run.sae_config()
+    here = os.path.join(run.dir, VISUALS_DIR, EXPLORER_DIR)
+    others = [{"sae_id": o.name, "title": sae_title(o, o.sae_config().get("width") or 0),
+               "href": os.path.relpath(os.path.join(o.dir, VISUALS_DIR, EXPLORER_DIR, PAGE_FILE), here),
+               "dec_W": _decoder(o)} for o in sweep if o.dir != run.dir and o.has_weights]  # fmt: skip
+    info = ExplorerInfo(
+        sae_id=run.name, title=sae_title(run, res.width), d_model=int(md.d_vit),
+        objective=str(cfg.get("activation", "")), k=cfg.get("k"), patch_of_token=pot,
+        grid=grid if grid * grid == md.n_patches_per_img and (pot >= 0).any() else None, dec_W=_decoder(run),
+        probes=ev.get("probes"), labels=None if lab is None else lab[0],
+        class_names=(ev.get("probes") or {}).get("class_names") or ([] if lab is None else lab[1]),
+        images_dir=os.path.join(tmp, "img") if src.dataset is not None else None,
+        explore_source=_explore_source(run), sweep=others, device=device,
+    )  # fmt: skip
+    return write_explorer(os.path.join(tmp, EXPLORER_DIR), res, plan, info)
+
+
+def _explore_source(run: Run) -> str:
+    return "held-out" if (run.info.get("split") or {}).get("heldout_images") else "spread"
+
+
+def explore_ids(runs: list[Run], n_imgs: int) -> np.ndarray:
+    """The explorable images of a stream's runs: from the first run whose run.json records the
+    held-out split (every run of a cache with one eval_frac has the same), else spread."""
+    from actcache.explorer import explore_images
+
+    split = next((r.info.get("split") for r in runs if (r.info.get("split") or {}).get("heldout_images")), None)
+    return explore_images(split, n_imgs)[0]
+
+
 def _preload_plotting() -> None:
     """Import matplotlib while the pass runs; a failure is reported later, where it is used."""
     try:
@@ -459,14 +524,18 @@ def _weights_stamp(run_dir: str) -> dict:
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def _reusable(run: Run, md, opts) -> LatentSummary | None:
+def _reusable(run: Run, md, opts, explore: np.ndarray) -> LatentSummary | None:
     d = os.path.join(run.dir, VISUALS_DIR)
     doc = read_json(os.path.join(d, SUMMARY_FILE)) if os.path.isdir(d) else None
     if not doc or not os.path.isfile(os.path.join(d, STATS_FILE)):
         return None
     same = (doc.get("sae_weights") == _weights_stamp(run.dir) and doc.get("cache_hash") == md.hash
             and doc.get("layer") == run.layer and doc.get("patches") == run.patches and doc.get("k") == opts.top_k)  # fmt: skip
-    return _load_summary(os.path.join(d, STATS_FILE), run.sae_config().get("width"), opts.top_k) if same else None
+    got = _load_summary(os.path.join(d, STATS_FILE), run.sae_config().get("width"), opts.top_k) if same else None
+    if got is not None and opts.explorer and not (got.has_explorer_stats and np.array_equal(got.ex_img, explore)):
+        log.info("%s lacks the explorer's statistics (or for other images); computing it again", d)
+        return None
+    return got
 
 
 def _load_summary(path: str, width, k: int) -> LatentSummary | None:
@@ -486,6 +555,18 @@ def _load_summary(path: str, width, k: int) -> LatentSummary | None:
 # Runs -> pages
 
 
+def _siblings(run: Run) -> list[Run]:
+    """The runs beside ``run`` in its cache's folder (``<runs_to>/<HASH>/``) whose explorer exists,
+    for the explorer of one SAE made alone (as the workflow does): its sweep links and neighbours."""
+    try:
+        dirs = find_runs([os.path.dirname(os.path.abspath(run.dir))])
+        others = [load_run(d) for d in dirs if os.path.realpath(d) != os.path.realpath(run.dir)]
+    except ActCacheError:
+        return []
+    made = [o for o in others if os.path.isfile(os.path.join(o.dir, VISUALS_DIR, EXPLORER_DIR, PAGE_FILE))]
+    return [o for o in made if o.has_weights and o.info.get("d_vit") == run.info.get("d_vit")]
+
+
 def _group_streams(runs: list[Run]) -> tuple[dict[tuple, list[Run]], dict]:
     """Runs by the stream of activations they read: (cache, layer, patches, scale_norm)."""
     streams: dict[tuple, list[Run]] = {}
@@ -498,7 +579,7 @@ def _group_streams(runs: list[Run]) -> tuple[dict[tuple, list[Run]], dict]:
     return streams, caches
 
 
-def _stream_pages(key: tuple, cache, members: list[Run], opts: VisualsOptions, report) -> None:
+def _stream_pages(key: tuple, cache, members: list[Run], opts: VisualsOptions, report, sweep: list[Run]) -> None:
     """One pass over a stream for the members that need it, then each member's pages."""
     import torch
 
@@ -506,8 +587,9 @@ def _stream_pages(key: tuple, cache, members: list[Run], opts: VisualsOptions, r
 
     src = image_source(cache.metadata, opts.no_images, cache.path)  # fails before the pass, not after it
     todo, results = [], {}
+    explore = explore_ids(members, cache.metadata.n_imgs) if opts.explorer else np.zeros(0, np.int64)
     for r in members:
-        got = _reusable(r, cache.metadata, opts) if opts.reuse else None
+        got = _reusable(r, cache.metadata, opts, explore) if opts.reuse else None
         if got is not None:
             results[r.dir] = got
         else:
@@ -519,13 +601,14 @@ def _stream_pages(key: tuple, cache, members: list[Run], opts: VisualsOptions, r
         saes = [SAE.load(r.dir) for r in todo]
         device = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
         for r, res in zip(todo, compute_stats(cache, saes, key[2], key[1], key[3], opts.top_k,
-                                              opts.batch_images, device, timings), strict=True):  # fmt: skip
+                                              opts.batch_images, device, timings, explore, opts.explorer),
+                                strict=True):  # fmt: skip
             results[r.dir] = res
     pass_s = time.perf_counter() - t0
     for r in members:
         with _writing(f"the visuals of {r.dir}", "a page already there is kept"):
             path = write_visuals(r, cache, results[r.dir], src, opts,
-                                 {"pass_s": pass_s, **timings, "reused": r not in todo})  # fmt: skip
+                                 {"pass_s": pass_s, **timings, "reused": r not in todo}, sweep)  # fmt: skip
         report(path)
 
 
@@ -543,7 +626,7 @@ def make_visuals(run_dirs: list[str], opts: VisualsOptions, report=print) -> Non
         threading.Thread(target=_preload_plotting, name="actcache-import-matplotlib", daemon=True).start()
         streams, caches = _group_streams(runs)
         for key, members in streams.items():
-            _stream_pages(key, caches[key], members, opts, report)
+            _stream_pages(key, caches[key], members, opts, report, runs if len(runs) > 1 else _siblings(runs[0]))
     if len(runs) > 1 or opts.out or opts.plots_only:
         out = opts.out or os.path.join(os.path.commonpath([os.path.abspath(os.path.dirname(r.dir)) for r in runs]),
                                        VISUALS_DIR)  # fmt: skip

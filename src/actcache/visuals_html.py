@@ -312,7 +312,7 @@ _JS = """
 
 
 def _card(s: int, res: LatentSummary, labels: dict[int, str], patch_of_token: np.ndarray, heat: bool,
-          images: bool, lazy: bool = True) -> str:  # fmt: skip
+          images: bool, lazy: bool = True, explorer: str | None = None) -> str:  # fmt: skip
     freq, mean, mx = float(res.freq[s]), float(res.mean_act[s]), float(res.max_act[s])
     K = res.top_img.shape[1]
     cls_tok = np.flatnonzero(patch_of_token < 0)
@@ -335,24 +335,29 @@ def _card(s: int, res: LatentSummary, labels: dict[int, str], patch_of_token: np
             f"<figcaption><span>{_num(score)}{extra}</span><span>{where}</span></figcaption></figure>"
         )
     tops_style = f' style="--heat:url(img/heat/{s}.png)"' if heat else ""
+    more = f'<a href="{html.escape(explorer)}#latent={s}">explore</a>' if explorer else ""
     return (
         f'<div class="latent-card" id="latent-{s}" data-id="{s}" data-freq="{freq:.6e}" data-mean="{mean:.6e}" '
         f'data-max="{mx:.6e}"><div class="card-head"><b>latent {s}</b><span>freq {freq:.2e}</span>'
-        f"<span>mean {_num(mean)}</span><span>max {_num(mx)}</span></div>"
+        f"<span>mean {_num(mean)}</span><span>max {_num(mx)}</span>{more}</div>"
         f'<div class="tops"{tops_style}>{"".join(figs)}</div>{svg_histogram(res.hist[s], res.hist_edges)}</div>'
     )
 
 
 def render_page(res: LatentSummary, latents: np.ndarray, info: dict, labels: dict[int, str],
                 patch_of_token: np.ndarray, heat: bool, images: bool, plots: list[str], notes: list[str],
-                lazy: bool = True, dense_frac: float = 0.1) -> str:  # fmt: skip
+                lazy: bool = True, dense_frac: float = 0.1,
+                explorer: str | None = "explorer/index.html") -> str:  # fmt: skip
     """The whole index.html as a string (``info``: rows of the header table; ``lazy``: images load
-    as they scroll into view; ``dense_frac``: the run's, for the list of dense latents)."""
+    as they scroll into view; ``dense_frac``: the run's, for the list of dense latents;
+    ``explorer``: the href of the SAE's explorer, which holds every latent, or None)."""
     esc = html.escape
     rows = "".join(f"<tr><td>{esc(str(k))}</td><td>{esc(str(v))}</td></tr>" for k, v in info.items())
     dead = np.flatnonzero(res.fire_count == 0)
     dense = np.flatnonzero(res.freq > dense_frac)
-    cards = "\n".join(_card(int(s), res, labels, patch_of_token, heat, images, lazy) for s in latents)
+    cards = "\n".join(_card(int(s), res, labels, patch_of_token, heat, images, lazy, explorer) for s in latents)
+    every = (f' Every latent, with search, quantile examples, neighbours and image -> patch -> latents: '
+             f'<a id="explorer" href="{esc(explorer)}">the explorer</a>.' if explorer else "")  # fmt: skip
     options = "".join(f'<option value="{v}">{esc(t)}</option>' for v, t in SORTS)
     plot_html = "".join(f'<img src="{esc(p)}" alt="{esc(p)}">' for p in plots)
     note_html = "".join(f'<p class="note">{esc(n)}</p>' for n in notes)
@@ -380,7 +385,7 @@ def render_page(res: LatentSummary, latents: np.ndarray, info: dict, labels: dic
 <div class="plots">{plot_html}</div>
 <h2>Latents</h2>
 {dead_html}{dense_html}
-<div class="controls"><span>Showing {len(latents):,} of {res.width:,} latents.</span>
+<div class="controls"><span>Showing {len(latents):,} of {res.width:,} latents.{every}</span>
 <label>Sort by <select id="sort">{options}</select></label>
 <span>Heatmap: activation per patch, relative to the latent's max (hover an image to hide it).</span></div>
 <div id="grid">

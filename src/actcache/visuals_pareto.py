@@ -58,7 +58,7 @@ def pareto_points(runs: list[Run]) -> list[dict]:
             continue
         spliced, probes = ev.get("spliced") or {}, ev.get("probes") or {}
         pts.append({
-            "sae_id": r.name, "label": f"{r.label()} layer {r.layer}", "panel": panel_of(r, ev), "imported": r.imported,
+            "sae_id": r.name, "run": r.dir, "label": f"{r.label()} layer {r.layer}", "panel": panel_of(r, ev), "imported": r.imported,
             "l0": l0, "fvu": _num(ev.get("fvu", ev.get("nmse"))),
             "spliced_recovered": _num(spliced.get(spliced.get("headline", "fraction_recovered_zero"))),
             "spliced_recovered_why": _why_missing(spliced),

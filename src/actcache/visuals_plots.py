@@ -11,7 +11,16 @@ import numpy as np
 
 from actcache.errors import ActCacheError
 from actcache.fsutil import atomic_write_bytes
-from actcache.rundir import CURVES_PLOT, NMSE_L0_PLOT, PAGE_FILE, SWEEP_FILE, VISUALS_DIR, Run, read_metrics
+from actcache.rundir import (
+    CURVES_PLOT,
+    EXPLORER_DIR,
+    NMSE_L0_PLOT,
+    PAGE_FILE,
+    SWEEP_FILE,
+    VISUALS_DIR,
+    Run,
+    read_metrics,
+)
 from actcache.topk import LatentSummary
 from actcache.visuals_pareto import CAPTIONS, CHANCE, panels, pareto_front, pareto_points
 from actcache.visuals_pareto import VIEWS as PARETO_VIEWS
@@ -172,11 +181,12 @@ def write_sweep(runs: list[Run], out: str) -> dict:
     rows = []
     for r in runs:
         p = next((x for x in pts if x["run"] == r.dir), {})
+        explore = _explorer_link(r.dir, out, "explorer")
         page = os.path.join(r.dir, VISUALS_DIR, PAGE_FILE)
         link = (f'<a href="{html.escape(os.path.relpath(page, out))}">{html.escape(r.name)}</a>'
                 if os.path.isfile(page) else html.escape(r.name))  # fmt: skip
         nmse, l0 = p.get("nmse"), p.get("l0")
-        rows.append(f"<tr><td>{link}</td><td>{html.escape(r.label())}</td>"
+        rows.append(f"<tr><td>{link}</td><td>{explore}</td><td>{html.escape(r.label())}</td>"
                     f"<td>{'' if nmse is None else f'{nmse:.4f}'}</td><td>{'' if l0 is None else f'{l0:.2f}'}</td>"
                     f"<td>{p.get('source', '')}</td></tr>")  # fmt: skip
     imgs = "".join(f'<img src="{n}" alt="{os.path.splitext(n)[0]}">'
@@ -185,11 +195,30 @@ def write_sweep(runs: list[Run], out: str) -> dict:
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>SAE sweep</title><style>'
         "body{font:14px system-ui,sans-serif;margin:16px} td,th{padding:2px 10px;text-align:left}"
         "img{max-width:100%;margin:6px 0;display:block}</style></head><body><h1>SAE sweep</h1>"
-        f"{imgs}<table><tr><th>SAE</th><th>config</th><th>NMSE</th><th>L0</th><th>from</th></tr>{''.join(rows)}"
-        "</table></body></html>\n"
+        f"{imgs}{_pareto_table(pareto, out)}<table><tr><th>SAE</th><th>explorer</th><th>config</th><th>NMSE</th>"
+        f"<th>L0</th><th>from</th></tr>{''.join(rows)}</table></body></html>\n"
     )
     atomic_write_bytes(os.path.join(out, PAGE_FILE), page.encode())
     return made
+
+
+def _explorer_link(run_dir: str, out: str, text: str) -> str:
+    """A link from ``out`` to the run's explorer (the text alone where it has none yet)."""
+    page = os.path.join(run_dir, VISUALS_DIR, EXPLORER_DIR, PAGE_FILE)
+    if not os.path.isfile(page):
+        return html.escape(text)
+    return f'<a href="{html.escape(os.path.relpath(page, out))}">{html.escape(text)}</a>'
+
+
+def _pareto_table(points: list[dict], out: str) -> str:
+    """The Pareto views' numbered points, each linked to its SAE's explorer."""
+    if not points:
+        return ""
+    rows = "".join(f"<tr><td>{i + 1}</td><td>{_explorer_link(p['run'], out, p['sae_id'])}</td>"
+                   f"<td>{html.escape(p['label'])}</td><td>{p['l0']:.2f}</td></tr>"
+                   for i, p in enumerate(points))  # fmt: skip
+    return ("<h2>Pareto points</h2><p>The numbers beside the points of the Pareto views; each SAE links to its "
+            f"explorer.</p><table><tr><th>#</th><th>SAE</th><th>config</th><th>L0</th></tr>{rows}</table>")  # fmt: skip
 
 
 def plot_pareto(points: list[dict], key: str, ylabel: str, higher: bool, path: str) -> bool:

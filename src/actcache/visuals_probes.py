@@ -14,6 +14,8 @@ import html
 import re
 
 _MARK = "<h2>Latents</h2>"
+_CARD = re.compile(r'class="latent-card" id="latent-(\d+)"')
+EXPLORER_HREF = "explorer/index.html"  # from visuals/index.html (actcache.rundir EXPLORER_DIR)
 
 
 def _class_name(probes: dict, c: int) -> str:
@@ -25,10 +27,17 @@ def _ci(ci) -> str:
     return f"[{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "n/a"
 
 
-def best_latent_table(probes: dict) -> str:
+def latent_link(s: int, on_page: set[int], explorer: str | None = EXPLORER_HREF) -> str:
+    """A link to latent ``s``: its card when the page has it, else the explorer (no explorer: the
+    text alone)."""
+    href = f"#latent-{s}" if s in on_page else f"{explorer}#latent={s}" if explorer else None
+    return f'<a href="{html.escape(href)}">latent {s}</a>' if href else f"latent {s}"
+
+
+def best_latent_table(probes: dict, on_page: set[int] = frozenset(), explorer: str | None = EXPLORER_HREF) -> str:
     esc = html.escape
     rows = "".join(
-        f'<tr><td>{esc(b["name"])}</td><td><a href="#latent-{b["latent"]}">latent {b["latent"]}</a></td>'
+        f"<tr><td>{esc(b['name'])}</td><td>{latent_link(int(b['latent']), on_page, explorer)}</td>"
         f"<td>{b['ap']:.3f}</td><td>{_ci(b.get('ci95'))}</td><td>{b.get('chance', float('nan')):.3f}</td>"
         f"<td>{b['n_images']:,} of {b.get('n', 0):,}</td></tr>"
         for b in probes.get("best_latent_per_class", [])
@@ -48,8 +57,9 @@ def best_latent_table(probes: dict) -> str:
     )
 
 
-def annotate_page(page: str, probes: dict | None) -> str:
-    """``page`` with the probe table and each card's best class (unchanged without probes)."""
+def annotate_page(page: str, probes: dict | None, explorer: str | None = EXPLORER_HREF) -> str:
+    """``page`` with the probe table and each card's best class (unchanged without probes); a
+    best latent without a card on the page links into the explorer (``explorer``: its href)."""
     if not probes or "latent_best_class" not in probes:
         return page
     best = probes["latent_best_class"]
@@ -61,4 +71,5 @@ def annotate_page(page: str, probes: dict | None) -> str:
         return m.group(0) + extra
 
     page = re.sub(r"<b>latent (\d+)</b>", card_head, page)
-    return page.replace(_MARK, best_latent_table(probes) + _MARK, 1)
+    on_page = {int(s) for s in _CARD.findall(page)}
+    return page.replace(_MARK, best_latent_table(probes, on_page, explorer) + _MARK, 1)

@@ -34,6 +34,8 @@ _SET_SRC = (
     "function (i) { if (T[i.dataset.img]) { i.src = T[i.dataset.img]; } });})();</script>"
 )
 _MIME = {"png": "image/png", "jpg": "image/jpeg"}
+# The explorer from RUN_DIR/visuals.html (opened from disk; a report's data: URL cannot follow it).
+EXPLORER_FROM_RUN = "visuals/explorer/index.html"
 MAX_ASSET_BYTES = 64 * 2**20  # a plot or a top image is kilobytes; a larger file is left out of the page
 
 
@@ -103,12 +105,14 @@ def spread(latents: np.ndarray, m: int) -> np.ndarray:
 def one_file_page(res: LatentSummary, latents: np.ndarray, info: dict, labels: dict[int, str],
                   patch_of_token: np.ndarray, heat: bool, images: bool, plots: list[str], notes: list[str],
                   base_dir: str, full_page: str, budget: int | None = None,
-                  probes: dict | None = None, dense_frac: float = 0.1) -> tuple[str, np.ndarray]:  # fmt: skip
+                  probes: dict | None = None, dense_frac: float = 0.1,
+                  explorer: bool = True) -> tuple[str, np.ndarray]:  # fmt: skip
     """(page, latents shown): the page of ``base_dir`` (a visuals folder) in one file of at most
     ``budget`` bytes (default PAGE_BUDGET) where that is possible, with as many of ``latents`` as
     fit (the page's size grows with the count of cards). ``probes`` (eval.json "probes") adds each
     card's best class and the best-latent table, as on the full page."""
     budget = PAGE_BUDGET if budget is None else budget
+    href = EXPLORER_FROM_RUN if explorer else None
     assets = InlineAssets(base_dir)
 
     def build(m: int) -> tuple[str, np.ndarray]:
@@ -120,8 +124,8 @@ def one_file_page(res: LatentSummary, latents: np.ndarray, info: dict, labels: d
                 f"small images, so that a browser can open it inside a report; the full page is {full_page}."
             )
         page = render_page(res, shown, info, labels, patch_of_token, heat, images, plots, [*notes, *extra], lazy=False,
-                           dense_frac=dense_frac)  # fmt: skip
-        return assets.inline(annotate_page(page, probes)), shown
+                           dense_frac=dense_frac, explorer=href)  # fmt: skip
+        return assets.inline(annotate_page(page, probes, href)), shown
 
     def fits(got: tuple[str, np.ndarray]) -> bool:
         return len(got[0].encode("utf-8")) <= budget

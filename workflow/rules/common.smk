@@ -17,11 +17,14 @@ from actcache.plan import DUMP_MARKS as DUMP_MARKS_DIR
 from actcache.plan import MARK_SLOTS, dump_mark, dump_marks, external_caches, other_mark, plan, train_jobs
 from actcache.slurmjobs import (
     Claim,
+    InFlight,
     claim_path,
+    claimed_ranges,
     in_flight,
     live_jobs,
     plugin_comment,
     site_warnings,
+    slot_of,
     status_init_in_force,
 )
 from actcache.slurmsite import SKIP_VAR, check_site, jobs_from_resources, submits_to_slurm
@@ -51,16 +54,21 @@ RUNS_TO = config["runs_to"]
 
 
 def _validate_experiment_schemas(files):
+    """Each experiment file against its schema, read once (Snakemake's validate() reads it per call)."""
+    import jsonschema
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's, where built
+    with open(os.path.join(workflow.basedir, "workflow", "schemas", "experiment.schema.yaml")) as fd:
+        schema = jsonschema.Draft202012Validator(yaml.load(fd, Loader=loader))
     for f in files:
         try:
             with open(f) as fd:
-                doc = yaml.safe_load(fd)
+                doc = yaml.load(fd, Loader=loader)
         except (OSError, yaml.YAMLError):
             continue  # actcache.plan reports these with the file and line
-        try:
-            validate(doc, "../schemas/experiment.schema.yaml")
-        except Exception as err:  # snakemake's WorkflowError from jsonschema
-            _fail(f"{f}: {err}")
+        err = jsonschema.exceptions.best_match(schema.iter_errors(doc))
+        if err is not None:
+            _fail(f"{f}: key '{'.'.join(map(str, err.absolute_path)) or 'top level'}': {err.message} (config/README.md)")
 
 
 try:
@@ -331,13 +339,10 @@ def _unmarked_ranges(hash):
 
 
 def _claims():
-    """(rule, hash, name) -> Claim of every job this run would submit: name is the range, group or
-    SAE ("" for one job per cache)."""
+    """(rule, hash, name) -> Claim of every job but the dumps this run would submit: name is the
+    group or SAE ("" for one job per cache)."""
     out = {}
     for h in CACHES:
-        for r in _unmarked_ranges(h):
-            claim = claim_path(os.path.join(DUMP_TO, h, DUMP_MARKS_DIR), r)
-            out["dump", h, r] = Claim(claim, plugin_comment("dump", h, r))
         if not os.path.exists(os.path.join(DUMP_TO, h, SHARDS_FILE)):
             out["gather", h, ""] = Claim(gather_claim(h), plugin_comment("gather", h))
     for (h, g), job in TRAIN_JOBS.items():
@@ -354,9 +359,23 @@ def _claims():
     return out
 
 
+def _dumps_in_flight():
+    """(dump, hash, range) -> InFlight: the live dump jobs of unmarked ranges, also of ranges of
+    another job layout (cache.shards_per_job) that overlap them; those keep their range, and the
+    current layout's ranges are cut around them (actcache.plan.around)."""
+    out = {}
+    for h in CACHES:
+        found = claimed_ranges(_LIVE, h, _unmarked_ranges(h), os.path.join(DUMP_TO, h, DUMP_MARKS_DIR))
+        if found:
+            DUMP_MARKS[h] = dump_marks(CACHES[h], os.path.join(DUMP_TO, h), in_flight=list(found))
+        for r, job in found.items():
+            out["dump", h, r] = InFlight(job, slot_of(_LIVE[job], plugin_comment("dump", h, r), MARK_SLOTS) or "")
+    return out
+
+
 # squeue first: without Slurm, or with no job of this user, no claim is looked at
 _LIVE = live_jobs() if workflow.is_main_process else {}
-IN_FLIGHT = in_flight(_claims(), MARK_SLOTS, live=_LIVE) if _LIVE else {}
+IN_FLIGHT = {**_dumps_in_flight(), **in_flight(_claims(), MARK_SLOTS, live=_LIVE)} if _LIVE else {}
 
 
 def _with_slot(mark, slot):

@@ -30,6 +30,7 @@ HANDLERS = {
     "dump": "actcache.cli.dump:cmd_dump",
     "train": "actcache.cli.train:cmd_train",
     "visuals": "actcache.cli.visuals:cmd_visuals",
+    "serve": "actcache.cli.serve:cmd_serve",
     "eval": "actcache.cli.eval:cmd_eval",
     "demo-cache": "actcache.cli.cache:cmd_demo_cache",
     "demo-assets": "actcache.cli.demo:cmd_demo_assets",
@@ -144,6 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="only the training curves and the NMSE-L0 plot (no pass over the cache)",
     )
     s.add_argument("--out", default=None, help="folder for the sweep plots (default: <common parent>/visuals)")
+    s.add_argument("--no-explorer", action="store_true",
+                   help="no visuals/explorer/ (every latent's data) and none of its statistics: a faster pass; "
+                   "only the page's cards are then reachable")  # fmt: skip
+
+    s = sub.add_parser("serve", help="serve the explorers and pages under a folder over local HTTP (read-only)")
+    s.add_argument("runs_dir", metavar="RUNS_DIR", help="the folder holding SAE runs (runs_to)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s; 0 picks a free one)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine only)")
 
     s = sub.add_parser("eval", help="spliced-in downstream metrics of trained SAEs, into their eval.json")
     s.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="SAE run directory, or a directory holding runs")

@@ -23,7 +23,7 @@ def options(args) -> VisualsOptions:
     return VisualsOptions(
         top_k=args.top_k, latents=args.latents, select=args.select, latent_ids=_latent_ids(args.latent_ids),
         cache=args.cache, device=args.device, batch_images=args.batch_images, no_images=args.no_images,
-        reuse=args.reuse, plots_only=args.plots_only, out=args.out,
+        reuse=args.reuse, plots_only=args.plots_only, out=args.out, explorer=not args.no_explorer,
     )  # fmt: skip
 
 
