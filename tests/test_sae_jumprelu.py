@@ -7,6 +7,7 @@ In-memory data: tests/test_sae_modeling.py's 256 unit directions in d=64, 8 per 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -205,6 +206,22 @@ def test_preempted_jumprelu_group_resumes_to_identical_weights(cache, tmp_path):
         ]
 
 
+def test_checkpoint_with_log_thresholds_is_refused_in_one_line_and_kept(cache, tmp_path, monkeypatch):
+    # a checkpoint written by the log-theta recipe (as before the direct threshold) is not resumed
+    # with the direct one: one clear line naming the fix, and the checkpoint stays where it is
+    (run,) = expand_train_section({**TRAIN, "steps": 20}, "t.yaml")
+    direct = RunConfig.sae_config
+    monkeypatch.setattr(RunConfig, "sae_config", lambda self, d: dataclasses.replace(direct(self, d), jumprelu_param="log"))
+    with pytest.raises(Preempted):
+        train_group(cache, [run], tmp_path, device="cpu", stop=stop_after(10))
+    monkeypatch.setattr(RunConfig, "sae_config", direct)
+    with pytest.raises(TrainError, match=r"log theta .* delete .*checkpoints to train the SAE again") as err:
+        train_group(cache, [run], tmp_path, device="cpu")
+    assert "\n" not in str(err.value)
+    d = run_dir(tmp_path, os.path.basename(cache), run)
+    assert os.listdir(os.path.join(d, "checkpoints")) == ["step-00000010"]
+
+
 # ---- keys and ids ---------------------------------------------------------------------------------
 
 
@@ -222,6 +239,10 @@ def test_existing_sae_ids_do_not_change():
     (b,) = expand_train_section({"steps": 10, "activation": "jumprelu", "l0_coeff": 1e-3, "jumprelu_bandwidth": 0.5},
                                 "x.yaml")  # fmt: skip
     assert a.sae_id != b.sae_id and a.group_id == b.group_id  # per-SAE keys: one loader pass
+    # the former defaults (1.0), written out, keep the ids they were issued with
+    (c,) = expand_train_section({"steps": 10, "activation": "jumprelu", "l0_coeff": 1e-3, "jumprelu_bandwidth": 1.0,
+                                 "jumprelu_init_threshold": 1.0}, "x.yaml")  # fmt: skip
+    assert c.sae_id == a.sae_id == "91dfa10cac71"  # computed before the defaults changed
 
 
 @pytest.mark.parametrize(

@@ -47,12 +47,14 @@ from actcache.rundir import CONFIG_FILE, WEIGHTS_FILE
 from actcache.sae.spec import DECODES, PRECISIONS, SAEConfig
 
 SPARSE_ACTIVATIONS = ("topk", "batchtopk")
-# JumpReLU ("direct"): initial threshold and bandwidth as fractions of the RMS pre-activation of the
-# first batch; decoder rows' initial norm when they are not kept at unit norm (the encoder is tied).
-JUMPRELU_INIT_REL = 0.1
-JUMPRELU_BANDWIDTH_REL = 0.5
-JUMPRELU_DECODER_NORM = 0.1
+# JumpReLU ("direct"), in units of the RMS pre-activation of the first batch: the initial threshold
+# and the bandwidth (a start where few latents fire: scripts/bench_jumprelu.py), and the threshold's
+# parameter unit (Adam moves a parameter by about lr a step: theta by up to about 10 lr RMS). The
+# decoder rows' initial norm when they are not kept at unit norm (the encoder is tied).
+JUMPRELU_INIT_REL = 2.8
+JUMPRELU_BANDWIDTH_REL = 2.8
 JUMPRELU_THRESHOLD_UNIT = 10.0
+JUMPRELU_DECODER_NORM = 0.1
 # decode "auto" picks sparse (or hybrid) when width >= SPARSE_MIN_RATIO * k (see choose_decode).
 SPARSE_MIN_RATIO = 16
 
