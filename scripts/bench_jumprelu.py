@@ -22,8 +22,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import benchlib  # noqa: E402
 import bench_quality as bq  # noqa: E402
+import benchlib  # noqa: E402
 import torch  # noqa: E402
 
 DEFAULT_RESULTS = os.path.join(benchlib.ROOT, "bench-jumprelu.jsonl")
@@ -70,7 +70,9 @@ def render(args) -> None:
     for d, regime in sorted({(m["d"], m["regime"]) for m in means}):
         best = {}
         for lib in ("actcache", "saelens"):
-            cands = [m for m in means if (m["d"], m["regime"], m["lib"]) == (d, regime, lib) and m["seeds"] >= args.min_seeds]
+            cands = [
+                m for m in means if (m["d"], m["regime"], m["lib"]) == (d, regime, lib) and m["seeds"] >= args.min_seeds
+            ]
             if cands:
                 best[lib] = min(cands, key=lambda m: abs(m["l0"] - bq.K_TRUE))
         if len(best) == 2:
@@ -98,8 +100,12 @@ def render(args) -> None:
     body = benchlib.section_body(setup, tables, conclusions[: benchlib.MAX_CONCLUSIONS])
     print(body)
     if not args.no_record:
-        benchlib.record("quality-jumprelu", "JumpReLU at matched L0 against SAELens, and L0 against l0_coeff",
-                        body, when=os.path.getmtime(args.results))
+        benchlib.record(
+            "quality-jumprelu",
+            "JumpReLU at matched L0 against SAELens, and L0 against l0_coeff",
+            body,
+            when=os.path.getmtime(args.results),
+        )
 
 
 def main() -> None:

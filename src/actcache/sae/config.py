@@ -113,11 +113,11 @@ class RunConfig:
     dtype: str = _sae("float32", "parameter dtype", choices=PARAM_DTYPES)
     threshold_decay: float = _sae(0.99, "batchtopk, matryoshka: inference threshold EMA decay", ge=0, lt=1)
     jumprelu_bandwidth: float | None = _objective(
-        None, "jumprelu: straight-through kernel width, absolute (null: a fraction of the first batch's RMS pre-activation)",
+        None, "jumprelu: straight-through kernel width, absolute (null: 2.8 x the first batch's RMS pre-activation)",
         gt=0, example=0.5,
     )
     jumprelu_init_threshold: float | None = _objective(
-        None, "jumprelu: initial threshold of every latent, absolute (null: a fraction of the first batch's RMS "
+        None, "jumprelu: initial threshold of every latent, absolute (null: 2.8 x the first batch's RMS "
         "pre-activation)", gt=0, example=0.5,
     )
     matryoshka_prefixes: tuple[int, ...] | None = _objective(

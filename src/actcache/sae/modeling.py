@@ -17,8 +17,12 @@ Activations
   an EMA of the smallest kept value. In eval mode ``f = pre * (pre > threshold)``, which needs no
   batch and so gives each example its own number of latents.
 - ``jumprelu`` (Rajamanoharan et al. 2024): ``f = pre * (pre > theta)`` with a learned threshold
-  per latent, stored as the parameter ``log_threshold``. Its gradient wrt theta is the
-  straight-through pseudo-derivative with a rectangle kernel of width ``jumprelu_bandwidth``.
+  per latent, trained directly: ``theta = threshold_scale * threshold_rel`` (parameter), the scale
+  (10 x the RMS pre-activation) and, unless configured, the initial theta and the kernel's width
+  (buffer ``bandwidth``) set by the first train-mode batch (:meth:`SAE.init_jumprelu_`). SAEs saved
+  before that (``jumprelu_param: log``) keep the parameter ``log_threshold`` and an absolute
+  ``jumprelu_bandwidth``. Its gradient wrt theta is the straight-through pseudo-derivative with
+  a rectangle kernel of that width.
 - ``matryoshka`` (Bussmann et al. 2025): BatchTopK selection and threshold over the whole width;
   the latents are ordered, ``matryoshka_prefixes`` naming nested prefixes that the objective
   asks to reconstruct on their own (:meth:`SAE.decode_prefixes`).
@@ -298,7 +302,8 @@ def _read_tensors(path: str, load_file, error_cls) -> dict:
 
 class SAE(nn.Module):
     """W_enc (D, S), b_enc (S,), W_dec (S, D), b_dec (D,); buffer ``threshold`` (batchtopk,
-    matryoshka); jumprelu: parameter ``log_threshold`` (S,)."""
+    matryoshka); jumprelu: parameter ``threshold_rel`` (S,), buffers ``threshold_scale`` and
+    ``bandwidth`` (0-d), or for ``jumprelu_param: log`` the parameter ``log_threshold`` (S,)."""
 
     def __init__(self, cfg: SAEConfig):
         super().__init__()

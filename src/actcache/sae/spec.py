@@ -44,7 +44,9 @@ class SAEConfig:
     encoder (and make top-k selection compare pre-activations on unequal scales), and False for
     relu, whose L1 term is weighted by decoder row norms and so is already invariant to that trade.
     ``threshold_decay`` is the EMA decay of the batchtopk/matryoshka inference threshold.
-    ``jumprelu_bandwidth``/``jumprelu_init_threshold`` (jumprelu) and ``matryoshka_prefixes``
+    ``jumprelu_param`` ("direct", or "log" for SAEs saved before it existed: from_dict reads a
+    jumprelu config.json without it so), ``jumprelu_bandwidth``/``jumprelu_init_threshold``
+    (jumprelu; None with "direct": set from the first batch) and ``matryoshka_prefixes``
     (matryoshka: increasing sizes, the last equal to the width) exist only for their activation:
     None elsewhere, and left out of ``to_dict`` then, so other SAEs' config.json is unchanged.
     After construction ``width`` and ``normalize_decoder`` always hold their resolved values.
