@@ -7,6 +7,7 @@ In-memory data: tests/test_sae_modeling.py's 256 unit directions in d=64, 8 per 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -14,11 +15,11 @@ import os
 import pytest
 import torch
 
-from actcache.errors import ConfigError
+from actcache.errors import ConfigError, TrainError
 from actcache.rundir import run_dir
 from actcache.sae import SAE, LRSchedule, SAEConfig, make_objective, make_optimizer, sparsity_warmup, train_step
 from actcache.sae.config import RunConfig, expand_train_section
-from actcache.sae.modeling import HeavisideStep
+from actcache.sae.modeling import JUMPRELU_BANDWIDTH_REL, JUMPRELU_INIT_REL, HeavisideStep
 from actcache.sae.train import Preempted, train_group
 from test_sae_modeling import K_TRUE, N_TRUE, D, recovery, synthetic
 from test_sae_resume import assert_same, collect, stop_after
@@ -32,7 +33,7 @@ def jump(width=8, d=4, **kw) -> SAE:
 
 
 def test_forward_gates_at_the_threshold_and_gradients_follow_the_rectangle_kernel():
-    sae = jump(width=3, jumprelu_init_threshold=0.5, jumprelu_bandwidth=0.2)
+    sae = jump(width=3, jumprelu_init_threshold=0.5, jumprelu_bandwidth=0.2, jumprelu_param="log")
     pre_BS = torch.tensor([[0.45, 0.55, 1.0], [0.2, 0.62, -1.0]], requires_grad=True)
     f_BS = sae.activate(pre_BS)
     assert torch.equal(f_BS.detach(), torch.tensor([[0.0, 0.55, 1.0], [0.0, 0.62, 0.0]]))
@@ -45,7 +46,7 @@ def test_forward_gates_at_the_threshold_and_gradients_follow_the_rectangle_kerne
 
 
 def test_l0_penalty_pushes_thresholds_up_and_warm_up_scales_it():
-    sae = jump(width=16, d=8, jumprelu_init_threshold=0.1, jumprelu_bandwidth=1.0)
+    sae = jump(width=16, d=8, jumprelu_init_threshold=0.1, jumprelu_bandwidth=1.0, jumprelu_param="log")
     x = torch.randn(64, 8)
     obj = make_objective(sae, l0_coeff=0.1)
     out = obj(sae, x, sparsity_scale=0.0)
@@ -66,7 +67,7 @@ def test_l0_penalty_pushes_thresholds_up_and_warm_up_scales_it():
 
 
 def test_preact_penalty_raises_pre_activations_of_latents_below_threshold():
-    sae = jump(width=16, d=8, jumprelu_init_threshold=5.0)  # nothing fires
+    sae = jump(width=16, d=8, jumprelu_init_threshold=5.0, jumprelu_param="log")  # nothing fires
     x = torch.randn(64, 8)
     out = make_objective(sae, l0_coeff=0.0, preact_coeff=1.0)(sae, x)
     assert float(out.l0) == 0.0 and float(out.extras["preact"]) > 0
@@ -151,18 +152,37 @@ def test_l0_warm_up_ramps_the_penalty(cache, tmp_path):
 
 def test_save_load_keeps_the_thresholds(tmp_path):
     sae = jump(width=16, d=8, jumprelu_init_threshold=0.3, jumprelu_bandwidth=0.1)
+    sae.init_jumprelu_(torch.randn(32, 8))
     with torch.no_grad():
-        sae.log_threshold.add_(0.1 * torch.randn(16))
+        sae.threshold_rel.add_(0.01 * torch.randn(16))
     sae.save(tmp_path / "s")
     cfg = json.loads((tmp_path / "s" / "config.json").read_text())
     assert cfg["activation"] == "jumprelu" and cfg["jumprelu_bandwidth"] == 0.1 and "matryoshka_prefixes" not in cfg
+    assert cfg["jumprelu_param"] == "direct"
     loaded = SAE.load(tmp_path / "s")
-    assert torch.equal(loaded.log_threshold, sae.log_threshold) and loaded.cfg == sae.cfg
+    assert torch.equal(loaded.jumprelu_threshold(), sae.jumprelu_threshold()) and loaded.cfg == sae.cfg
     x = torch.randn(32, 8)
     assert torch.equal(loaded.eval().encode(x), sae.eval().encode(x))
     topk = SAE(SAEConfig(d_vit=8, width=16, activation="topk", k=2))
-    assert "log_threshold" not in topk.state_dict()  # other SAEs keep their tensors and config.json keys
-    assert "jumprelu_bandwidth" not in topk.cfg.to_dict()
+    assert not {"log_threshold", "threshold_rel"} & set(topk.state_dict())  # other SAEs keep their tensors
+    assert "jumprelu_bandwidth" not in topk.cfg.to_dict() and "jumprelu_param" not in topk.cfg.to_dict()
+
+
+def test_sae_saved_with_log_thresholds_loads_as_written(tmp_path):
+    # an SAE saved before the direct threshold: config.json has no jumprelu_param, tensors log theta
+    old = jump(width=16, d=8, jumprelu_init_threshold=0.3, jumprelu_bandwidth=0.1, jumprelu_param="log")
+    with torch.no_grad():
+        old.log_threshold.add_(0.1 * torch.randn(16))
+    old.save(tmp_path / "s")
+    cfg_path = tmp_path / "s" / "config.json"
+    doc = json.loads(cfg_path.read_text())
+    del doc["jumprelu_param"]
+    cfg_path.write_text(json.dumps(doc))
+    loaded = SAE.load(tmp_path / "s")
+    assert loaded.cfg.jumprelu_param == "log"
+    assert torch.equal(loaded.jumprelu_threshold(), old.jumprelu_threshold())
+    x = torch.randn(32, 8)
+    assert torch.equal(loaded.eval().encode(x), old.eval().encode(x))
 
 
 def test_preempted_jumprelu_group_resumes_to_identical_weights(cache, tmp_path):
@@ -186,6 +206,22 @@ def test_preempted_jumprelu_group_resumes_to_identical_weights(cache, tmp_path):
         ]
 
 
+def test_checkpoint_with_log_thresholds_is_refused_in_one_line_and_kept(cache, tmp_path, monkeypatch):
+    # a checkpoint written by the log-theta recipe (as before the direct threshold) is not resumed
+    # with the direct one: one clear line naming the fix, and the checkpoint stays where it is
+    (run,) = expand_train_section({**TRAIN, "steps": 20}, "t.yaml")
+    direct = RunConfig.sae_config
+    monkeypatch.setattr(RunConfig, "sae_config", lambda self, d: dataclasses.replace(direct(self, d), jumprelu_param="log"))
+    with pytest.raises(Preempted):
+        train_group(cache, [run], tmp_path, device="cpu", stop=stop_after(10))
+    monkeypatch.setattr(RunConfig, "sae_config", direct)
+    with pytest.raises(TrainError, match=r"log theta .* delete .*checkpoints to train the SAE again") as err:
+        train_group(cache, [run], tmp_path, device="cpu")
+    assert "\n" not in str(err.value)
+    d = run_dir(tmp_path, os.path.basename(cache), run)
+    assert os.listdir(os.path.join(d, "checkpoints")) == ["step-00000010"]
+
+
 # ---- keys and ids ---------------------------------------------------------------------------------
 
 
@@ -203,6 +239,10 @@ def test_existing_sae_ids_do_not_change():
     (b,) = expand_train_section({"steps": 10, "activation": "jumprelu", "l0_coeff": 1e-3, "jumprelu_bandwidth": 0.5},
                                 "x.yaml")  # fmt: skip
     assert a.sae_id != b.sae_id and a.group_id == b.group_id  # per-SAE keys: one loader pass
+    # the former defaults (1.0), written out, keep the ids they were issued with
+    (c,) = expand_train_section({"steps": 10, "activation": "jumprelu", "l0_coeff": 1e-3, "jumprelu_bandwidth": 1.0,
+                                 "jumprelu_init_threshold": 1.0}, "x.yaml")  # fmt: skip
+    assert c.sae_id == a.sae_id == "91dfa10cac71"  # computed before the defaults changed
 
 
 @pytest.mark.parametrize(
@@ -223,6 +263,47 @@ def test_bad_jumprelu_keys_name_file_and_key(train, match):
 
 
 def test_init_threshold_is_the_configured_value():
-    sae = jump(width=4, jumprelu_init_threshold=0.25)
+    sae = jump(width=4, jumprelu_init_threshold=0.25, jumprelu_bandwidth=0.5)
+    with pytest.raises(TrainError, match="no threshold yet"):
+        sae.jumprelu_threshold()
+    sae.init_jumprelu_(torch.randn(16, 4))
     assert torch.allclose(sae.jumprelu_threshold(), torch.full((4,), 0.25))
-    assert math.isclose(float(sae.log_threshold.detach()[0]), math.log(0.25), rel_tol=1e-6)
+    assert float(sae.bandwidth) == 0.5
+    legacy = jump(width=4, jumprelu_init_threshold=0.25, jumprelu_param="log")
+    assert math.isclose(float(legacy.log_threshold.detach()[0]), math.log(0.25), rel_tol=1e-6)
+
+
+def test_threshold_and_bandwidth_default_to_the_data_scale():
+    # null keys: the first train-mode batch sets both relative to its RMS pre-activation, so a
+    # rescaled input gives the same gates (scale-free init)
+    x = torch.randn(64, 8)
+    saes = [jump(width=16, d=8, seed=3) for _ in range(2)]
+    codes = []
+    for sae, c in zip(saes, (1.0, 1000.0), strict=True):
+        f_BS = sae.train()(x * c)[1]
+        rms = float(sae.pre_acts(x * c).detach().pow(2).mean().sqrt())
+        assert float(sae.jumprelu_threshold()[0]) == pytest.approx(JUMPRELU_INIT_REL * rms, rel=1e-5)
+        assert float(sae.bandwidth) == pytest.approx(JUMPRELU_BANDWIDTH_REL * rms, rel=1e-5)
+        codes.append(f_BS != 0)
+    assert torch.equal(codes[0], codes[1]) and 0 < float(codes[0].float().mean()) < 1
+    free = jump(width=16, d=8, normalize_decoder=False)  # decoder rows free: they start at norm 0.1, encoder tied
+    torch.testing.assert_close(free.W_dec.norm(dim=1), torch.full((16,), 0.1))
+    assert torch.equal(free.W_enc, free.W_dec.T)
+
+
+def test_l0_coeff_moves_l0_monotonically_over_two_decades():
+    # tests/test_sae_modeling.py's dictionary, default init: L0 falls as l0_coeff rises 1e-3 -> 1e-1
+    torch.manual_seed(0)
+    _, x = synthetic(8192)
+    l0s = []
+    for coeff in (1e-3, 1e-2, 1e-1):
+        sae = jump(width=N_TRUE, d=D)
+        sae.init_b_dec(x[:2048])
+        obj, opt = make_objective(sae, l0_coeff=coeff), make_optimizer(sae, 2e-3)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(100):
+            train_step(sae, obj, opt, x[torch.randint(0, x.shape[0], (256,), generator=g)], max_grad_norm=1.0)
+        with torch.no_grad():
+            l0s.append(float((sae.eval().encode(x[-2048:]) != 0).sum(1).float().mean()))
+    print("held-out l0 by l0_coeff 1e-3, 1e-2, 1e-1:", l0s)
+    assert l0s[0] > l0s[1] > l0s[2] > 0 and l0s[0] > 4 * l0s[2], l0s

@@ -136,7 +136,8 @@ def _build_sae(w: dict, facts: dict, where: str):
         if tuple(w[name].shape) != shape:
             raise ConfigError(f"{where}: {name} has shape {tuple(w[name].shape)}, expected {shape}")
     act = facts["activation"]
-    sae = SAE(SAEConfig(d_vit=D, width=S, activation=act, k=facts["k"]))
+    param = {"jumprelu_param": "log"} if act == "jumprelu" else {}  # positive thresholds stored as their log
+    sae = SAE(SAEConfig(d_vit=D, width=S, activation=act, k=facts["k"], **param))
     state = {k: w[k].to(torch.float32).contiguous() for k in want}
     state["threshold"] = sae.threshold
     if act == "jumprelu":

@@ -116,6 +116,11 @@ class BatchedSAEs:
              max_grad_norm: float | None) -> list:  # fmt: skip
         """One optimizer step of every SAE on ``x_BD``; returns each objective's LossOut."""
         sae0 = self.saes[0]
+        if sae0.cfg.activation == "jumprelu" and not all(s._jumprelu_ready() for s in self.saes):
+            self.scatter()  # each member's threshold from this batch, as its own first forward sets it
+            for sae in self.saes:
+                sae.init_jumprelu_(x_BD)
+            self.gather()
         for group in self.opt.param_groups:
             group["lr"] = lr
         self.opt.zero_grad(set_to_none=True)

@@ -235,6 +235,10 @@ def read_position(run_dir: str, step: int) -> dict:
     return doc
 
 
+class IncompatibleCheckpoint(TrainError):
+    """A sound checkpoint that this version cannot continue: refused as it is, not set aside."""
+
+
 def load(run_dir: str, step: int, sae, optimizer, objective) -> tuple[dict, dict]:
     """Restore weights (in place), optimizer and objective state from checkpoint ``step``;
     returns (its position.json, the ``extra`` saved with it). Any failure is a TrainError naming
@@ -249,6 +253,12 @@ def load(run_dir: str, step: int, sae, optimizer, objective) -> tuple[dict, dict
             cfg = SAEConfig.from_json(fh.read())
     except Exception as err:  # noqa: BLE001 - a damaged file: one clear message
         raise TrainError(f"{d}: cannot load checkpoint ({type(err).__name__}: {err}); move it away.") from None
+    if cfg.activation == "jumprelu" and cfg.jumprelu_param != sae.cfg.jumprelu_param:
+        raise IncompatibleCheckpoint(
+            f"{d}: this JumpReLU checkpoint trains its thresholds as log theta (actcache before the direct "
+            f"threshold) and cannot be continued exactly; delete {os.path.join(run_dir, CKPT_DIR)} to train the SAE "
+            "again with the current recipe."
+        )
     if cfg != sae.cfg:
         raise TrainError(f"{d}: checkpoint config {cfg} differs from the run's {sae.cfg}; move it away.")
     try:

@@ -112,8 +112,14 @@ class RunConfig:
     seed: int = _sae(0, "SAE init seed", ge=0)
     dtype: str = _sae("float32", "parameter dtype", choices=PARAM_DTYPES)
     threshold_decay: float = _sae(0.99, "batchtopk, matryoshka: inference threshold EMA decay", ge=0, lt=1)
-    jumprelu_bandwidth: float = _objective(JUMPRELU_BANDWIDTH, "jumprelu: straight-through kernel width", gt=0)
-    jumprelu_init_threshold: float = _objective(JUMPRELU_INIT, "jumprelu: initial threshold of every latent", gt=0)
+    jumprelu_bandwidth: float | None = _objective(
+        None, "jumprelu: straight-through kernel width, absolute (null: 2.8 x the first batch's RMS pre-activation)",
+        gt=0, example=0.5,
+    )
+    jumprelu_init_threshold: float | None = _objective(
+        None, "jumprelu: initial threshold of every latent, absolute (null: 2.8 x the first batch's RMS "
+        "pre-activation)", gt=0, example=0.5,
+    )
     matryoshka_prefixes: tuple[int, ...] | None = _objective(
         None, "matryoshka: nested prefix sizes, increasing, the last = the width", ge=1, example=(64, 256, 1024)
     )
@@ -302,10 +308,16 @@ LATE_GROUP_KEYS = tuple(n for n in GROUP_KEYS if RUN_KEYS[n].key.late)
 SECTION_ONLY = ("sweep", "saes")
 
 
+# Late keys whose default changed after ids were issued: the former default, written out, is left
+# out of ids too, so those ids still hold (it now trains like any explicit value).
+FORMER_DEFAULTS = {"jumprelu_bandwidth": JUMPRELU_BANDWIDTH, "jumprelu_init_threshold": JUMPRELU_INIT}
+
+
 def _late_default(name: str, value: Any) -> bool:
     """A late key at its default is left out of ids, so ids issued before it existed still hold."""
     decl = RUN_KEYS[name]
-    return decl.key.late and value == decl.default
+    former = name in FORMER_DEFAULTS and value == FORMER_DEFAULTS[name]
+    return decl.key.late and (value == decl.default or former)
 
 
 # ---- validation ---------------------------------------------------------------------------------

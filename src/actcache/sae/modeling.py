@@ -17,8 +17,12 @@ Activations
   an EMA of the smallest kept value. In eval mode ``f = pre * (pre > threshold)``, which needs no
   batch and so gives each example its own number of latents.
 - ``jumprelu`` (Rajamanoharan et al. 2024): ``f = pre * (pre > theta)`` with a learned threshold
-  per latent, stored as the parameter ``log_threshold``. Its gradient wrt theta is the
-  straight-through pseudo-derivative with a rectangle kernel of width ``jumprelu_bandwidth``.
+  per latent, trained directly: ``theta = threshold_scale * threshold_rel`` (parameter), the scale
+  (10 x the RMS pre-activation) and, unless configured, the initial theta and the kernel's width
+  (buffer ``bandwidth``) set by the first train-mode batch (:meth:`SAE.init_jumprelu_`). SAEs saved
+  before that (``jumprelu_param: log``) keep the parameter ``log_threshold`` and an absolute
+  ``jumprelu_bandwidth``. Its gradient wrt theta is the straight-through pseudo-derivative with
+  a rectangle kernel of that width.
 - ``matryoshka`` (Bussmann et al. 2025): BatchTopK selection and threshold over the whole width;
   the latents are ordered, ``matryoshka_prefixes`` naming nested prefixes that the objective
   asks to reconstruct on their own (:meth:`SAE.decode_prefixes`).
@@ -47,6 +51,14 @@ from actcache.rundir import CONFIG_FILE, WEIGHTS_FILE
 from actcache.sae.spec import DECODES, PRECISIONS, SAEConfig
 
 SPARSE_ACTIVATIONS = ("topk", "batchtopk")
+# JumpReLU ("direct"), in units of the RMS pre-activation of the first batch: the initial threshold
+# and the bandwidth (a start where few latents fire: scripts/bench_jumprelu.py), and the threshold's
+# parameter unit (Adam moves a parameter by about lr a step: theta by up to about 10 lr RMS). The
+# decoder rows' initial norm when they are not kept at unit norm (the encoder is tied).
+JUMPRELU_INIT_REL = 2.8
+JUMPRELU_BANDWIDTH_REL = 2.8
+JUMPRELU_THRESHOLD_UNIT = 10.0
+JUMPRELU_DECODER_NORM = 0.1
 # decode "auto" picks sparse (or hybrid) when width >= SPARSE_MIN_RATIO * k (see choose_decode).
 SPARSE_MIN_RATIO = 16
 
@@ -290,7 +302,8 @@ def _read_tensors(path: str, load_file, error_cls) -> dict:
 
 class SAE(nn.Module):
     """W_enc (D, S), b_enc (S,), W_dec (S, D), b_dec (D,); buffer ``threshold`` (batchtopk,
-    matryoshka); jumprelu: parameter ``log_threshold`` (S,)."""
+    matryoshka); jumprelu: parameter ``threshold_rel`` (S,), buffers ``threshold_scale`` and
+    ``bandwidth`` (0-d), or for ``jumprelu_param: log`` the parameter ``log_threshold`` (S,)."""
 
     def __init__(self, cfg: SAEConfig):
         super().__init__()
@@ -308,9 +321,22 @@ class SAE(nn.Module):
         # NaN until the first train-mode batchtopk forward estimates it.
         self.register_buffer("threshold", torch.tensor(float("nan"), dtype=torch.float32))
         if cfg.activation == "jumprelu":  # only then: other SAEs keep their tensor names
+            self._init_jumprelu_params(cfg, s, dtype)
+        self.decode_mode, self.precision = "dense", "fp32"
+
+    def _init_jumprelu_params(self, cfg: SAEConfig, s: int, dtype: torch.dtype) -> None:
+        if cfg.jumprelu_param == "log":
             log_th = torch.full((s,), math.log(cfg.jumprelu_init_threshold), dtype=torch.float64)
             self.log_threshold = nn.Parameter(log_th.to(dtype))
-        self.decode_mode, self.precision = "dense", "fp32"
+            return
+        # "direct": theta = threshold_scale * threshold_rel; NaN until init_jumprelu_ reads a batch
+        with torch.no_grad():
+            if not cfg.normalize_decoder:
+                self.W_dec.mul_(JUMPRELU_DECODER_NORM)
+                self.W_enc.copy_(self.W_dec.T)
+        self.threshold_rel = nn.Parameter(torch.full((s,), float("nan"), dtype=dtype))
+        self.register_buffer("threshold_scale", torch.tensor(float("nan"), dtype=torch.float32))
+        self.register_buffer("bandwidth", torch.tensor(float("nan"), dtype=torch.float32))
 
     # -- encoder / decoder ------------------------------------------------------------------------
 
@@ -332,7 +358,9 @@ class SAE(nn.Module):
             vals_BK, idx_BK = pre_BS.topk(self.cfg.k, dim=-1, sorted=False)
             return torch.zeros_like(pre_BS).scatter(-1, idx_BK, torch.relu(vals_BK))
         if act == "jumprelu":
-            return JumpReLU.apply(pre_BS, self.jumprelu_threshold(), self.cfg.jumprelu_bandwidth)
+            if self.training and not self._jumprelu_ready():
+                self._init_jumprelu_from(pre_BS)  # the first train-mode batch sets the scale
+            return JumpReLU.apply(pre_BS, self.jumprelu_threshold(), self.jumprelu_bandwidth())
         # batchtopk, matryoshka
         if self.training:
             return self._batch_topk(pre_BS)
@@ -353,8 +381,52 @@ class SAE(nn.Module):
         return f_BS
 
     def jumprelu_threshold(self) -> torch.Tensor:
-        """theta (S,) = exp(log_threshold) of a jumprelu SAE (differentiable)."""
-        return self.log_threshold.exp()
+        """theta (S,) of a jumprelu SAE (differentiable): threshold_scale * threshold_rel, or
+        exp(log_threshold) for the "log" parameterisation."""
+        if self.cfg.jumprelu_param == "log":
+            return self.log_threshold.exp()
+        if not self._jumprelu_ready():
+            raise TrainError("JumpReLU SAE has no threshold yet: call sae.init_jumprelu_(x_BD) with a batch of "
+                             "activations first (the trainer does at step 0)")  # fmt: skip
+        return self.threshold_scale.to(self.threshold_rel.dtype) * self.threshold_rel
+
+    def _jumprelu_ready(self) -> bool:
+        """Whether the threshold is set ("log": always); reads the device once, until it is."""
+        if not getattr(self, "_jr_ready", False):
+            self._jr_ready = self.cfg.jumprelu_param == "log" or not bool(torch.isnan(self.threshold_scale))
+        return self._jr_ready
+
+    def jumprelu_bandwidth(self) -> float | torch.Tensor:
+        """The straight-through kernel's width, in pre-activation units (a 0-d tensor for "direct")."""
+        if self.cfg.jumprelu_param == "log":
+            return self.cfg.jumprelu_bandwidth
+        return self.bandwidth
+
+    @torch.no_grad()
+    def init_jumprelu_(self, x_BD: torch.Tensor) -> None:
+        """Set a "direct" JumpReLU SAE's threshold scale, initial threshold and bandwidth from a batch
+        (after b_dec): the scale is the RMS of the batch's pre-activations; the threshold and the
+        bandwidth are the configured absolute values, or JUMPRELU_INIT_REL / JUMPRELU_BANDWIDTH_REL
+        times that scale when not configured. No-op for other SAEs and the "log" parameterisation."""
+        cfg = self.cfg
+        if cfg.activation != "jumprelu" or cfg.jumprelu_param == "log":
+            return
+        self._init_jumprelu_from(self.pre_acts(x_BD))
+
+    @torch.no_grad()
+    def _init_jumprelu_from(self, pre_BS: torch.Tensor) -> None:
+        cfg = self.cfg
+        rms = float(pre_BS.detach().float().pow(2).mean().sqrt())
+        if not math.isfinite(rms) or rms <= 0:
+            raise TrainError(f"init_jumprelu_: the batch's pre-activations have RMS {rms}; need a finite, non-zero batch")
+        theta = cfg.jumprelu_init_threshold if cfg.jumprelu_init_threshold is not None else JUMPRELU_INIT_REL * rms
+        bw = cfg.jumprelu_bandwidth if cfg.jumprelu_bandwidth is not None else JUMPRELU_BANDWIDTH_REL * rms
+        scale = JUMPRELU_THRESHOLD_UNIT * rms
+        self.threshold_scale.fill_(scale)
+        self.threshold_rel.fill_(theta / scale)
+        self.bandwidth.fill_(bw)
+        self._jr_ready = True
+
     @torch.no_grad()
     def _update_threshold(self, vals: torch.Tensor) -> None:
         """EMA of the smallest kept positive value of a train-mode batchtopk forward."""

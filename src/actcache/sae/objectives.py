@@ -344,7 +344,7 @@ class JumpReLUObjective(_ExtrasMixin, Objective):
 
     def _extra(self, sae, x_BD, x_hat_BD, f_BS, pre_BS, mse, var_x, l1, sparsity_scale):
         theta_S = sae.jumprelu_threshold()
-        l0 = HeavisideStep.apply(pre_BS, theta_S, sae.cfg.jumprelu_bandwidth).sum(1).mean()
+        l0 = HeavisideStep.apply(pre_BS, theta_S, sae.jumprelu_bandwidth()).sum(1).mean()
         penalty = (self.l0_coeff * sparsity_scale) * var_x * l0
         with torch.set_grad_enabled(self.preact_coeff > 0 and torch.is_grad_enabled()):
             preact = (torch.relu(theta_S - pre_BS) @ sae.W_dec.norm(dim=1)).mean()

@@ -26,9 +26,13 @@ PARAM_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2}
 BATCH_MODES = ("auto", "on", "off")  # batch_saes: train a group's SAEs as one stacked module (sae/batched.py)
 DECAYS = ("linear", "cosine", "constant")  # the learning rate after warm-up (sae/optim.py)
 
-JUMPRELU_BANDWIDTH = 1.0  # defaults of SAEConfig.jumprelu_bandwidth / jumprelu_init_threshold
+# JumpReLU's threshold: "direct" trains theta = scale * theta_rel, initial threshold and bandwidth
+# from the first batch unless given; "log" (SAEs saved before "direct" existed, and imported ones)
+# trains log theta from the absolute JUMPRELU_INIT / JUMPRELU_BANDWIDTH unless given.
+JUMPRELU_PARAMS = ("direct", "log")
+JUMPRELU_BANDWIDTH = 1.0  # the "log" parameterisation's defaults of jumprelu_bandwidth / jumprelu_init_threshold
 JUMPRELU_INIT = 1.0
-ACTIVATION_ONLY = ("jumprelu_bandwidth", "jumprelu_init_threshold", "matryoshka_prefixes")
+ACTIVATION_ONLY = ("jumprelu_bandwidth", "jumprelu_init_threshold", "jumprelu_param", "matryoshka_prefixes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +44,9 @@ class SAEConfig:
     encoder (and make top-k selection compare pre-activations on unequal scales), and False for
     relu, whose L1 term is weighted by decoder row norms and so is already invariant to that trade.
     ``threshold_decay`` is the EMA decay of the batchtopk/matryoshka inference threshold.
-    ``jumprelu_bandwidth``/``jumprelu_init_threshold`` (jumprelu) and ``matryoshka_prefixes``
+    ``jumprelu_param`` ("direct", or "log" for SAEs saved before it existed: from_dict reads a
+    jumprelu config.json without it so), ``jumprelu_bandwidth``/``jumprelu_init_threshold``
+    (jumprelu; None with "direct": set from the first batch) and ``matryoshka_prefixes``
     (matryoshka: increasing sizes, the last equal to the width) exist only for their activation:
     None elsewhere, and left out of ``to_dict`` then, so other SAEs' config.json is unchanged.
     After construction ``width`` and ``normalize_decoder`` always hold their resolved values.
@@ -57,6 +63,7 @@ class SAEConfig:
     threshold_decay: float = 0.99
     jumprelu_bandwidth: float | None = None
     jumprelu_init_threshold: float | None = None
+    jumprelu_param: str | None = None
     matryoshka_prefixes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -92,14 +99,23 @@ class SAEConfig:
         self._check_matryoshka(width)
 
     def _check_jumprelu(self) -> None:
+        param = self.jumprelu_param
+        if self.activation == "jumprelu" and param is None:
+            object.__setattr__(self, "jumprelu_param", param := "direct")
+        elif self.activation == "jumprelu" and param not in JUMPRELU_PARAMS:
+            raise ConfigError(f"SAEConfig.jumprelu_param must be one of {list(JUMPRELU_PARAMS)}, got {param!r}")
+        elif self.activation != "jumprelu" and param is not None:
+            raise ConfigError(f"SAEConfig.jumprelu_param={param!r} is only used by activation 'jumprelu'; remove it")
         for name, default in (("jumprelu_bandwidth", JUMPRELU_BANDWIDTH), ("jumprelu_init_threshold", JUMPRELU_INIT)):
             v = getattr(self, name)
             if self.activation != "jumprelu":
                 if v is not None:
                     raise ConfigError(f"SAEConfig.{name}={v!r} is only used by activation 'jumprelu'; remove it")
                 continue
-            if v is None:
+            if v is None and param == "log":
                 object.__setattr__(self, name, default)
+            elif v is None:  # "direct": set from the first batch (SAE.init_jumprelu_)
+                continue
             elif isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
                 raise ConfigError(f"SAEConfig.{name} must be a number > 0, got {v!r}")
             else:
@@ -181,6 +197,8 @@ class SAEConfig:
             raise ConfigError(f"SAEConfig: unknown key(s) {unknown}; allowed: {allowed}")
         if "d_vit" not in doc:
             raise ConfigError("SAEConfig: missing required key 'd_vit'")
+        if doc.get("activation") == "jumprelu" and "jumprelu_param" not in doc:
+            doc = {**doc, "jumprelu_param": "log"}  # written before "direct" existed: its tensors are log theta
         return cls(**doc)
 
     @classmethod

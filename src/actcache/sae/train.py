@@ -122,6 +122,9 @@ class _Member:
                 sae.normalize_decoder_()
             if sae.cfg.activation in ("batchtopk", "matryoshka"):
                 ddp.average_(sae.threshold, ctx)
+            if sae.cfg.activation == "jumprelu" and step == 0:  # each rank set it from its own batch
+                for t in (sae.threshold_rel.data, sae.threshold_scale, sae.bandwidth):
+                    ddp.broadcast_(t, ctx)
         self.record(out, lr)
 
     def record(self, out, lr: float) -> None:
@@ -435,6 +438,8 @@ class GroupTrainer:
             if start > 0:
                 try:
                     _, extra = ckpt.load(m.dir, start, m.sae, m.opt, m.obj)
+                except ckpt.IncompatibleCheckpoint:
+                    raise
                 except TrainError as err:
                     raise _Unloadable(m.dir, start, str(err)) from None
                 m.acc_sum.copy_(extra["metric_sum"])
