@@ -239,10 +239,12 @@ def test_existing_sae_ids_do_not_change():
     (b,) = expand_train_section({"steps": 10, "activation": "jumprelu", "l0_coeff": 1e-3, "jumprelu_bandwidth": 0.5},
                                 "x.yaml")  # fmt: skip
     assert a.sae_id != b.sae_id and a.group_id == b.group_id  # per-SAE keys: one loader pass
-    # the former defaults (1.0), written out, keep the ids they were issued with
+    assert a.sae_id == "91dfa10cac71"  # the id the default was issued with
+    # the former defaults (1.0), written out, now train differently from the default (scaled from
+    # the data): they must not share its id, or two SAEs of one sweep would share a run folder
     (c,) = expand_train_section({"steps": 10, "activation": "jumprelu", "l0_coeff": 1e-3, "jumprelu_bandwidth": 1.0,
                                  "jumprelu_init_threshold": 1.0}, "x.yaml")  # fmt: skip
-    assert c.sae_id == a.sae_id == "91dfa10cac71"  # computed before the defaults changed
+    assert c.sae_id != a.sae_id
 
 
 @pytest.mark.parametrize(

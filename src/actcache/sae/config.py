@@ -47,8 +47,6 @@ from actcache.sae.spec import (
     BATCH_MODES,
     DECAYS,
     DECODES,
-    JUMPRELU_BANDWIDTH,
-    JUMPRELU_INIT,
     NO_K,
     PARAM_DTYPES,
     PRECISIONS,
@@ -308,16 +306,10 @@ LATE_GROUP_KEYS = tuple(n for n in GROUP_KEYS if RUN_KEYS[n].key.late)
 SECTION_ONLY = ("sweep", "saes")
 
 
-# Late keys whose default changed after ids were issued: the former default, written out, is left
-# out of ids too, so those ids still hold (it now trains like any explicit value).
-FORMER_DEFAULTS = {"jumprelu_bandwidth": JUMPRELU_BANDWIDTH, "jumprelu_init_threshold": JUMPRELU_INIT}
-
-
 def _late_default(name: str, value: Any) -> bool:
     """A late key at its default is left out of ids, so ids issued before it existed still hold."""
     decl = RUN_KEYS[name]
-    former = name in FORMER_DEFAULTS and value == FORMER_DEFAULTS[name]
-    return decl.key.late and (value == decl.default or former)
+    return decl.key.late and value == decl.default
 
 
 # ---- validation ---------------------------------------------------------------------------------
