@@ -137,10 +137,12 @@ def machine_short() -> str:
 
 
 def command_line(argv: list[str] | None = None) -> str:
-    """The command as typed from the repository root (``argv``: default this process's)."""
+    """The command as typed from the repository root (``argv``: default this process's); an argument
+    of more than 60 characters (a note, whose text the section holds) is shown as '...'."""
     argv = sys.argv if argv is None else argv
     script = os.path.relpath(os.path.abspath(argv[0]), ROOT)
-    return " ".join(shlex.quote(a) for a in ["python", script, *argv[1:]])
+    args = ["'...'" if len(a) > 60 else shlex.quote(a) for a in argv[1:]]
+    return " ".join(["python", shlex.quote(script), *args])
 
 
 def clip224_checkpoint(out: str, d: int) -> str:

@@ -17,7 +17,7 @@ import http.server
 import os
 
 from actcache.errors import ActCacheError
-from actcache.rundir import EXPLORER_DIR, PAGE_FILE, VISUALS_DIR
+from actcache.rundir import EXPLORER_DIR, PAGE_FILE, SWEEP_FILE, VISUALS_DIR
 
 
 class ServeError(ActCacheError):
@@ -61,7 +61,7 @@ def page_urls(runs_dir: str, server) -> list[str]:
         subdirs.sort()
         rel = os.path.relpath(d, root).replace(os.sep, "/")
         is_explorer = d.endswith(os.sep + os.path.join(VISUALS_DIR, EXPLORER_DIR))
-        is_sweep = os.path.basename(d) == VISUALS_DIR and os.path.isfile(os.path.join(d, "sweep.json"))
+        is_sweep = os.path.basename(d) == VISUALS_DIR and os.path.isfile(os.path.join(d, SWEEP_FILE))
         if PAGE_FILE in files and (is_explorer or is_sweep):
             found.append(f"http://{host}:{port}/{'' if rel == '.' else rel + '/'}{PAGE_FILE}")
         if is_explorer:
