@@ -16,8 +16,8 @@ steps/s are measured in alternating rounds under the same load.
 Trainers, each through the lowest public layer that keeps its library's training maths:
 - actcache: ``SAE``, ``make_objective``, ``make_optimizer``, ``LRSchedule`` and ``train_step``
   built from a ``RunConfig`` exactly as ``actcache train`` builds them (sae/train.py
-  ``_Member``), b_dec from the first batch (``b_dec_init``); the loader is bypassed (batches
-  come from memory).
+  ``_Member``), initialised from the first batch by ``train.init_from_batch``; the loader is
+  bypassed (batches come from memory).
 - SAELens 6.54: ``SAETrainer.step`` (its public seam for external coordinators) on the
   ``*TrainingSAE`` of the objective, evaluated as the inference SAE it saves
   (``save_inference_model`` + ``SAE.load_from_disk``; BatchTopK becomes JumpReLU there).
@@ -156,10 +156,11 @@ class ActcacheTrainer:
 
     def step(self, x_BD: torch.Tensor) -> None:
         from actcache.sae.optim import sparsity_warmup, train_step
+        from actcache.sae.train import init_from_batch
 
         run, sae = self.run, self.sae
-        if self.t == 0 and run.b_dec_init != "zero":
-            sae.init_b_dec(x_BD, method=run.b_dec_init)
+        if self.t == 0:
+            init_from_batch(sae, run, x_BD)
         self.sched.apply(self.opt, self.t)
         scale = sparsity_warmup(self.t, run.sparsity_warmup_steps)
         train_step(sae, self.obj, self.opt, x_BD, max_grad_norm=run.max_grad_norm, sparsity_scale=scale)

@@ -416,3 +416,31 @@ def test_lr_schedule_and_sparsity_warmup():
     assert lin.apply(opt, 60) == pytest.approx(0.55) and opt.param_groups[0]["lr"] == pytest.approx(0.55)
     with pytest.raises(ConfigError, match="lr"):
         make_optimizer(small(), lr=0)
+
+
+@pytest.mark.parametrize("activation", ["topk", "batchtopk", "matryoshka"])
+def test_fit_encoder_scale_is_the_least_squares_scale_of_the_tied_init(activation):
+    _, x = synthetic(1024)
+    sae = SAE(SAEConfig(d_vit=D, width=512, activation=activation, k=K_TRUE))
+    sae.init_b_dec(x)
+    tied_DS = sae.W_enc.detach().clone()
+
+    def sq_error(scale: float) -> float:
+        with torch.no_grad():
+            sae.W_enc.copy_(tied_DS * scale)
+            return float(sae._forward_dense(x)[0].sub(x).pow(2).sum())
+
+    sae.train()
+    s = sae.fit_encoder_scale_(x)
+    assert torch.allclose(sae.W_enc.detach(), tied_DS * s)
+    assert torch.isnan(sae.threshold)  # the fit leaves the inference threshold alone
+    # the codes' decoder rows overlap in d=64, so the tied init overshoots: s < 1
+    assert 0.3 < s < 0.95
+    best = sq_error(s)
+    assert best < sq_error(0.97 * s) and best < sq_error(1.03 * s) and best < sq_error(1.0)
+
+
+def test_fit_encoder_scale_refuses_activations_without_k():
+    sae = SAE(SAEConfig(d_vit=8, width=16, activation="relu"))
+    with pytest.raises(ConfigError, match="topk variants"):
+        sae.fit_encoder_scale_(torch.randn(4, 8))
