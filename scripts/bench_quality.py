@@ -70,7 +70,7 @@ PEERS = {"topk": ("saelens", "sparsify"), "batchtopk": ("saelens",), "matryoshka
 GRID_ACTCACHE = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)  # l0_coeff (fractions of variance per latent)
 GRID_SAELENS = (0.03, 0.1, 0.3, 1.0, 3.0)  # l0_coefficient (MSE summed over dimensions per latent)
 EXTRA_PACKAGES = {"sparsify": "eai-sparsify==1.3.3"}  # the pyproject extra "bench-quality"
-DEFAULT_RESULTS = os.path.join(benchlib.ROOT, "bench-quality.json")
+DEFAULT_RESULTS = os.path.join(tempfile.gettempdir(), "actcache-bench-quality.json")
 
 
 # -- data -----------------------------------------------------------------------------------------
@@ -165,6 +165,8 @@ class ActcacheTrainer:
         scale = sparsity_warmup(self.t, run.sparsity_warmup_steps)
         train_step(sae, self.obj, self.opt, x_BD, max_grad_norm=run.max_grad_norm, sparsity_scale=scale)
         self.t += 1
+        if self.t == run.steps and sae.cfg.activation in ("batchtopk", "matryoshka"):
+            sae.calibrate_threshold_(x_BD)  # as GroupTrainer._calibrate after the last step
 
     @torch.no_grad()
     def evaluate(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,8 +200,9 @@ class SAELensTrainer:
         torch.manual_seed(seed)
         self.sae = cls(cfg)
         # lr_end: what its runner config sets (lr / 10); the constant schedule never reads it
-        tcfg = SAETrainerConfig(total_training_samples=cell.steps * BATCH, train_batch_size_samples=BATCH, lr=LR,
-                                lr_end=LR / 10)
+        tcfg = SAETrainerConfig(
+            total_training_samples=cell.steps * BATCH, train_batch_size_samples=BATCH, lr=LR, lr_end=LR / 10
+        )
         self.trainer = sl.SAETrainer(tcfg, self.sae, data_provider=iter(()))
 
     def step(self, x_BD: torch.Tensor) -> None:
@@ -298,7 +301,7 @@ def run_cell(cell: Cell, seed: int, runs: list[tuple[str, float | None]], decode
     for b in range(cell.steps):
         x_BD = data.batch(b)
         order = list(range(len(trainers)))
-        order = order[b % len(order):] + order[: b % len(order)]
+        order = order[b % len(order) :] + order[: b % len(order)]
         for i in order:
             t0 = time.perf_counter()
             trainers[i][2].step(x_BD)
@@ -439,6 +442,7 @@ def load_results(path: str) -> list[dict]:
 
 def merge(old: list[dict], new: list[dict]) -> list[dict]:
     """New rows replace old ones of the same (cell, library, coefficient, seed)."""
+
     def ident(r):
         return (*_cell_key(r), r["lib"], r["coeff"], r["seed"])
 
@@ -446,37 +450,57 @@ def merge(old: list[dict], new: list[dict]) -> list[dict]:
     return [r for r in old if ident(r) not in fresh] + new
 
 
+def _span(rows: list[dict], name: str) -> str:
+    vals = [r[name] for r in rows if name in r]
+    if not vals:
+        return "?"
+    lo, hi = min(vals), max(vals)
+    return f"{lo:g}" if lo == hi else f"{lo:.1f}-{hi:.1f}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default=",".join(OBJECTIVES), help="objectives, e.g. topk,batchtopk")
     ap.add_argument("--sizes", default="64,256", help="d values (width = 8 d)")
-    ap.add_argument("--regimes", default="short,long", help=f"short ({REGIMES['short']} steps), long ({REGIMES['long']})")
+    ap.add_argument(
+        "--regimes", default="short,long", help=f"short ({REGIMES['short']} steps), long ({REGIMES['long']})"
+    )
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--steps", type=int, help="every regime runs this many steps instead (smoke runs)")
     ap.add_argument("--libs", default=",".join(LIBS))
     ap.add_argument("--decode", default="auto", help="actcache's decode key (auto | dense | sparse)")
     ap.add_argument("--jumprelu-grid-actcache", default=",".join(map(str, GRID_ACTCACHE)), help="l0_coeff values")
     ap.add_argument("--jumprelu-grid-saelens", default=",".join(map(str, GRID_SAELENS)), help="l0_coefficient values")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--results", default=DEFAULT_RESULTS, help="JSON file the rows are merged into")
     ap.add_argument("--no-record", action="store_true", help="print only; do not write BENCHMARKS.md")
     args = ap.parse_args()
     os.environ.setdefault("TQDM_DISABLE", "1")
     if "sparsify" in args.libs:
         ensure_extras()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     seeds = [int(v) for v in args.seeds.split(",") if v]
     if args.steps:
         REGIMES.update(dict.fromkeys(REGIMES, args.steps))
-    load = os.getloadavg()[0]
     new: list[dict] = []
     for cell, runs in plan(args):
         for seed in seeds:
             t0 = time.time()
-            rows = run_cell(cell, seed, runs, args.decode)
+            load1 = os.getloadavg()[0]
+            rows = [
+                {**r, "load": load1, "threads": torch.get_num_threads()}
+                for r in run_cell(cell, seed, runs, args.decode)
+            ]
             new += rows
-            done = ", ".join(f"{_label(r)} fvu {r['fvu']:.4f} rec {r['recovery']:.3f} L0 {r['l0']:.2f} "
-                             f"dead {100 * r['dead']:.1f}% {r['steps_per_s']:.1f}/s" for r in rows)
-            print(f"{cell.objective} d={cell.d} {cell.regime} seed {seed} ({time.time() - t0:.0f} s): {done}",
-                  flush=True)
+            done = ", ".join(
+                f"{_label(r)} fvu {r['fvu']:.4f} rec {r['recovery']:.3f} L0 {r['l0']:.2f} "
+                f"dead {100 * r['dead']:.1f}% {r['steps_per_s']:.1f}/s"
+                for r in rows
+            )
+            print(
+                f"{cell.objective} d={cell.d} {cell.regime} seed {seed} ({time.time() - t0:.0f} s): {done}", flush=True
+            )
     rows = merge(load_results(args.results), new)
     with open(args.results, "w") as fh:
         json.dump(rows, fh, indent=1)
@@ -493,8 +517,8 @@ def main() -> None:
         "actcache: RunConfig defaults through SAE/make_objective/train_step (the loader bypassed); SAELens "
         "SAETrainer.step at its defaults; sparsify SparseCoder + its trainer's step at its defaults (Adam instead of signum)",
         "dead: fires on none of the held-out examples; recovery: mean best decoder cosine per true direction; "
-        "steps/s: lockstep rounds on the CPU (load "
-        f"{load:.1f} when this run started)",
+        f"steps/s: lockstep rounds on the CPU, {_span(rows, 'threads')} torch thread(s), 1-min load "
+        f"{_span(rows, 'load')} when the cells started",
         f"jumprelu: coefficient grids actcache l0_coeff {args.jumprelu_grid_actcache}, SAELens l0_coefficient "
         f"{args.jumprelu_grid_saelens}; the point with held-out L0 nearest {K_TRUE} is shown",
     ]

@@ -102,6 +102,17 @@ def test_batchtopk_recovers_dictionary_and_infers_with_threshold():
     assert score >= 0.9
     # The threshold learned in training gives about k latents per example without a batch.
     assert K_TRUE / 2 <= l0_eval <= 2 * K_TRUE
+    # Calibrated on one batch with the final weights (as the trainer does after its last step),
+    # another batch's L0 is k: the training EMA lags the weights, the calibration does not.
+    sae.train()
+    th = sae.calibrate_threshold_(x[4096:8192])
+    sae.eval()
+    with torch.no_grad():
+        f_cal = sae.encode(x[4096:8192])
+        l0_same = float((f_cal != 0).sum(1).float().mean())
+        l0_other = float((sae.encode(x[:4096]) != 0).sum(1).float().mean())
+    assert th == pytest.approx(float(f_cal[f_cal != 0].min()), rel=0.01)  # k per example: the kept minimum
+    assert abs(l0_same - K_TRUE) <= 2 / 4096 and abs(l0_other - K_TRUE) <= 0.15
 
 
 def test_relu_recovers_dictionary():

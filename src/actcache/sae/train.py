@@ -503,6 +503,8 @@ class GroupTrainer:
                 feed.close()
             loader.close()
         self._check_deferred()
+        if step > start:  # this pass trained: thresholds from its last batch (a finished pass kept its own)
+            self._calibrate(members, x_BD)
         self._save(members, run.steps)  # (copies the stacks back into the members)
         self.trained.update({m.run.sae_id: m.sae for m in members})
         ddp.on_main(self.ctx, self.device, "the final weights and evaluation", lambda: self._finish(cache, members))
@@ -561,6 +563,16 @@ class GroupTrainer:
         for m in members:
             if id(m) not in stacked:
                 m.step(x_BD, step, self.ctx)
+
+    def _calibrate(self, members: list[_Member], x_BD: torch.Tensor) -> None:
+        """The batchtopk/matryoshka inference thresholds from the final weights on the last batch
+        (SAE.calibrate_threshold_; under DDP the mean over ranks), in place of the training EMA."""
+        for st, _ in getattr(self, "_stacks", []):
+            st.scatter()
+        for m in members:
+            if m.sae.cfg.activation in ("batchtopk", "matryoshka"):
+                m.sae.calibrate_threshold_(x_BD)
+                ddp.average_(m.sae.threshold, self.ctx)
 
     def _save(self, members: list[_Member], step: int) -> None:
         for st, _ in getattr(self, "_stacks", []):
