@@ -2,7 +2,8 @@
 
     python scripts/bench_quality.py [--only topk,batchtopk,matryoshka,jumprelu] [--sizes 64,256]
                                     [--regimes short,long] [--seeds 0,1,2] [--no-record]
-                                    [--results PATH] [--libs actcache,saelens,sparsify]
+                                    [--results PATH] [--libs actcache,saelens,sparsify] [--threads N]
+                                    [--merge JSON ...] [--record-only] [--steps N]
 
 Data (generated in memory, seeded, identical for every trainer): n_true = 8 d unit-norm true
 directions in R^d; each example is a mean offset (norm 2, one fixed direction) plus
@@ -35,8 +36,11 @@ latents firing per example; steps/s = training steps per second spent in that tr
 JumpReLU: each library's coefficient is swept over its grid (``--jumprelu-grid-*``) and the
 point whose mean held-out L0 is closest to k (in ratio) is reported, with its coefficient.
 
-Results of every run are merged into ``--results`` (JSON, one row per cell, library, seed);
-the recorded section ``quality`` of BENCHMARKS.md shows every cell in that file.
+Results of every run are merged into ``--results`` (JSON, one row per cell, library, seed;
+default in the temporary directory); the recorded section ``quality`` of BENCHMARKS.md shows
+every cell in that file, so cells run apart (``--only``, ``--sizes``, ...) add up; ``--merge``
+takes rows of other results files, ``--record-only`` records without training. Steps/s compare
+only within one run (one row of the cell's libraries trained together).
 """
 
 from __future__ import annotations
@@ -474,9 +478,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--results", default=DEFAULT_RESULTS, help="JSON file the rows are merged into")
     ap.add_argument("--no-record", action="store_true", help="print only; do not write BENCHMARKS.md")
+    ap.add_argument("--merge", action="append", default=[], metavar="JSON",
+                    help="also merge the rows of this results file (of runs made apart); repeatable")  # fmt: skip
+    ap.add_argument("--record-only", action="store_true", help="train nothing: table and record from --results")
     args = ap.parse_args()
     os.environ.setdefault("TQDM_DISABLE", "1")
-    if "sparsify" in args.libs:
+    if "sparsify" in args.libs and not args.record_only:
         ensure_extras()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -484,7 +491,7 @@ def main() -> None:
     if args.steps:
         REGIMES.update(dict.fromkeys(REGIMES, args.steps))
     new: list[dict] = []
-    for cell, runs in plan(args):
+    for cell, runs in [] if args.record_only else plan(args):
         for seed in seeds:
             t0 = time.time()
             load1 = os.getloadavg()[0]
@@ -501,7 +508,10 @@ def main() -> None:
             print(
                 f"{cell.objective} d={cell.d} {cell.regime} seed {seed} ({time.time() - t0:.0f} s): {done}", flush=True
             )
-    rows = merge(load_results(args.results), new)
+    rows = load_results(args.results)
+    for path in args.merge:
+        rows = merge(rows, load_results(path))
+    rows = merge(rows, new)
     with open(args.results, "w") as fh:
         json.dump(rows, fh, indent=1)
     agg = aggregate(rows)

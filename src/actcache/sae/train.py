@@ -478,6 +478,8 @@ class GroupTrainer:
                     self._stacks = self._stack(members)
                 self._step_all(members, x_BD, step)
                 step += 1
+                if step == run.steps:  # before any checkpoint of the last step, so a resume has it
+                    self._calibrate(members, x_BD)
                 if step % run.log_every == 0 or step == run.steps:
                     self._check_deferred()
                     self._log(members, step, time.perf_counter() - t_log, wait_log, step - step_log)
@@ -503,8 +505,6 @@ class GroupTrainer:
                 feed.close()
             loader.close()
         self._check_deferred()
-        if step > start:  # this pass trained: thresholds from its last batch (a finished pass kept its own)
-            self._calibrate(members, x_BD)
         self._save(members, run.steps)  # (copies the stacks back into the members)
         self.trained.update({m.run.sae_id: m.sae for m in members})
         ddp.on_main(self.ctx, self.device, "the final weights and evaluation", lambda: self._finish(cache, members))
