@@ -462,6 +462,16 @@ def _span(rows: list[dict], name: str) -> str:
     return f"{lo:g}" if lo == hi else f"{lo:.1f}-{hi:.1f}"
 
 
+def _cells_run(rows: list[dict]) -> str:
+    """e.g. "topk d=64 short seeds 0,1,2; batchtopk d=64 short seed 0": what the table holds."""
+    seeds: dict[tuple, set] = {}
+    for r in rows:
+        seeds.setdefault(_cell_key(r), set()).add(r["seed"])
+    parts = [f"{o} d={d} {g} seed{'s' if len(v) > 1 else ''} {','.join(map(str, sorted(v)))}"
+             for (o, d, g), v in seeds.items()]  # fmt: skip
+    return "; ".join(parts) + "; nothing else"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default=",".join(OBJECTIVES), help="objectives, e.g. topk,batchtopk")
@@ -532,6 +542,7 @@ def main() -> None:
         f"jumprelu: coefficient grids actcache l0_coeff {args.jumprelu_grid_actcache}, SAELens l0_coefficient "
         f"{args.jumprelu_grid_saelens}; the point with held-out L0 nearest {K_TRUE} is shown",
     ]
+    setup.append("cells run (each seed one invocation unless merged): " + _cells_run(rows))
     checks = []
     for v in verdicts:
         name = f"quality {v['objective']} d={v['d']} {v['regime']}"
