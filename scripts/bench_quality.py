@@ -74,7 +74,7 @@ PEERS = {"topk": ("saelens", "sparsify"), "batchtopk": ("saelens",), "matryoshka
          "jumprelu": ("saelens",)}  # fmt: skip
 GRID_ACTCACHE = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)  # l0_coeff (fractions of variance per latent)
 GRID_SAELENS = (0.03, 0.1, 0.3, 1.0, 3.0)  # l0_coefficient (MSE summed over dimensions per latent)
-EXTRA_PACKAGES = {"sparsify": "eai-sparsify==1.3.3"}  # the pyproject extra "bench-quality"
+EXTRA_PACKAGES = {"sparsify": "eai-sparsify==1.3.3"}  # in the pyproject extra "bench-quality"
 DEFAULT_RESULTS = os.path.join(tempfile.gettempdir(), "actcache-bench-quality.json")
 
 
