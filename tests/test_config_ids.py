@@ -122,7 +122,7 @@ def test_every_resolved_value_is_unchanged():
     # keys added later (at their defaults here) are left out: the pin predates them
     later = {"jumprelu_bandwidth", "jumprelu_init_threshold", "matryoshka_prefixes", "l0_coeff", "preact_coeff",
              "matryoshka_weights", "l0_warmup_steps", "precision", "decode",
-             "keep_checkpoints", "batch_saes", "verify_reads"}  # fmt: skip
+             "keep_checkpoints", "batch_saes", "verify_reads", "enc_init"}  # fmt: skip
     assert all(getattr(r, k) == RUN_KEYS[k].default for r in runs for k in later)
     blob = json.dumps([{k: v for k, v in r.to_dict().items() if k not in later} for r in runs], sort_keys=True).encode()
     assert hashlib.sha256(blob).hexdigest() == "b40696bd67a874e921384d7ffb40177c877122e75a9872d9bc805dfb56b1b443"
@@ -140,3 +140,16 @@ def test_one_group_with_two_loader_settings_is_refused_naming_the_key():
     runs = expand_train_section(SWEEP, "s.yaml", layers=(-2,))
     with pytest.raises(ConfigError, match=r"'n_readers' to None and 2; it is one value per group"):
         groups(runs)
+
+
+def test_enc_init_enters_ids_only_when_set_and_only_for_topk_variants():
+    (default,) = expand_train_section({"steps": 10}, "x.yaml")
+    (fit,) = expand_train_section({"steps": 10, "enc_init": "fit"}, "x.yaml")
+    (tied,) = expand_train_section({"steps": 10, "enc_init": "tied"}, "x.yaml")
+    assert default.sae_id == RunConfig(steps=10).sae_id  # ids issued before the key stay
+    assert len({default.sae_id, fit.sae_id, tied.sae_id}) == 3 and tied.group_id == default.group_id
+    assert (default.encoder_init, fit.encoder_init, tied.encoder_init) == ("fit", "fit", "tied")
+    (relu,) = expand_train_section({"steps": 10, "activation": "relu", "l1_coeff": 1e-3}, "x.yaml")
+    assert relu.encoder_init == "tied"
+    with pytest.raises(ConfigError, match=r"x\.yaml.*key 'enc_init' is only for activation topk.*not relu"):
+        expand_train_section({"steps": 10, "activation": "relu", "l1_coeff": 1e-3, "enc_init": "tied"}, "x.yaml")

@@ -102,6 +102,17 @@ def test_batchtopk_recovers_dictionary_and_infers_with_threshold():
     assert score >= 0.9
     # The threshold learned in training gives about k latents per example without a batch.
     assert K_TRUE / 2 <= l0_eval <= 2 * K_TRUE
+    # Calibrated on one batch with the final weights (as the trainer does after its last step),
+    # another batch's L0 is k: the training EMA lags the weights, the calibration does not.
+    sae.train()
+    th = sae.calibrate_threshold_(x[4096:8192])
+    sae.eval()
+    with torch.no_grad():
+        f_cal = sae.encode(x[4096:8192])
+        l0_same = float((f_cal != 0).sum(1).float().mean())
+        l0_other = float((sae.encode(x[:4096]) != 0).sum(1).float().mean())
+    assert th == pytest.approx(float(f_cal[f_cal != 0].min()), rel=0.01)  # k per example: the kept minimum
+    assert abs(l0_same - K_TRUE) <= 2 / 4096 and abs(l0_other - K_TRUE) <= 0.15
 
 
 def test_relu_recovers_dictionary():
@@ -416,3 +427,31 @@ def test_lr_schedule_and_sparsity_warmup():
     assert lin.apply(opt, 60) == pytest.approx(0.55) and opt.param_groups[0]["lr"] == pytest.approx(0.55)
     with pytest.raises(ConfigError, match="lr"):
         make_optimizer(small(), lr=0)
+
+
+@pytest.mark.parametrize("activation", ["topk", "batchtopk", "matryoshka"])
+def test_fit_encoder_scale_is_the_least_squares_scale_of_the_tied_init(activation):
+    _, x = synthetic(1024)
+    sae = SAE(SAEConfig(d_vit=D, width=512, activation=activation, k=K_TRUE))
+    sae.init_b_dec(x)
+    tied_DS = sae.W_enc.detach().clone()
+
+    def sq_error(scale: float) -> float:
+        with torch.no_grad():
+            sae.W_enc.copy_(tied_DS * scale)
+            return float(sae._forward_dense(x)[0].sub(x).pow(2).sum())
+
+    sae.train()
+    s = sae.fit_encoder_scale_(x)
+    assert torch.allclose(sae.W_enc.detach(), tied_DS * s)
+    assert torch.isnan(sae.threshold)  # the fit leaves the inference threshold alone
+    # the codes' decoder rows overlap in d=64, so the tied init overshoots: s < 1
+    assert 0.3 < s < 0.95
+    best = sq_error(s)
+    assert best < sq_error(0.97 * s) and best < sq_error(1.03 * s) and best < sq_error(1.0)
+
+
+def test_fit_encoder_scale_refuses_activations_without_k():
+    sae = SAE(SAEConfig(d_vit=8, width=16, activation="relu"))
+    with pytest.raises(ConfigError, match="topk variants"):
+        sae.fit_encoder_scale_(torch.randn(4, 8))

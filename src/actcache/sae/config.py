@@ -55,6 +55,7 @@ from actcache.sae.spec import (
 
 ID_VERSION = 1
 B_DEC_INITS = ("geometric_median", "mean", "zero")
+ENC_INITS = ("fit", "tied")  # topk variants (SAE.fit_encoder_scale_); relu and jumprelu start tied
 
 
 def _group(default, help, **kw):  # the data stream: SAEs of one group share it
@@ -106,7 +107,7 @@ class RunConfig:
     width: int | None = _sae(None, "number of latents (null: from exp_factor)", ge=1, le=2**24, example=16384)
     exp_factor: float | None = _sae(16.0, "width = d_vit * exp_factor (null when width is given)", gt=0, le=4096)
     k: int | None = _sae(32, "latents per example (topk, batchtopk, matryoshka; null for relu, jumprelu)", ge=1)
-    normalize_decoder: bool | None = _sae(None, "unit-norm decoder rows (null: true for topk variants)", example=True)
+    normalize_decoder: bool | None = _sae(None, "unit-norm decoder rows (null: true for every activation but relu)", example=True)
     seed: int = _sae(0, "SAE init seed", ge=0)
     dtype: str = _sae("float32", "parameter dtype", choices=PARAM_DTYPES)
     threshold_decay: float = _sae(0.99, "batchtopk, matryoshka: inference threshold EMA decay", ge=0, lt=1)
@@ -146,6 +147,10 @@ class RunConfig:
     l0_warmup_steps: int = _objective(0, "jumprelu: the L0 coefficient rises linearly from 0 over these steps", ge=0)
     max_grad_norm: float | None = _sae(1.0, "clip the gradient norm (null: no clipping)", gt=0)
     b_dec_init: str = _sae("geometric_median", "decoder bias from the first batch", choices=B_DEC_INITS)
+    enc_init: str | None = _sae(
+        None, "topk variants: encoder init, tied (W_enc = W_dec^T) or fit (tied, scaled to the first batch's "
+        "least-squares factor); null: fit", choices=ENC_INITS, late=True,
+    )
     precision: str = _compute("fp32", "fp32 | tf32 (CUDA TF32 matmuls) | bf16 (autocast matmuls, float32 weights)",
                               choices=PRECISIONS)  # fmt: skip
     decode: str = _compute("auto", "topk variants: sparse (gather the k chosen latents), hybrid (sparse forward, matmul weight gradients), dense",
@@ -260,6 +265,13 @@ class RunConfig:
         )
 
     @property
+    def encoder_init(self) -> str:
+        """How the trainer sets W_enc at step 0: "fit" (SAE.fit_encoder_scale_) or "tied" (as built)."""
+        if self.activation in NO_K:
+            return "tied"
+        return self.enc_init or "fit"
+
+    @property
     def sparsity_warmup_steps(self) -> int:
         """Warm-up of the sparsity coefficient: l0_warmup_steps (jumprelu), else l1_warmup_steps."""
         return self.l0_warmup_steps if self.activation == "jumprelu" else self.l1_warmup_steps
@@ -355,6 +367,11 @@ def _model(d: dict, given: set, where: str) -> None:
         d["exp_factor"] = RUN_KEYS["exp_factor"].default
     _objective_keys(d, where)
     if d["activation"] in NO_K:
+        if d["enc_init"] is not None:
+            raise ConfigError(
+                f"{where}: key 'enc_init' is only for activation topk/batchtopk/matryoshka, not {d['activation']}; "
+                "remove it."
+            )
         if "k" in given and d["k"] is not None:
             raise ConfigError(
                 f"{where}: key 'k' is only for activation topk/batchtopk/matryoshka, not {d['activation']}; remove it."

@@ -438,6 +438,22 @@ class SAE(nn.Module):
         new = torch.where(torch.isnan(th), m, decay * th + (1.0 - decay) * m)
         self.threshold.copy_(torch.where(torch.isfinite(m), new, th))
 
+    @torch.no_grad()
+    def calibrate_threshold_(self, x_BD: torch.Tensor) -> float:
+        """Set the batchtopk/matryoshka inference threshold to the smallest value train mode keeps
+        on this batch with the current weights (no EMA), so that in eval mode the batch's mean L0
+        is k; returns it. The EMA of the training steps lags the weights (its horizon is
+        1 / (1 - threshold_decay) steps), which leaves the held-out L0 off k; the trainer calls this
+        on its last batch after the last step."""
+        if self.cfg.activation not in ("batchtopk", "matryoshka"):
+            raise ConfigError(f"calibrate_threshold_ is for batchtopk and matryoshka, not {self.cfg.activation!r}")
+        flat = self.pre_acts(x_BD).reshape(-1)
+        vals = torch.relu(flat.topk(min(x_BD.shape[0] * self.cfg.k, flat.numel()), sorted=False).values)
+        pos = vals[vals > 0]
+        if pos.numel():
+            self.threshold.fill_(float(pos.min()))
+        return float(self.threshold)
+
     def encode(self, x_BD: torch.Tensor) -> torch.Tensor:
         return self.activate(self.pre_acts(x_BD))
 
@@ -558,6 +574,34 @@ class SAE(nn.Module):
             raise ConfigError(f"init_b_dec: method must be 'geometric_median' or 'mean', got {method!r}")
         self.b_dec.copy_(center.to(self.b_dec))
         return self.b_dec.detach().clone()
+
+    @torch.no_grad()
+    def fit_encoder_scale_(self, x_ND: torch.Tensor) -> float:
+        """Scale W_enc by s = <x - b_dec, r> / ||r||^2 over a data sample, r the reconstruction
+        (without b_dec) from the codes the current encoder chooses (topk variants: per example, or
+        over the whole sample for batchtopk and matryoshka); returns s. The tied init W_enc =
+        W_dec^T sums k decoder rows that all lean towards x, so it overshoots by a factor that
+        depends on d, k and the data; s is the least-squares correction, in the data's own units.
+        A sample on which s is not a positive number leaves W_enc as it is (returns 1.0)."""
+        self._check_x(x_ND)
+        if self.cfg.activation not in (*SPARSE_ACTIVATIONS, "matryoshka"):
+            raise ConfigError(f"fit_encoder_scale_ is for topk variants, not activation {self.cfg.activation!r}")
+        xc_ND = x_ND.to(self.W_enc.dtype) - self.b_dec
+        pre_NS = xc_ND @ self.W_enc + self.b_enc
+        k = self.cfg.k
+        if self.cfg.activation == "topk":
+            vals_NK, idx_NK = pre_NS.topk(k, dim=-1, sorted=False)
+            f_NS = torch.zeros_like(pre_NS).scatter(-1, idx_NK, torch.relu(vals_NK))
+        else:
+            flat = pre_NS.reshape(-1)
+            vals, idx = flat.topk(min(x_ND.shape[0] * k, flat.numel()), sorted=False)
+            f_NS = torch.zeros_like(flat).scatter(0, idx, torch.relu(vals)).reshape(pre_NS.shape)
+        r_ND = (f_NS @ self.W_dec).double()
+        s = float((xc_ND.double() * r_ND).sum() / r_ND.pow(2).sum())
+        if not (math.isfinite(s) and s > 0):
+            return 1.0
+        self.W_enc.mul_(s)
+        return s
 
     @torch.no_grad()
     def normalize_decoder_(self) -> None:

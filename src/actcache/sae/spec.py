@@ -39,9 +39,10 @@ ACTIVATION_ONLY = ("jumprelu_bandwidth", "jumprelu_init_threshold", "jumprelu_pa
 class SAEConfig:
     """Shape and activation of one SAE. Give ``width`` or ``exp_factor`` (width = d_vit * exp_factor).
 
-    ``normalize_decoder`` (keep decoder rows at unit norm) defaults to True for topk/batchtopk,
-    where only MSE shapes the decoder and a free row norm would let latents trade scale with the
-    encoder (and make top-k selection compare pre-activations on unequal scales), and False for
+    ``normalize_decoder`` (keep decoder rows at unit norm) defaults to True for every activation
+    but relu: for the topk variants only MSE shapes the decoder, and a free row norm would let
+    latents trade scale with the encoder (and make top-k selection compare pre-activations on
+    unequal scales); jumprelu's L0 term does not see row norms either. It defaults to False for
     relu, whose L1 term is weighted by decoder row norms and so is already invariant to that trade.
     ``threshold_decay`` is the EMA decay of the batchtopk/matryoshka inference threshold.
     ``jumprelu_param`` ("direct", or "log" for SAEs saved before it existed: from_dict reads a

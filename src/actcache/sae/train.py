@@ -63,6 +63,20 @@ log = logging.getLogger(__name__)
 _SCALARS = ("loss", "mse", "nmse", "l0", "l1", "aux")
 
 
+def init_from_batch(sae: SAE, run: RunConfig, x_BD: torch.Tensor, ctx: ddp.DistContext | None = None) -> None:
+    """Step 0's data-dependent init: b_dec (``b_dec_init``), then for topk variants the encoder's
+    scale (``enc_init``; SAE.fit_encoder_scale_, which centres the batch on b_dec). Under DDP each
+    result is rank 0's."""
+    if run.b_dec_init != "zero":
+        sae.init_b_dec(x_BD, method=run.b_dec_init)
+    if ctx is not None:
+        ddp.broadcast_(sae.b_dec.data, ctx)
+    if run.encoder_init == "fit":
+        sae.fit_encoder_scale_(x_BD)
+        if ctx is not None:
+            ddp.broadcast_(sae.W_enc.data, ctx)
+
+
 class Preempted(TrainError):
     """Training stopped on request after writing a checkpoint at ``step``."""
 
@@ -464,11 +478,13 @@ class GroupTrainer:
                 wait_log += feed.wait_s - fed0 if feed else time.perf_counter() - t0
                 if step == 0:
                     self._check_deferred()  # (b_dec's init reads the batch anyway)
-                    self._init_b_dec(members, x_BD)
+                    self._init_from_batch(members, x_BD)
                 if step == start:
                     self._stacks = self._stack(members)
                 self._step_all(members, x_BD, step)
                 step += 1
+                if step == run.steps:  # before any checkpoint of the last step, so a resume has it
+                    self._calibrate(members, x_BD)
                 if step % run.log_every == 0 or step == run.steps:
                     self._check_deferred()
                     self._log(members, step, time.perf_counter() - t_log, wait_log, step - step_log)
@@ -522,11 +538,9 @@ class GroupTrainer:
                 "through it. Check the cache with `actcache verify --deep DIR` and re-dump the shard holding it."
             )
 
-    def _init_b_dec(self, members: list[_Member], x_BD: torch.Tensor) -> None:
+    def _init_from_batch(self, members: list[_Member], x_BD: torch.Tensor) -> None:
         for m in members:
-            if m.run.b_dec_init != "zero":
-                m.sae.init_b_dec(x_BD, method=m.run.b_dec_init)
-            ddp.broadcast_(m.sae.b_dec.data, self.ctx)
+            init_from_batch(m.sae, m.run, x_BD, self.ctx)
 
     def _stack(self, members: list[_Member]) -> list[tuple[BatchedSAEs, list[_Member]]]:
         """Stacks of the members that step as one batched module (``batch_saes``): members of equal
@@ -554,6 +568,16 @@ class GroupTrainer:
         for m in members:
             if id(m) not in stacked:
                 m.step(x_BD, step, self.ctx)
+
+    def _calibrate(self, members: list[_Member], x_BD: torch.Tensor) -> None:
+        """The batchtopk/matryoshka inference thresholds from the final weights on the last batch
+        (SAE.calibrate_threshold_; under DDP the mean over ranks), in place of the training EMA."""
+        for st, _ in getattr(self, "_stacks", []):
+            st.scatter()
+        for m in members:
+            if m.sae.cfg.activation in ("batchtopk", "matryoshka"):
+                m.sae.calibrate_threshold_(x_BD)
+                ddp.average_(m.sae.threshold, self.ctx)
 
     def _save(self, members: list[_Member], step: int) -> None:
         for st, _ in getattr(self, "_stacks", []):
