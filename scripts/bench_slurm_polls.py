@@ -25,7 +25,6 @@ import time
 
 import benchlib
 
-SITE_FILE = os.path.join(benchlib.ROOT, "profiles", "sites", "local-slurm.env")
 PROFILE = os.path.join(benchlib.ROOT, "profiles", "osc")
 RUN_TIMEOUT_S = 900
 
@@ -49,16 +48,6 @@ def check_times(delay: int, n: int) -> list[int]:
     return out
 
 
-def site_env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=os.path.join(benchlib.ROOT, "src"))
-    with open(SITE_FILE) as fd:
-        for line in fd:
-            if "=" in line and not line.lstrip().startswith("#"):
-                k, v = line.strip().split("=", 1)
-                env[k] = v
-    return env
-
-
 def _when(stamp: str) -> float:
     return datetime.datetime.strptime(stamp, "%a %b %d %H:%M:%S %Y").timestamp()
 
@@ -77,7 +66,7 @@ def one_run(workdir: str, delay: int) -> tuple[float, list[float]]:
         str(delay),
     ]  # fmt: skip
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=site_env(), cwd=workdir)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=benchlib.site_env(), cwd=workdir)
     wall = time.monotonic() - t0
     log = proc.stdout + proc.stderr
     if proc.returncode != 0:

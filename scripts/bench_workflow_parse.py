@@ -31,7 +31,6 @@ import benchlib  # noqa: E402
 
 ROOT = benchlib.ROOT
 SNAKEMAKE = os.path.join(os.path.dirname(sys.executable), "snakemake")
-SITE_FILE = os.path.join(ROOT, "profiles", "sites", "local-slurm.env")
 TIME = "/usr/bin/time"  # GNU time
 TINY_D = 64  # actcache.demo.make_tiny_clip: d=64, 16 patches + CLS = 17 tokens, one layer recorded
 
@@ -51,16 +50,6 @@ def run(cmd, cwd, env) -> tuple[float, float, float]:
         with open(usage) as fd:
             user, system, kb = fd.read().split()[-3:]
     return dt, float(user) + float(system), int(kb) / 1024
-
-
-def site_env() -> dict[str, str]:
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    with open(SITE_FILE) as fd:
-        for line in fd:
-            if "=" in line and not line.lstrip().startswith("#"):
-                k, v = line.strip().split("=", 1)
-                env[k.removeprefix("export ")] = v
-    return env
 
 
 def write_project(root: str, ckpt: str, n_exp: int, n_shards: int, shard_vectors: int, per_job) -> str:
@@ -161,7 +150,7 @@ def main() -> None:
         with open(empty, "w") as fd:
             fd.write("rule all:\n    output: 'x'\n    shell: 'touch {output}'\n")
         local_env = dict(os.environ, HF_HUB_OFFLINE="1")
-        profiles = {"local": local_env, **({"osc": site_env()} if osc else {})}
+        profiles = {"local": local_env, **({"osc": benchlib.site_env()} if osc else {})}
 
         def base(snakefile, cfg=None, profile=None):
             cmd = [SNAKEMAKE, "-s", snakefile, "-d", tmp]

@@ -84,6 +84,21 @@ def _amd_generation(family: int, model: int) -> str | None:
     return None
 
 
+SITE_FILE = os.path.join(ROOT, "profiles", "sites", "local-slurm.env")
+
+
+def site_env() -> dict[str, str]:
+    """This environment with profiles/sites/local-slurm.env applied (what `source` would do), for
+    runs of the osc profile against the local Slurm of scripts/slurm/up.sh; the sources on PYTHONPATH."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.path.join(ROOT, "src"))
+    with open(SITE_FILE) as fd:
+        for line in fd:
+            if "=" in line and not line.lstrip().startswith("#"):
+                k, v = line.strip().split("=", 1)
+                env[k.removeprefix("export ")] = v
+    return env
+
+
 def machine() -> str:
     cpu = "unknown CPU"
     info = {}

@@ -613,13 +613,3 @@ def test_page_images_from_forked_workers_equal_the_threads(world, page, capsys, 
 
     assert not multiprocessing.active_children()
     monkeypatch.undo()
-    # a summary from before the explorer (no quantile samples, no explorable images) is not reused
-    with np.load(os.path.join(page, "latents.npz")) as z:
-        old = {n: z[n] for n in z.files if not n.startswith(("q_", "ex_"))}
-    np.savez_compressed(os.path.join(page, "latents.npz"), **old)
-    rc, _, _ = run_cli(capsys, world["run"], "--reuse", "--latents", "5")
-    assert rc == 0 and jload(os.path.join(page, "summary.json"))["reused"] is False
-    with np.load(os.path.join(page, "latents.npz")) as z:
-        assert "q_img" in z.files and "ex_ids" in z.files
-    rc, _, _ = run_cli(capsys, world["run"], "--latents", "12")  # restore the default page for other tests
-    assert rc == 0
