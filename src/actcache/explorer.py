@@ -25,6 +25,7 @@ import shutil
 import numpy as np
 
 from actcache.errors import ActCacheError
+from actcache.explorer_app import copy_app
 from actcache.topk import LatentSummary, median_act, quantile_examples
 
 FORMAT = 1
@@ -303,20 +304,6 @@ def _meta(res: LatentSummary, plan: ExplorerPlan, info: ExplorerInfo) -> dict:
     }  # fmt: skip
 
 
-def _app(out_dir: str) -> None:
-    """The app's files from the package; a placeholder page where the package has none."""
-    app_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "explorer_app")
-    if os.path.isdir(app_dir):
-        for name in sorted(os.listdir(app_dir)):
-            if not name.startswith((".", "_")) and os.path.isfile(os.path.join(app_dir, name)):
-                shutil.copyfile(os.path.join(app_dir, name), os.path.join(out_dir, name))
-        return
-    with open(os.path.join(out_dir, "index.html"), "w", encoding="utf-8") as fh:
-        fh.write('<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>explorer data</title></head>'
-                 "<body><p>PLACEHOLDER: this actcache has no explorer app (actcache/explorer_app/); the data "
-                 "is in data/ (docs/explorer-format.md).</p></body></html>\n")  # fmt: skip
-
-
 def _link_images(out_dir: str, plan: ExplorerPlan, images_dir: str) -> None:
     """The explorer's img/ holds the images it shows, hard links to images_dir's (a copy where
     links are not possible)."""
@@ -342,7 +329,7 @@ def write_explorer(out_dir: str, res: LatentSummary, plan: ExplorerPlan, info: E
     n += _details(data_dir, res, plan, info)
     n += _images(data_dir, res, info)
     n += _write_chunk(data_dir, "meta", _meta(res, plan, info))
-    _app(out_dir)
+    copy_app(out_dir)
     if info.images_dir is not None:
         _link_images(out_dir, plan, info.images_dir)
     return n
