@@ -122,7 +122,7 @@ def test_every_resolved_value_is_unchanged():
     # keys added later (at their defaults here) are left out: the pin predates them
     later = {"jumprelu_bandwidth", "jumprelu_init_threshold", "matryoshka_prefixes", "l0_coeff", "preact_coeff",
              "matryoshka_weights", "l0_warmup_steps", "precision", "decode",
-             "keep_checkpoints", "batch_saes", "verify_reads", "enc_init"}  # fmt: skip
+             "keep_checkpoints", "batch_saes", "verify_reads", "enc_init", "dec_init_frac"}  # fmt: skip
     assert all(getattr(r, k) == RUN_KEYS[k].default for r in runs for k in later)
     blob = json.dumps([{k: v for k, v in r.to_dict().items() if k not in later} for r in runs], sort_keys=True).encode()
     assert hashlib.sha256(blob).hexdigest() == "b40696bd67a874e921384d7ffb40177c877122e75a9872d9bc805dfb56b1b443"
@@ -153,3 +153,18 @@ def test_enc_init_enters_ids_only_when_set_and_only_for_topk_variants():
     assert relu.encoder_init == "tied"
     with pytest.raises(ConfigError, match=r"x\.yaml.*key 'enc_init' is only for activation topk.*not relu"):
         expand_train_section({"steps": 10, "activation": "relu", "l1_coeff": 1e-3, "enc_init": "tied"}, "x.yaml")
+
+
+def test_dec_init_frac_enters_ids_only_when_set_and_only_for_topk_variants():
+    (default,) = expand_train_section({"steps": 10}, "x.yaml")
+    (quarter,) = expand_train_section({"steps": 10, "dec_init_frac": 0.25}, "x.yaml")
+    (none,) = expand_train_section({"steps": 10, "dec_init_frac": 0}, "x.yaml")
+    assert default.sae_id == RunConfig(steps=10).sae_id  # ids issued before the key stay
+    assert len({default.sae_id, quarter.sae_id, none.sae_id}) == 3 and none.group_id == default.group_id
+    assert (default.decoder_data_frac, quarter.decoder_data_frac, none.decoder_data_frac) == (0.25, 0.25, 0.0)
+    (relu,) = expand_train_section({"steps": 10, "activation": "relu", "l1_coeff": 1e-3}, "x.yaml")
+    assert relu.decoder_data_frac == 0.0
+    with pytest.raises(ConfigError, match=r"x\.yaml.*key 'dec_init_frac' is only for activation topk.*not relu"):
+        expand_train_section({"steps": 10, "activation": "relu", "l1_coeff": 1e-3, "dec_init_frac": 0.5}, "x.yaml")
+    with pytest.raises(ConfigError, match=r"dec_init_frac"):
+        expand_train_section({"steps": 10, "dec_init_frac": 2}, "x.yaml")

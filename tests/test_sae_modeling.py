@@ -451,6 +451,29 @@ def test_fit_encoder_scale_is_the_least_squares_scale_of_the_tied_init(activatio
     assert best < sq_error(0.97 * s) and best < sq_error(1.03 * s) and best < sq_error(1.0)
 
 
+def test_init_decoder_from_data_starts_a_fraction_of_rows_at_distinct_centred_examples():
+    _, x = synthetic(256)
+    sae = SAE(SAEConfig(d_vit=D, width=512, activation="topk", k=K_TRUE))
+    sae.init_b_dec(x)
+    random_SD = sae.W_dec.detach().clone()
+    assert sae.init_decoder_from_data_(x, 0.25, seed=3) == 128
+    changed_S = (sae.W_dec.detach() != random_SD).any(1)
+    assert int(changed_S.sum()) == 128
+    xc_ND = x - sae.b_dec.detach()
+    cos_RN = sae.W_dec.detach()[changed_S] @ (xc_ND / xc_ND.norm(dim=1, keepdim=True)).T
+    best = cos_RN.max(1)
+    assert torch.allclose(best.values, torch.ones(128), atol=1e-5) and best.indices.unique().numel() == 128
+    assert torch.equal(sae.W_enc.detach(), sae.W_dec.detach().T)  # tied again
+    # the same seed picks the same rows and examples; fewer examples than rows: one row each
+    again = SAE(SAEConfig(d_vit=D, width=512, activation="topk", k=K_TRUE))
+    again.init_b_dec(x)
+    again.init_decoder_from_data_(x, 0.25, seed=3)
+    assert torch.equal(again.W_dec, sae.W_dec)
+    assert again.init_decoder_from_data_(x[:64], 0.5, seed=0) == 64
+    with pytest.raises(ConfigError, match="frac must be in"):
+        sae.init_decoder_from_data_(x, 1.5, seed=0)
+
+
 def test_fit_encoder_scale_refuses_activations_without_k():
     sae = SAE(SAEConfig(d_vit=8, width=16, activation="relu"))
     with pytest.raises(ConfigError, match="topk variants"):

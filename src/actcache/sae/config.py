@@ -56,6 +56,7 @@ from actcache.sae.spec import (
 ID_VERSION = 1
 B_DEC_INITS = ("geometric_median", "mean", "zero")
 ENC_INITS = ("fit", "tied")  # topk variants (SAE.fit_encoder_scale_); relu and jumprelu start tied
+DEC_INIT_FRAC = 0.25  # dec_init_frac at null (SAE.init_decoder_from_data_)
 
 
 def _group(default, help, **kw):  # the data stream: SAEs of one group share it
@@ -150,6 +151,10 @@ class RunConfig:
     enc_init: str | None = _sae(
         None, "topk variants: encoder init, tied (W_enc = W_dec^T) or fit (tied, scaled to the first batch's "
         "least-squares factor); null: fit", choices=ENC_INITS, late=True,
+    )
+    dec_init_frac: float | None = _sae(
+        None, "topk variants: fraction of decoder rows that start at centred examples of the first batch, the "
+        "rest random (null: 0.25; 0: all random)", ge=0, le=1, late=True, example=0.25,
     )
     precision: str = _compute("fp32", "fp32 | tf32 (CUDA TF32 matmuls) | bf16 (autocast matmuls, float32 weights)",
                               choices=PRECISIONS)  # fmt: skip
@@ -272,6 +277,13 @@ class RunConfig:
         return self.enc_init or "fit"
 
     @property
+    def decoder_data_frac(self) -> float:
+        """The fraction of decoder rows the trainer starts at data (SAE.init_decoder_from_data_)."""
+        if self.activation in NO_K:
+            return 0.0
+        return DEC_INIT_FRAC if self.dec_init_frac is None else self.dec_init_frac
+
+    @property
     def sparsity_warmup_steps(self) -> int:
         """Warm-up of the sparsity coefficient: l0_warmup_steps (jumprelu), else l1_warmup_steps."""
         return self.l0_warmup_steps if self.activation == "jumprelu" else self.l1_warmup_steps
@@ -367,11 +379,12 @@ def _model(d: dict, given: set, where: str) -> None:
         d["exp_factor"] = RUN_KEYS["exp_factor"].default
     _objective_keys(d, where)
     if d["activation"] in NO_K:
-        if d["enc_init"] is not None:
-            raise ConfigError(
-                f"{where}: key 'enc_init' is only for activation topk/batchtopk/matryoshka, not {d['activation']}; "
-                "remove it."
-            )
+        for name in ("enc_init", "dec_init_frac"):
+            if d[name] is not None:
+                raise ConfigError(
+                    f"{where}: key '{name}' is only for activation topk/batchtopk/matryoshka, not {d['activation']}; "
+                    "remove it."
+                )
         if "k" in given and d["k"] is not None:
             raise ConfigError(
                 f"{where}: key 'k' is only for activation topk/batchtopk/matryoshka, not {d['activation']}; remove it."

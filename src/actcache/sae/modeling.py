@@ -223,7 +223,7 @@ class SparseEncode(torch.autograd.Function):
     def forward(ctx, x_BD, b_dec_D, W_DS, b_S, pre_BS, codes: Codes, mm_dtype=None):
         ctx.codes, ctx.mm_dtype = codes, mm_dtype
         ctx.save_for_backward(x_BD, b_dec_D, W_DS)
-        return pre_BS[codes.row_N, codes.col_N].to(W_DS.dtype)
+        return pre_BS.reshape(-1).take(codes.row_N * pre_BS.shape[1] + codes.col_N).to(W_DS.dtype)
 
     @staticmethod
     def backward(ctx, g_N):
@@ -530,12 +530,11 @@ class SAE(nn.Module):
         return x_hat_BD, f_BS.index_put_((codes.row_N, codes.col_N), val_N.detach()), aux
 
     def _sparse_pre_acts(self, x_BD: torch.Tensor) -> torch.Tensor:
-        """Pre-activations for choosing the codes: float32 (the weights' dtype), or under bf16 the
-        bfloat16 output of one matmul with the bias added in its epilogue (half the memory traffic
-        for top-k; the chosen values are taken back to float32 by SparseEncode)."""
-        if self.precision == "bf16":
-            return torch.addmm(self.b_enc, x_BD - self.b_dec, self.W_enc)  # bfloat16 under autocast
-        return ((x_BD - self.b_dec) @ self.W_enc + self.b_enc).to(self.W_enc.dtype)
+        """Pre-activations for choosing the codes: one matmul with the bias added in its epilogue,
+        in the weights' dtype, or under bf16 in bfloat16 (half the memory traffic for top-k; the
+        chosen values are taken back to float32 by SparseEncode)."""
+        pre_BS = torch.addmm(self.b_enc, x_BD - self.b_dec, self.W_enc)  # bfloat16 under autocast
+        return pre_BS if self.precision == "bf16" else pre_BS.to(self.W_enc.dtype)
 
     def topk_codes(self, pre_BS: torch.Tensor, k: int) -> Codes:
         return Codes.per_row(pre_BS.topk(k, dim=-1, sorted=False).indices)
@@ -574,6 +573,32 @@ class SAE(nn.Module):
             raise ConfigError(f"init_b_dec: method must be 'geometric_median' or 'mean', got {method!r}")
         self.b_dec.copy_(center.to(self.b_dec))
         return self.b_dec.detach().clone()
+
+    @torch.no_grad()
+    def init_decoder_from_data_(self, x_ND: torch.Tensor, frac: float, seed: int) -> int:
+        """Start round(frac * width) decoder rows, chosen at random (``seed``), at distinct examples
+        of a data sample centred on b_dec, scaled to unit norm, and tie the encoder to the decoder
+        again (W_enc = W_dec^T); the other rows keep their random directions. At most one row per
+        example; examples at b_dec are skipped. Returns the number of rows set.
+
+        Random rows start far from every direction the data uses (cosine ~ 1/sqrt(d)); an example
+        is a sum of a few of them, so a row started there is already near the frequent ones, and
+        the random rest keeps room for rare ones (scripts/bench_quality.py measures the mix)."""
+        self._check_x(x_ND)
+        if not 0.0 <= frac <= 1.0:
+            raise ConfigError(f"init_decoder_from_data_: frac must be in [0, 1], got {frac!r}")
+        xc_ND = x_ND.detach().float() - self.b_dec.detach().float()
+        norm_N = xc_ND.norm(dim=1)
+        usable_N = (norm_N > 0).nonzero().squeeze(1).cpu()
+        gen = torch.Generator().manual_seed(seed)
+        n = min(round(frac * self.cfg.width), usable_N.numel())
+        if n == 0:
+            return 0
+        rows = torch.randperm(self.cfg.width, generator=gen)[:n].to(self.W_dec.device)
+        examples = usable_N[torch.randperm(usable_N.numel(), generator=gen)[:n]].to(xc_ND.device)
+        self.W_dec[rows] = (xc_ND[examples] / norm_N[examples, None]).to(self.W_dec.dtype)
+        self.W_enc.copy_(self.W_dec.T)
+        return n
 
     @torch.no_grad()
     def fit_encoder_scale_(self, x_ND: torch.Tensor) -> float:

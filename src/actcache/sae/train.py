@@ -64,17 +64,21 @@ _SCALARS = ("loss", "mse", "nmse", "l0", "l1", "aux")
 
 
 def init_from_batch(sae: SAE, run: RunConfig, x_BD: torch.Tensor, ctx: ddp.DistContext | None = None) -> None:
-    """Step 0's data-dependent init: b_dec (``b_dec_init``), then for topk variants the encoder's
-    scale (``enc_init``; SAE.fit_encoder_scale_, which centres the batch on b_dec). Under DDP each
-    result is rank 0's."""
+    """Step 0's data-dependent init: b_dec (``b_dec_init``), then for topk variants some decoder
+    rows from the batch (``dec_init_frac``; SAE.init_decoder_from_data_, encoder tied again) and
+    the encoder's scale (``enc_init``; SAE.fit_encoder_scale_); both centre the batch on b_dec.
+    Under DDP each result is rank 0's."""
     if run.b_dec_init != "zero":
         sae.init_b_dec(x_BD, method=run.b_dec_init)
     if ctx is not None:
         ddp.broadcast_(sae.b_dec.data, ctx)
+    if run.decoder_data_frac > 0:
+        sae.init_decoder_from_data_(x_BD, run.decoder_data_frac, run.seed)
     if run.encoder_init == "fit":
         sae.fit_encoder_scale_(x_BD)
-        if ctx is not None:
-            ddp.broadcast_(sae.W_enc.data, ctx)
+    if ctx is not None and (run.decoder_data_frac > 0 or run.encoder_init == "fit"):
+        ddp.broadcast_(sae.W_dec.data, ctx)
+        ddp.broadcast_(sae.W_enc.data, ctx)
 
 
 class Preempted(TrainError):
