@@ -578,25 +578,33 @@ class SAE(nn.Module):
     def init_decoder_from_data_(self, x_ND: torch.Tensor, frac: float, seed: int) -> int:
         """Start round(frac * width) decoder rows, chosen at random (``seed``), at distinct examples
         of a data sample centred on b_dec, scaled to unit norm, and tie the encoder to the decoder
-        again (W_enc = W_dec^T); the other rows keep their random directions. At most one row per
-        example; examples at b_dec are skipped. Returns the number of rows set.
+        again (W_enc = W_dec^T); the other rows keep their random directions. Returns the number
+        of rows set (at most one per example; examples at b_dec are skipped).
 
-        Random rows start far from every direction the data uses (cosine ~ 1/sqrt(d)); an example
-        is a sum of a few of them, so a row started there is already near the frequent ones, and
-        the random rest keeps room for rare ones (scripts/bench_quality.py measures the mix)."""
+        The examples are drawn one at a time with probability proportional to 1 - their largest
+        squared cosine with the examples drawn before (k-means++ seeding on directions), so that
+        the frequent directions, which most examples contain, do not take many rows. An example
+        sums a few of the data's directions, so a row started there is near several of them; a
+        random row starts near none (scripts/bench_quality.py measures the mix)."""
         self._check_x(x_ND)
         if not 0.0 <= frac <= 1.0:
             raise ConfigError(f"init_decoder_from_data_: frac must be in [0, 1], got {frac!r}")
         xc_ND = x_ND.detach().float() - self.b_dec.detach().float()
         norm_N = xc_ND.norm(dim=1)
-        usable_N = (norm_N > 0).nonzero().squeeze(1).cpu()
+        unit_ND = (xc_ND / norm_N.clamp_min(torch.finfo(torch.float32).tiny)[:, None]).cpu()
+        n = min(round(frac * self.cfg.width), int((norm_N > 0).sum()))
         gen = torch.Generator().manual_seed(seed)
-        n = min(round(frac * self.cfg.width), usable_N.numel())
-        if n == 0:
-            return 0
+        free_N = (norm_N > 0).cpu()  # usable and not drawn yet
+        weight_N = free_N.float()  # 1 - largest squared cosine with the drawn examples
+        picked = []
+        for _ in range(n):
+            w_N = weight_N * free_N
+            i = int(torch.multinomial(w_N if bool(w_N.sum() > 0) else free_N.float(), 1, generator=gen))
+            picked.append(i)
+            free_N[i] = False
+            weight_N = torch.minimum(weight_N, 1.0 - (unit_ND @ unit_ND[i]).pow(2))
         rows = torch.randperm(self.cfg.width, generator=gen)[:n].to(self.W_dec.device)
-        examples = usable_N[torch.randperm(usable_N.numel(), generator=gen)[:n]].to(xc_ND.device)
-        self.W_dec[rows] = (xc_ND[examples] / norm_N[examples, None]).to(self.W_dec.dtype)
+        self.W_dec[rows] = unit_ND[picked].to(self.W_dec)
         self.W_enc.copy_(self.W_dec.T)
         return n
 
