@@ -122,7 +122,7 @@ def test_every_resolved_value_is_unchanged():
     # keys added later (at their defaults here) are left out: the pin predates them
     later = {"jumprelu_bandwidth", "jumprelu_init_threshold", "matryoshka_prefixes", "l0_coeff", "preact_coeff",
              "matryoshka_weights", "l0_warmup_steps", "precision", "decode",
-             "keep_checkpoints", "batch_saes", "verify_reads", "enc_init", "dec_init_frac"}  # fmt: skip
+             "keep_checkpoints", "batch_saes", "verify_reads", "enc_init", "dec_init_frac", "revive_coeff"}  # fmt: skip
     assert all(getattr(r, k) == RUN_KEYS[k].default for r in runs for k in later)
     blob = json.dumps([{k: v for k, v in r.to_dict().items() if k not in later} for r in runs], sort_keys=True).encode()
     assert hashlib.sha256(blob).hexdigest() == "b40696bd67a874e921384d7ffb40177c877122e75a9872d9bc805dfb56b1b443"
@@ -168,3 +168,14 @@ def test_dec_init_frac_enters_ids_only_when_set_and_only_for_topk_variants():
         expand_train_section({"steps": 10, "activation": "relu", "l1_coeff": 1e-3, "dec_init_frac": 0.5}, "x.yaml")
     with pytest.raises(ConfigError, match=r"dec_init_frac"):
         expand_train_section({"steps": 10, "dec_init_frac": 2}, "x.yaml")
+
+
+def test_revive_coeff_enters_ids_only_when_set_and_only_for_jumprelu():
+    jr = {"steps": 10, "activation": "jumprelu", "l0_coeff": 1e-2}
+    (default,) = expand_train_section(jr, "x.yaml")
+    (off,) = expand_train_section({**jr, "revive_coeff": 0}, "x.yaml")
+    assert default.sae_id == RunConfig(**jr, k=None).sae_id  # ids issued before the key stay
+    assert off.sae_id != default.sae_id
+    assert default.objective_kwargs()["revive_coeff"] == 0.003 and off.objective_kwargs()["revive_coeff"] == 0
+    with pytest.raises(ConfigError, match=r"x\.yaml.*key 'revive_coeff' is only for .*jumprelu"):
+        expand_train_section({"steps": 10, "revive_coeff": 0.01}, "x.yaml")

@@ -76,6 +76,36 @@ def test_preact_penalty_raises_pre_activations_of_latents_below_threshold():
     assert float(sae.log_threshold.grad.min()) > 0  # ... and lowers every threshold
 
 
+def test_revive_penalty_reaches_only_latents_that_fire_on_no_example_of_the_batch():
+    sae = jump(width=16, d=8)
+    x = torch.randn(256, 8)
+    sae.init_jumprelu_(x)
+    with torch.no_grad():
+        sae.threshold_rel[:8] = 1e-4  # latents 0-7 fire on about half the batch, 8-15 on none
+        sae.threshold_rel[8:] = 10.0
+    out = make_objective(sae, l0_coeff=0.0, revive_coeff=1.0)(sae, x)
+    fired_S = (sae(x)[1] != 0).any(0)
+    assert bool(fired_S[:8].all()) and not bool(fired_S[8:].any())
+    out.loss.backward()
+    assert float(out.extras["revive"]) > 0 and float(out.extras["preact"]) > 0
+    assert float(sae.b_enc.grad[8:].max()) < 0  # raised: the quiet latents' pre-activations
+    assert float(sae.threshold_rel.grad[8:].min()) > 0  # ... and lowered: their thresholds
+    # the firing latents get the reconstruction's gradient only
+    mse_only = jump(width=16, d=8)
+    mse_only.load_state_dict(sae.state_dict())
+    mse_only._jr_ready = True
+    make_objective(mse_only, l0_coeff=0.0)(mse_only, x).loss.backward()
+    torch.testing.assert_close(sae.b_enc.grad[:8], mse_only.b_enc.grad[:8])
+    # in fractions of variance per threshold unit: the same data at 10 x the scale, R in the same ratio to the MSE
+    big = jump(width=16, d=8)
+    big.init_jumprelu_(10 * x)
+    big.load_state_dict({**sae.state_dict(), "W_enc": sae.W_enc, "threshold_scale": 10 * sae.threshold_scale,
+                         "b_dec": 10 * sae.b_dec, "b_enc": 10 * sae.b_enc})  # fmt: skip
+    big_out = make_objective(big, l0_coeff=0.0, revive_coeff=1.0)(big, 10 * x)
+    assert float(big_out.extras["revive"]) == pytest.approx(100 * float(out.extras["revive"]), rel=1e-4)
+    assert float(big_out.extras["revive"] / big_out.mse) == pytest.approx(float(out.extras["revive"] / out.mse), rel=1e-4)
+
+
 RECIPE_INIT = 0.5  # the recovery recipe's initial threshold (also scripts/check_recovery.py)
 
 

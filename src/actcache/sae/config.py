@@ -57,6 +57,7 @@ ID_VERSION = 1
 B_DEC_INITS = ("geometric_median", "mean", "zero")
 ENC_INITS = ("fit", "tied")  # topk variants (SAE.fit_encoder_scale_); relu and jumprelu start tied
 DEC_INIT_FRAC = 0.25  # dec_init_frac at null (SAE.init_decoder_from_data_)
+REVIVE_COEFF = 0.003  # revive_coeff at null (JumpReLUObjective)
 
 
 def _group(default, help, **kw):  # the data stream: SAEs of one group share it
@@ -135,6 +136,10 @@ class RunConfig:
     )
     preact_coeff: float = _objective(0.0, "jumprelu: pre-activation penalty reviving latents that never fire", ge=0,
                                      le=MAX_COEFF)  # fmt: skip
+    revive_coeff: float | None = _objective(
+        None, "jumprelu: pre-activation penalty on the latents that fire on no example of a batch, in fractions of "
+        f"variance per threshold unit (null: {REVIVE_COEFF}; 0: off)", ge=0, le=MAX_COEFF, example=0.003,
+    )
     matryoshka_weights: tuple[float, ...] | None = _objective(
         None, "matryoshka: relative weight of each prefix's MSE (null: equal)", ge=0, le=MAX_COEFF, example=(1.0, 1.0, 1.0)
     )
@@ -293,7 +298,8 @@ class RunConfig:
         if self.activation == "relu":
             kw["l1_coeff"] = self.l1_coeff
         elif self.activation == "jumprelu":
-            kw.update(l0_coeff=self.l0_coeff, preact_coeff=self.preact_coeff)
+            revive = REVIVE_COEFF if self.revive_coeff is None else self.revive_coeff
+            kw.update(l0_coeff=self.l0_coeff, preact_coeff=self.preact_coeff, revive_coeff=revive)
         else:
             kw["aux_coeff"] = self.aux_coeff
             if self.k_aux is not None:
@@ -403,7 +409,8 @@ def _model(d: dict, given: set, where: str) -> None:
         raise ConfigError(f"{where}: key 'k' = {d['k']} is larger than the width {d['width']}; need k <= width.")
 
 
-JUMPRELU_KEYS = ("jumprelu_bandwidth", "jumprelu_init_threshold", "l0_coeff", "preact_coeff", "l0_warmup_steps")
+JUMPRELU_KEYS = ("jumprelu_bandwidth", "jumprelu_init_threshold", "l0_coeff", "preact_coeff", "revive_coeff",
+                 "l0_warmup_steps")
 MATRYOSHKA_KEYS = ("matryoshka_prefixes", "matryoshka_weights")
 
 

@@ -320,7 +320,7 @@ class _ExtrasMixin:
 
 
 class JumpReLUObjective(_ExtrasMixin, Objective):
-    """loss = MSE + l0_coeff * sparsity_scale * var(x) * L0 + preact_coeff * P.
+    """loss = MSE + l0_coeff * sparsity_scale * var(x) * L0 + preact_coeff * P + revive_coeff * R.
 
     L0 is the mean number of latents with pre > theta, differentiated wrt theta by the
     straight-through estimator (:class:`~actcache.sae.modeling.HeavisideStep`); scaled by the
@@ -329,29 +329,44 @@ class JumpReLUObjective(_ExtrasMixin, Objective):
     (Anthropic's variant, off by default): mean_b sum_s relu(theta_s - pre_bs) * ||W_dec[s]||,
     which raises the pre-activations of latents below threshold so that ones that never fire
     get a gradient again; it is in the units of the ReLU objective's L1 term.
-    Extras: ``l0_penalty`` (the L0 term as added to the loss), ``preact`` (P), ``threshold_mean``.
+    R, the revival term: P over the latents that fire on no example of the batch only (they get
+    no other gradient), times var(x) / the SAE's threshold unit, so that ``revive_coeff`` is
+    free of the data's scale like ``l0_coeff``; latents that fire are left alone.
+    Extras: ``l0_penalty`` (the L0 term as added to the loss), ``preact`` (P), ``revive`` (R),
+    ``threshold_mean``.
     """
 
-    extra_metrics = ("l0_penalty", "preact", "threshold_mean")
+    extra_metrics = ("l0_penalty", "preact", "revive", "threshold_mean")
     needs_f = True
 
-    def __init__(self, sae: SAE, l0_coeff: float, preact_coeff: float = 0.0, **kw):
+    def __init__(self, sae: SAE, l0_coeff: float, preact_coeff: float = 0.0, revive_coeff: float = 0.0, **kw):
         if sae.cfg.activation != "jumprelu":
             raise ConfigError(f"JumpReLUObjective needs a jumprelu SAE, got activation {sae.cfg.activation!r}")
         self.l0_coeff = _number("l0_coeff", l0_coeff)
         self.preact_coeff = _number("preact_coeff", preact_coeff)
+        self.revive_coeff = _number("revive_coeff", revive_coeff)
         super().__init__(sae, **kw)
 
     def _extra(self, sae, x_BD, x_hat_BD, f_BS, pre_BS, mse, var_x, l1, sparsity_scale):
         theta_S = sae.jumprelu_threshold()
         l0 = HeavisideStep.apply(pre_BS, theta_S, sae.jumprelu_bandwidth()).sum(1).mean()
         penalty = (self.l0_coeff * sparsity_scale) * var_x * l0
+        norm_S = sae.W_dec.norm(dim=1)
         with torch.set_grad_enabled(self.preact_coeff > 0 and torch.is_grad_enabled()):
-            preact = (torch.relu(theta_S - pre_BS) @ sae.W_dec.norm(dim=1)).mean()
+            preact = (torch.relu(theta_S - pre_BS) @ norm_S).mean()
         extra = penalty + self.preact_coeff * preact if self.preact_coeff > 0 else penalty
-        self._extras = {"l0_penalty": penalty.detach(), "preact": preact.detach(),
+        revive = self._revive(sae, f_BS, pre_BS, theta_S, norm_S, var_x)
+        if self.revive_coeff > 0:
+            extra = extra + self.revive_coeff * revive
+        self._extras = {"l0_penalty": penalty.detach(), "preact": preact.detach(), "revive": revive.detach(),
                         "threshold_mean": theta_S.detach().mean()}  # fmt: skip
         return extra, torch.zeros((), device=mse.device)
+
+    def _revive(self, sae, f_BS, pre_BS, theta_S, norm_S, var_x) -> torch.Tensor:
+        quiet_S = (f_BS.detach() == 0).all(0)
+        unit = sae.threshold_scale.detach() if sae.cfg.jumprelu_param == "direct" else 1.0
+        gap_BQ = torch.relu(theta_S[quiet_S] - pre_BS[:, quiet_S])
+        return (gap_BQ @ norm_S[quiet_S]).mean() * var_x / unit
 
 
 class MatryoshkaObjective(_ExtrasMixin, AuxKObjective):
@@ -403,7 +418,7 @@ def make_objective(
     **kw,
 ) -> Objective:
     """ReLUObjective for ``relu`` SAEs (``l1_coeff`` required), JumpReLUObjective for ``jumprelu``
-    (``l0_coeff`` required, ``preact_coeff``), MatryoshkaObjective for ``matryoshka``
+    (``l0_coeff`` required, ``preact_coeff``, ``revive_coeff``), MatryoshkaObjective for ``matryoshka``
     (``prefix_weights``), AuxKObjective otherwise.
 
     Keyword arguments: dead_tokens_threshold, dense_frac; aux_coeff, k_aux (TopK variants).
