@@ -176,6 +176,6 @@ def test_revive_coeff_enters_ids_only_when_set_and_only_for_jumprelu():
     (off,) = expand_train_section({**jr, "revive_coeff": 0}, "x.yaml")
     assert default.sae_id == RunConfig(**jr, k=None).sae_id  # ids issued before the key stay
     assert off.sae_id != default.sae_id
-    assert default.objective_kwargs()["revive_coeff"] == 0.003 and off.objective_kwargs()["revive_coeff"] == 0
+    assert default.objective_kwargs()["revive_coeff"] == 0.01 and off.objective_kwargs()["revive_coeff"] == 0
     with pytest.raises(ConfigError, match=r"x\.yaml.*key 'revive_coeff' is only for .*jumprelu"):
         expand_train_section({"steps": 10, "revive_coeff": 0.01}, "x.yaml")

@@ -57,7 +57,7 @@ ID_VERSION = 1
 B_DEC_INITS = ("geometric_median", "mean", "zero")
 ENC_INITS = ("fit", "tied")  # topk variants (SAE.fit_encoder_scale_); relu and jumprelu start tied
 DEC_INIT_FRAC = 0.25  # dec_init_frac at null (SAE.init_decoder_from_data_)
-REVIVE_COEFF = 0.003  # revive_coeff at null (JumpReLUObjective)
+REVIVE_COEFF = 0.01  # revive_coeff at null (JumpReLUObjective)
 
 
 def _group(default, help, **kw):  # the data stream: SAEs of one group share it
@@ -138,7 +138,7 @@ class RunConfig:
                                      le=MAX_COEFF)  # fmt: skip
     revive_coeff: float | None = _objective(
         None, "jumprelu: pre-activation penalty on the latents that fire on no example of a batch, in fractions of "
-        f"variance per threshold unit (null: {REVIVE_COEFF}; 0: off)", ge=0, le=MAX_COEFF, example=0.003,
+        f"variance per threshold unit (null: {REVIVE_COEFF}; 0: off)", ge=0, le=MAX_COEFF, example=0.01,
     )
     matryoshka_weights: tuple[float, ...] | None = _objective(
         None, "matryoshka: relative weight of each prefix's MSE (null: equal)", ge=0, le=MAX_COEFF, example=(1.0, 1.0, 1.0)
