@@ -591,15 +591,17 @@ class SAE(nn.Module):
             raise ConfigError(f"init_decoder_from_data_: frac must be in [0, 1], got {frac!r}")
         xc_ND = x_ND.detach().float() - self.b_dec.detach().float()
         norm_N = xc_ND.norm(dim=1)
-        unit_ND = (xc_ND / norm_N.clamp_min(torch.finfo(torch.float32).tiny)[:, None]).cpu()
+        unit_ND = xc_ND / norm_N.clamp_min(torch.finfo(torch.float32).tiny)[:, None]
         n = min(round(frac * self.cfg.width), int((norm_N > 0).sum()))
-        gen = torch.Generator().manual_seed(seed)
-        free_N = (norm_N > 0).cpu()  # usable and not drawn yet
+        gen = torch.Generator().manual_seed(seed)  # the draws on the CPU: the same on every device
+        free_N = norm_N > 0  # usable and not drawn yet
         weight_N = free_N.float()  # 1 - largest squared cosine with the drawn examples
         picked = []
-        for _ in range(n):
-            w_N = weight_N * free_N
-            i = int(torch.multinomial(w_N if bool(w_N.sum() > 0) else free_N.float(), 1, generator=gen))
+        if n == int(free_N.sum()):  # every usable example takes a row: nothing to choose
+            picked = free_N.nonzero().squeeze(1).cpu()[torch.randperm(n, generator=gen)].tolist()
+        for _ in range(n - len(picked)):
+            w_N = (weight_N * free_N).cpu()
+            i = int(torch.multinomial(w_N if bool(w_N.sum() > 0) else free_N.float().cpu(), 1, generator=gen))
             picked.append(i)
             free_N[i] = False
             weight_N = torch.minimum(weight_N, 1.0 - (unit_ND @ unit_ND[i]).pow(2))

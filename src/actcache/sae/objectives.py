@@ -162,7 +162,7 @@ def _base_metrics(sae: SAE, x_BD: torch.Tensor, x_hat_BD: torch.Tensor, f_BS: to
     x_BD = x_BD.to(x_hat_BD.dtype)
     mse = (x_hat_BD - x_BD).pow(2).mean()
     x_det = x_BD.detach()
-    var_x = (x_det - x_det.mean(0)).pow(2).mean()  # two passes; torch's var over dim 0 is ~20x slower on CPU
+    var_x = (x_det - x_det.mean(0)).pow(2).mean()  # two passes: torch's var over dim 0 is far slower on CPUs
     if f_BS is None:
         return mse, var_x, None
     l1 = (f_BS.abs() @ sae.W_dec.norm(dim=1)).mean()
@@ -356,7 +356,8 @@ class JumpReLUObjective(_ExtrasMixin, Objective):
         with torch.set_grad_enabled(self.preact_coeff > 0 and torch.is_grad_enabled()):
             preact = (torch.relu(theta_S - pre_BS) @ norm_S).mean()
         extra = penalty + self.preact_coeff * preact if self.preact_coeff > 0 else penalty
-        revive = self._revive(sae, f_BS, pre_BS, theta_S, norm_S, var_x)
+        with torch.set_grad_enabled(self.revive_coeff > 0 and torch.is_grad_enabled()):
+            revive = self._revive(sae, f_BS, pre_BS, theta_S, norm_S, var_x)
         if self.revive_coeff > 0:
             extra = extra + self.revive_coeff * revive
         self._extras = {"l0_penalty": penalty.detach(), "preact": preact.detach(), "revive": revive.detach(),
