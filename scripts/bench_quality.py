@@ -3,7 +3,7 @@
     python scripts/bench_quality.py [--only topk,batchtopk,matryoshka,jumprelu] [--sizes 64,256]
                                     [--regimes short,long] [--seeds 0,1,2] [--no-record]
                                     [--results PATH] [--libs actcache,saelens,sparsify] [--threads N]
-                                    [--merge JSON ...] [--record-only] [--steps N]
+                                    [--merge JSON ...] [--record-only] [--steps N] [--device cpu|cuda]
 
 Data (generated in memory, seeded, identical for every trainer): n_true = 8 d unit-norm true
 directions in R^d; each example is a mean offset (norm 2, one fixed direction) plus
@@ -137,7 +137,7 @@ class Cell:
 class ActcacheTrainer:
     name = "actcache"
 
-    def __init__(self, cell: Cell, seed: int, decode: str = "auto"):
+    def __init__(self, cell: Cell, seed: int, decode: str = "auto", device: str = "cpu"):
         from actcache.sae.config import RunConfig
         from actcache.sae.modeling import SAE
         from actcache.sae.objectives import make_objective
@@ -152,7 +152,7 @@ class ActcacheTrainer:
         if cell.objective == "matryoshka":
             kw["matryoshka_prefixes"] = cell.prefixes
         self.run = run = RunConfig(**kw)
-        self.sae = SAE(run.sae_config(cell.d)).set_compute(run.decode, run.precision)
+        self.sae = SAE(run.sae_config(cell.d)).to(device).set_compute(run.decode, run.precision)
         self.obj = make_objective(self.sae, **run.objective_kwargs())
         self.opt = make_optimizer(self.sae, lr=run.lr, betas=(run.beta1, run.beta2))
         self.sched = LRSchedule(lr=run.lr, warmup_steps=run.warmup_steps, total_steps=run.steps,
@@ -187,11 +187,11 @@ class ActcacheTrainer:
 class SAELensTrainer:
     name = "saelens"
 
-    def __init__(self, cell: Cell, seed: int):
+    def __init__(self, cell: Cell, seed: int, device: str = "cpu"):
         import sae_lens as sl
         from sae_lens.config import SAETrainerConfig
 
-        common = {"d_in": cell.d, "d_sae": cell.width}
+        common = {"d_in": cell.d, "d_sae": cell.width, "device": device}
         obj = cell.objective
         if obj == "topk":
             cfg, cls = sl.TopKTrainingSAEConfig(k=K_TRUE, **common), sl.TopKTrainingSAE
@@ -206,7 +206,8 @@ class SAELensTrainer:
         self.sae = cls(cfg)
         # lr_end: what its runner config sets (lr / 10); the constant schedule never reads it
         tcfg = SAETrainerConfig(
-            total_training_samples=cell.steps * BATCH, train_batch_size_samples=BATCH, lr=LR, lr_end=LR / 10
+            total_training_samples=cell.steps * BATCH, train_batch_size_samples=BATCH, lr=LR, lr_end=LR / 10,
+            device=device,
         )
         self.trainer = sl.SAETrainer(tcfg, self.sae, data_provider=iter(()))
 
@@ -235,16 +236,16 @@ class SAELensTrainer:
 class SparsifyTrainer:
     name = "sparsify"
 
-    def __init__(self, cell: Cell, seed: int):
+    def __init__(self, cell: Cell, seed: int, device: str = "cpu"):
         if cell.objective != "topk":
             raise ValueError("sparsify trains topk only here")
         from sparsify import SparseCoder, SparseCoderConfig, TrainConfig
 
         self.tcfg = TrainConfig(SparseCoderConfig(k=K_TRUE, num_latents=cell.width))
         torch.manual_seed(seed)
-        self.sae = SparseCoder(cell.d, self.tcfg.sae)
+        self.sae = SparseCoder(cell.d, self.tcfg.sae, device=device)
         self.opt = torch.optim.Adam(self.sae.parameters(), lr=LR)
-        self.since_fired_S = torch.zeros(cell.width, dtype=torch.long)
+        self.since_fired_S = torch.zeros(cell.width, dtype=torch.long, device=device)
         self.t = 0
 
     def step(self, x_BD: torch.Tensor) -> None:
@@ -266,7 +267,7 @@ class SparsifyTrainer:
     @torch.no_grad()
     def evaluate(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         top_acts, top_idx, _ = self.sae.encode(x_ND)
-        fired = torch.zeros(x_ND.shape[0], self.sae.num_latents, dtype=torch.bool)
+        fired = torch.zeros(x_ND.shape[0], self.sae.num_latents, dtype=torch.bool, device=x_ND.device)
         fired.scatter_(1, top_idx, top_acts != 0)
         return self.sae.decode(top_acts, top_idx), fired
 
@@ -274,17 +275,18 @@ class SparsifyTrainer:
         return self.sae.W_dec.detach()
 
 
-def make_trainer(lib: str, cell: Cell, seed: int, decode: str):
+def make_trainer(lib: str, cell: Cell, seed: int, decode: str, device: str = "cpu"):
     if lib == "actcache":
-        return ActcacheTrainer(cell, seed, decode)
-    return {"saelens": SAELensTrainer, "sparsify": SparsifyTrainer}[lib](cell, seed)
+        return ActcacheTrainer(cell, seed, decode, device)
+    return {"saelens": SAELensTrainer, "sparsify": SparsifyTrainer}[lib](cell, seed, device)
 
 
 # -- one cell -------------------------------------------------------------------------------------
 
 
 def recovery(true_TD: torch.Tensor, dec_SD: torch.Tensor) -> float:
-    dec = dec_SD.float() / dec_SD.float().norm(dim=1, keepdim=True).clamp_min(1e-12)
+    dec = dec_SD.float().cpu()
+    dec = dec / dec.norm(dim=1, keepdim=True).clamp_min(1e-12)
     return float((true_TD @ dec.T).max(dim=1).values.mean())
 
 
@@ -295,23 +297,28 @@ def metrics(trainer, data: Data, x_ND: torch.Tensor) -> dict:
             "dead": float((~fired_NS.any(0)).float().mean()), "l0": float(fired_NS.sum(1).float().mean())}  # fmt: skip
 
 
-def run_cell(cell: Cell, seed: int, runs: list[tuple[str, float | None]], decode: str) -> list[dict]:
+def run_cell(
+    cell: Cell, seed: int, runs: list[tuple[str, float | None]], decode: str, device: str = "cpu"
+) -> list[dict]:
     """Train each (library, coefficient) of ``runs`` on the cell's batches in lockstep."""
     data = Data(cell.d, seed)
     trainers = []
     for lib, coeff in runs:
         c = dataclasses.replace(cell, coeff=coeff)
-        trainers.append((lib, coeff, make_trainer(lib, c, seed, decode)))
+        trainers.append((lib, coeff, make_trainer(lib, c, seed, decode, device)))
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     secs = [0.0] * len(trainers)
     for b in range(cell.steps):
-        x_BD = data.batch(b)
+        x_BD = data.batch(b).to(device)
         order = list(range(len(trainers)))
         order = order[b % len(order) :] + order[: b % len(order)]
         for i in order:
+            sync()
             t0 = time.perf_counter()
             trainers[i][2].step(x_BD)
+            sync()
             secs[i] += time.perf_counter() - t0
-    x_ND = data.batch(-1, N_HELDOUT)
+    x_ND = data.batch(-1, N_HELDOUT).to(device)
     rows = []
     for (lib, coeff, tr), s in zip(trainers, secs, strict=True):
         m = metrics(tr, data, x_ND)
@@ -527,6 +534,7 @@ def main() -> None:
     ap.add_argument("--jumprelu-grid-actcache", default=",".join(map(str, GRID_ACTCACHE)), help="l0_coeff values")
     ap.add_argument("--jumprelu-grid-saelens", default=",".join(map(str, GRID_SAELENS)), help="l0_coefficient values")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda: every library trains there")
     ap.add_argument("--results", default=DEFAULT_RESULTS, help="JSON file the rows are merged into")
     ap.add_argument("--no-record", action="store_true", help="print only; do not write BENCHMARKS.md")
     ap.add_argument("--merge", action="append", default=[], metavar="JSON",
@@ -548,8 +556,8 @@ def main() -> None:
             t0 = time.time()
             load1 = os.getloadavg()[0]
             rows = [
-                {**r, "load": load1, "threads": torch.get_num_threads()}
-                for r in run_cell(cell, seed, runs, args.decode)
+                {**r, "load": load1, "threads": torch.get_num_threads(), "device": args.device}
+                for r in run_cell(cell, seed, runs, args.decode, args.device)
             ]
             new += rows
             done = ", ".join(
@@ -579,7 +587,8 @@ def main() -> None:
         "actcache: RunConfig defaults through SAE/make_objective/train_step (the loader bypassed); SAELens "
         "SAETrainer.step at its defaults; sparsify SparseCoder + its trainer's step at its defaults (Adam instead of signum)",
         "dead: fires on none of the held-out examples; recovery: mean best decoder cosine per true direction; "
-        f"steps/s: lockstep rounds on the CPU, {_span(rows, 'threads')} torch thread(s), 1-min load "
+        f"steps/s: lockstep rounds on {'/'.join(sorted({r.get('device', 'cpu') for r in rows}))}, "
+        f"{_span(rows, 'threads')} torch CPU thread(s), 1-min load "
         f"{_span(rows, 'load')} when the cells started",
         f"jumprelu: coefficients run: actcache l0_coeff {_grid(rows, 'actcache')}, SAELens l0_coefficient "
         f"{_grid(rows, 'saelens')}; the point with held-out L0 nearest {K_TRUE} (in ratio) is shown; the verdict "

@@ -17,6 +17,9 @@
 # visuals  scripts/bench_visuals.py --device cuda (4 GiB cache; target visuals <= 1.5x one pass)
 # profile  scripts/profile_train_step.py --device cuda: steps/s and the top operators of one SAE's
 #          training step per variant (under a minute; not in the default list)
+# quality  scripts/bench_quality.py --device cuda: the SAE quality grid against SAELens and sparsify
+#          (needs the bench-quality extra: sae-lens, eai-sparsify; rows in $OUT/quality.json; not in
+#          the default list: the whole grid, d=256 and 3,072 steps included, is hours on 2 CPU cores)
 # true-size  the flagship job's figures in at most 8 minutes, each part bounded (not in the default
 #          list): scripts/bench_dump_true.py (ViT-B/16, 2,048 photo-sized JPEGs written in parallel
 #          there, decode / forward / write / dump for 1 and 4 layers x float32 / bfloat16, forward
@@ -26,8 +29,8 @@
 #          scripts/project_job.py (the projection, from the sections just written). TRUE_SIZE_DEVICE=cpu
 #          TRUE_SIZE_QUICK=1 runs the same commands small on the CPU, without recording (a dry run)
 #
-# Extra arguments per step: DUMP_ARGS, TRAIN_ARGS, VISUALS_ARGS, CHECK_ARGS, PROFILE_ARGS (word-split), e.g.
-# TRAIN_ARGS="--repeats 1 --steps 50"; CHECK_TESTS replaces check's test files, CHECK_LOG its log's
+# Extra arguments per step: DUMP_ARGS, TRAIN_ARGS, VISUALS_ARGS, CHECK_ARGS, PROFILE_ARGS, QUALITY_ARGS
+# (word-split), e.g. TRAIN_ARGS="--repeats 1 --steps 50"; CHECK_TESTS replaces check's test files, CHECK_LOG its log's
 # name (default check). STEP_TIMEOUT=S interrupts any one step after S seconds (SIGINT, so that
 # pytest still prints the failures so far; SIGKILL 30 s later) and goes on with the next, so one
 # slow step cannot eat a lent machine's whole time.
@@ -80,6 +83,8 @@ print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"no GPU\"
                 --out "${BENCH_DIR:-bench-out}/train" ${TRAIN_ARGS:-} ;;
         visuals)
             run_step visuals "$PY" scripts/bench_visuals.py --device cuda --out "${BENCH_DIR:-bench-out}/visuals" ${VISUALS_ARGS:-} ;;
+        quality)
+            run_step quality "$PY" scripts/bench_quality.py --device cuda --results "$OUT/quality.json" ${QUALITY_ARGS:-} ;;
         profile)
             run_step profile "$PY" scripts/profile_train_step.py --device cuda ${PROFILE_ARGS:-} ;;
         true-size)
@@ -99,7 +104,7 @@ print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"no GPU\"
                 --json "$OUT/train-ab.json" --out "${BENCH_DIR:-bench-out}/train" "${train_q[@]}"
             STEP_TIMEOUT=30 run_step true-size-projection "$PY" scripts/project_job.py "${proj_q[@]}" ;;
         *)
-            echo "unknown step '$step': use env, check, dump, train, visuals, profile or true-size" >&2
+            echo "unknown step '$step': use env, check, dump, train, visuals, profile, quality or true-size" >&2
             exit 2 ;;
     esac
 done
