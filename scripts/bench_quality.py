@@ -363,7 +363,7 @@ def aggregate(rows: list[dict]) -> list[dict]:
 def fvu_at_l0(points: list[dict], l0: float) -> float | None:
     """A library's FVU at ``l0``, linear between its two coefficients whose L0 bracket it; None when none do."""
     pts = sorted((p["l0"], p["fvu"]) for p in points)
-    for (l0_a, fvu_a), (l0_b, fvu_b) in zip(pts, pts[1:]):
+    for (l0_a, fvu_a), (l0_b, fvu_b) in zip(pts, pts[1:], strict=False):
         if l0_a <= l0 <= l0_b and l0_b > l0_a:
             return fvu_a + (fvu_b - fvu_a) * (l0 - l0_a) / (l0_b - l0_a)
     return None
@@ -550,7 +550,6 @@ def main() -> None:
     seeds = [int(v) for v in args.seeds.split(",") if v]
     if args.steps:
         REGIMES.update(dict.fromkeys(REGIMES, args.steps))
-    new: list[dict] = []
     for cell, runs in [] if args.record_only else plan(args):
         for seed in seeds:
             t0 = time.time()
@@ -559,7 +558,9 @@ def main() -> None:
                 {**r, "load": load1, "threads": torch.get_num_threads(), "device": args.device}
                 for r in run_cell(cell, seed, runs, args.decode, args.device)
             ]
-            new += rows
+            kept = merge(load_results(args.results), rows)  # after every seed: an interrupted grid keeps its cells
+            with open(args.results, "w") as fh:
+                json.dump(kept, fh, indent=1)
             done = ", ".join(
                 f"{_label(r)} fvu {r['fvu']:.4f} rec {r['recovery']:.3f} L0 {r['l0']:.2f} "
                 f"dead {100 * r['dead']:.1f}% {r['steps_per_s']:.1f}/s"
@@ -571,7 +572,6 @@ def main() -> None:
     rows = load_results(args.results)
     for path in args.merge:
         rows = merge(rows, load_results(path))
-    rows = merge(rows, new)
     with open(args.results, "w") as fh:
         json.dump(rows, fh, indent=1)
     agg = aggregate(rows)
