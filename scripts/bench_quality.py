@@ -518,7 +518,7 @@ def _cells_run(rows: list[dict]) -> str:
         seeds.setdefault(_cell_key(r), set()).add(r["seed"])
     logged = {_cell_key(r) for r in rows if r.get("from_log")}  # a run stopped before writing its rows
     parts = [f"{o} d={d} {g} seed{'s' if len(v) > 1 else ''} {','.join(map(str, sorted(v)))}"
-             + (" (rows read back from the run's log, at its printed precision)" if (o, d, g) in logged else "")
+             + (" (rows read from its log)" if (o, d, g) in logged else "")
              for (o, d, g), v in seeds.items()]  # fmt: skip
     return "; ".join(parts) + "; nothing else"
 
@@ -615,7 +615,7 @@ def main() -> None:
         "compares actcache's FVU with the peer's interpolated (linear in L0) to actcache's L0 between the peer's "
         "coefficients that bracket it, within 5%",
     ]
-    setup.append("cells run (each seed one invocation unless merged): " + _cells_run(rows))
+    setup.append("cells run: " + _cells_run(rows))
     conclusions = _conclusions(verdicts)
     body = benchlib.section_body(setup, [render(agg), render_verdicts(verdicts)], conclusions)
     benchlib.record("quality", "SAE quality against SAELens and sparsify (bench_quality.py)", body)
