@@ -174,8 +174,9 @@ def test_revive_coeff_enters_ids_only_when_set_and_only_for_jumprelu():
     jr = {"steps": 10, "activation": "jumprelu", "l0_coeff": 1e-2}
     (default,) = expand_train_section(jr, "x.yaml")
     (off,) = expand_train_section({**jr, "revive_coeff": 0}, "x.yaml")
-    assert default.sae_id == RunConfig(**jr, k=None).sae_id  # ids issued before the key stay
-    assert off.sae_id != default.sae_id
-    assert default.objective_kwargs()["revive_coeff"] == 0.01 and off.objective_kwargs()["revive_coeff"] == 0
+    (on,) = expand_train_section({**jr, "revive_coeff": 0.01}, "x.yaml")
+    assert default.sae_id == off.sae_id == RunConfig(**jr, k=None).sae_id  # ids issued before the key stay
+    assert on.sae_id != default.sae_id
+    assert default.objective_kwargs()["revive_coeff"] == 0 and on.objective_kwargs()["revive_coeff"] == 0.01
     with pytest.raises(ConfigError, match=r"x\.yaml.*key 'revive_coeff' is only for .*jumprelu"):
         expand_train_section({"steps": 10, "revive_coeff": 0.01}, "x.yaml")

@@ -57,7 +57,6 @@ ID_VERSION = 1
 B_DEC_INITS = ("geometric_median", "mean", "zero")
 ENC_INITS = ("fit", "tied")  # topk variants (SAE.fit_encoder_scale_); relu and jumprelu start tied
 DEC_INIT_FRAC = 0.25  # dec_init_frac at null (SAE.init_decoder_from_data_)
-REVIVE_COEFF = 0.01  # revive_coeff at null (JumpReLUObjective)
 
 
 def _group(default, help, **kw):  # the data stream: SAEs of one group share it
@@ -136,9 +135,9 @@ class RunConfig:
     )
     preact_coeff: float = _objective(0.0, "jumprelu: pre-activation penalty reviving latents that never fire", ge=0,
                                      le=MAX_COEFF)  # fmt: skip
-    revive_coeff: float | None = _objective(
-        None, "jumprelu: pre-activation penalty on the latents that fire on no example of a batch, in fractions of "
-        f"variance per threshold unit (null: {REVIVE_COEFF}; 0: off)", ge=0, le=MAX_COEFF, example=0.01,
+    revive_coeff: float = _objective(
+        0.0, "jumprelu: pre-activation penalty on the latents that fire on no example of a batch, in fractions of "
+        "variance per threshold unit (0: off)", ge=0, le=MAX_COEFF, example=0.01,
     )
     matryoshka_weights: tuple[float, ...] | None = _objective(
         None, "matryoshka: relative weight of each prefix's MSE (null: equal)", ge=0, le=MAX_COEFF, example=(1.0, 1.0, 1.0)
@@ -298,8 +297,7 @@ class RunConfig:
         if self.activation == "relu":
             kw["l1_coeff"] = self.l1_coeff
         elif self.activation == "jumprelu":
-            revive = REVIVE_COEFF if self.revive_coeff is None else self.revive_coeff
-            kw.update(l0_coeff=self.l0_coeff, preact_coeff=self.preact_coeff, revive_coeff=revive)
+            kw.update(l0_coeff=self.l0_coeff, preact_coeff=self.preact_coeff, revive_coeff=self.revive_coeff)
         else:
             kw["aux_coeff"] = self.aux_coeff
             if self.k_aux is not None:
