@@ -333,7 +333,7 @@ class JumpReLUObjective(_ExtrasMixin, Objective):
     R, the revival term: P over the latents that fire on no example of the batch only (they get
     no other gradient), times var(x) / the SAE's threshold unit, so that ``revive_coeff`` is
     free of the data's scale like ``l0_coeff``; latents that fire are left alone.
-    Extras: ``l0_penalty`` (the L0 term as added to the loss), ``preact`` (P), ``revive`` (R),
+    Extras: ``l0_penalty`` (the L0 term as added to the loss), ``preact`` (P), ``revive`` (R; 0 when off),
     ``threshold_mean``.
     """
 
@@ -356,9 +356,9 @@ class JumpReLUObjective(_ExtrasMixin, Objective):
         with torch.set_grad_enabled(self.preact_coeff > 0 and torch.is_grad_enabled()):
             preact = (torch.relu(theta_S - pre_BS) @ norm_S).mean()
         extra = penalty + self.preact_coeff * preact if self.preact_coeff > 0 else penalty
-        with torch.set_grad_enabled(self.revive_coeff > 0 and torch.is_grad_enabled()):
-            revive = self._revive(sae, f_BS, pre_BS, theta_S, norm_S, var_x)
+        revive = torch.zeros((), device=mse.device)  # off (the default): not computed on the hot path
         if self.revive_coeff > 0:
+            revive = self._revive(sae, f_BS, pre_BS, theta_S, norm_S, var_x)
             extra = extra + self.revive_coeff * revive
         self._extras = {"l0_penalty": penalty.detach(), "preact": preact.detach(), "revive": revive.detach(),
                         "threshold_mean": theta_S.detach().mean()}  # fmt: skip
