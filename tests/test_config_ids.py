@@ -122,7 +122,8 @@ def test_every_resolved_value_is_unchanged():
     # keys added later (at their defaults here) are left out: the pin predates them
     later = {"jumprelu_bandwidth", "jumprelu_init_threshold", "matryoshka_prefixes", "l0_coeff", "preact_coeff",
              "matryoshka_weights", "l0_warmup_steps", "precision", "decode",
-             "keep_checkpoints", "batch_saes", "verify_reads", "enc_init", "dec_init_frac", "revive_coeff"}  # fmt: skip
+             "keep_checkpoints", "batch_saes", "verify_reads", "enc_init", "dec_init_frac", "jumprelu_aux_coeff",
+             "jumprelu_aux_tokens"}  # fmt: skip
     assert all(getattr(r, k) == RUN_KEYS[k].default for r in runs for k in later)
     blob = json.dumps([{k: v for k, v in r.to_dict().items() if k not in later} for r in runs], sort_keys=True).encode()
     assert hashlib.sha256(blob).hexdigest() == "b40696bd67a874e921384d7ffb40177c877122e75a9872d9bc805dfb56b1b443"
@@ -170,13 +171,26 @@ def test_dec_init_frac_enters_ids_only_when_set_and_only_for_topk_variants():
         expand_train_section({"steps": 10, "dec_init_frac": 2}, "x.yaml")
 
 
-def test_revive_coeff_enters_ids_only_when_set_and_only_for_jumprelu():
+def test_jumprelu_auxk_keys_enter_ids_only_when_set_and_only_for_jumprelu():
     jr = {"steps": 10, "activation": "jumprelu", "l0_coeff": 1e-2}
     (default,) = expand_train_section(jr, "x.yaml")
-    (off,) = expand_train_section({**jr, "revive_coeff": 0}, "x.yaml")
-    (on,) = expand_train_section({**jr, "revive_coeff": 0.01}, "x.yaml")
-    assert default.sae_id == off.sae_id == RunConfig(**jr, k=None).sae_id  # ids issued before the key stay
-    assert on.sae_id != default.sae_id
-    assert default.objective_kwargs()["revive_coeff"] == 0 and on.objective_kwargs()["revive_coeff"] == 0.01
-    with pytest.raises(ConfigError, match=r"x\.yaml.*key 'revive_coeff' is only for .*jumprelu"):
-        expand_train_section({"steps": 10, "revive_coeff": 0.01}, "x.yaml")
+    (same,) = expand_train_section({**jr, "jumprelu_aux_coeff": 1.0, "jumprelu_aux_tokens": 8192}, "x.yaml")
+    (off,) = expand_train_section({**jr, "jumprelu_aux_coeff": 0}, "x.yaml")
+    (wide,) = expand_train_section({**jr, "jumprelu_aux_tokens": 65536}, "x.yaml")
+    assert default.sae_id == same.sae_id == RunConfig(**jr, k=None).sae_id  # ids issued before the keys stay
+    assert len({default.sae_id, off.sae_id, wide.sae_id}) == 3
+    kw = default.objective_kwargs()
+    assert (kw["aux_coeff"], kw["aux_tokens"]) == (1.0, 8192) and off.objective_kwargs()["aux_coeff"] == 0
+    for name, value in (("jumprelu_aux_coeff", 0.5), ("jumprelu_aux_tokens", 100)):
+        with pytest.raises(ConfigError, match=rf"x\.yaml.*key '{name}' is only for .*jumprelu"):
+            expand_train_section({"steps": 10, name: value}, "x.yaml")
+    with pytest.raises(ConfigError, match=r"jumprelu_aux_tokens"):
+        expand_train_section({**jr, "jumprelu_aux_tokens": 0}, "x.yaml")
+
+
+def test_a_removed_key_says_what_replaced_it():
+    jr = {"steps": 10, "activation": "jumprelu", "l0_coeff": 1e-2}
+    for doc in ({**jr, "revive_coeff": 0.01}, {**jr, "saes": [{"revive_coeff": 0.01}]},
+                {**jr, "sweep": {"revive_coeff": [0.01]}}):  # fmt: skip
+        with pytest.raises(ConfigError, match=r"x\.yaml.*key 'revive_coeff' was removed: .*jumprelu_aux_coeff.*delete"):
+            expand_train_section(doc, "x.yaml")

@@ -76,34 +76,48 @@ def test_preact_penalty_raises_pre_activations_of_latents_below_threshold():
     assert float(sae.log_threshold.grad.min()) > 0  # ... and lowers every threshold
 
 
-def test_revive_penalty_reaches_only_latents_that_fire_on_no_example_of_the_batch():
+def test_auxk_reaches_only_latents_quiet_for_aux_tokens_and_leaves_the_forward_alone():
     sae = jump(width=16, d=8)
     x = torch.randn(256, 8)
     sae.init_jumprelu_(x)
     with torch.no_grad():
         sae.threshold_rel[:8] = 1e-4  # latents 0-7 fire on about half the batch, 8-15 on none
         sae.threshold_rel[8:] = 10.0
-    out = make_objective(sae, l0_coeff=0.0, revive_coeff=1.0)(sae, x)
+    obj = make_objective(sae, l0_coeff=0.0, aux_tokens=512)
+    first = obj(sae, x)  # 256 quiet tokens: not yet in the AuxK term
+    assert float(first.aux) == 0.0
+    out = obj(sae, x)  # 512: now they are
     fired_S = (sae(x)[1] != 0).any(0)
     assert bool(fired_S[:8].all()) and not bool(fired_S[8:].any())
+    assert 0 < float(out.aux) <= 1.5  # a normalised MSE of the residual
     out.loss.backward()
-    assert float(out.extras["revive"]) > 0 and float(out.extras["preact"]) > 0
-    assert float(sae.b_enc.grad[8:].max()) < 0  # raised: the quiet latents' pre-activations
-    assert float(sae.threshold_rel.grad[8:].min()) > 0  # ... and lowered: their thresholds
-    # the firing latents get the reconstruction's gradient only
-    mse_only = jump(width=16, d=8)
-    mse_only.load_state_dict(sae.state_dict())
-    mse_only._jr_ready = True
-    make_objective(mse_only, l0_coeff=0.0)(mse_only, x).loss.backward()
-    torch.testing.assert_close(sae.b_enc.grad[:8], mse_only.b_enc.grad[:8])
-    # in fractions of variance per threshold unit: the same data at 10 x the scale, R in the same ratio to the MSE
-    big = jump(width=16, d=8)
-    big.init_jumprelu_(10 * x)
-    big.load_state_dict({**sae.state_dict(), "W_enc": sae.W_enc, "threshold_scale": 10 * sae.threshold_scale,
-                         "b_dec": 10 * sae.b_dec, "b_enc": 10 * sae.b_enc})  # fmt: skip
-    big_out = make_objective(big, l0_coeff=0.0, revive_coeff=1.0)(big, 10 * x)
-    assert float(big_out.extras["revive"]) == pytest.approx(100 * float(out.extras["revive"]), rel=1e-4)
-    assert float(big_out.extras["revive"] / big_out.mse) == pytest.approx(float(out.extras["revive"] / out.mse), rel=1e-4)
+    assert float(sae.W_enc.grad[:, 8:].abs().sum()) > 0 and float(sae.W_dec.grad[8:].abs().sum()) > 0
+    # the firing latents get the reconstruction's gradient only, and the loss is the MSE plus the term
+    ref = jump(width=16, d=8)
+    ref.load_state_dict(sae.state_dict())
+    ref._jr_ready = True
+    mse_only = make_objective(ref, l0_coeff=0.0, aux_coeff=0.0)(ref, x)
+    mse_only.loss.backward()
+    torch.testing.assert_close(sae.b_enc.grad[:8], ref.b_enc.grad[:8])
+    assert float(ref.b_enc.grad[8:].abs().sum()) == 0.0  # without the term the quiet latents get nothing
+    var_x = float((x - x.mean(0)).pow(2).mean())
+    assert float(out.loss.detach()) == pytest.approx(float(mse_only.loss.detach()) + var_x * float(out.aux), rel=1e-5)
+
+
+def test_checkpoint_without_the_auxk_state_is_refused_in_one_line_and_kept(cache, tmp_path, monkeypatch):
+    # a checkpoint written before the AuxK term existed is not continued with it
+    from actcache.sae.objectives import JumpReLUObjective, Objective
+
+    (run,) = expand_train_section({**TRAIN, "steps": 20}, "t.yaml")
+    monkeypatch.setattr(JumpReLUObjective, "state_dict", Objective.state_dict)
+    with pytest.raises(Preempted):
+        train_group(cache, [run], tmp_path, device="cpu", stop=stop_after(10))
+    monkeypatch.undo()
+    with pytest.raises(TrainError, match=r"without the AuxK term .* delete .*checkpoints to train the SAE again") as err:
+        train_group(cache, [run], tmp_path, device="cpu")
+    assert "\n" not in str(err.value)
+    d = run_dir(tmp_path, os.path.basename(cache), run)
+    assert os.listdir(os.path.join(d, "checkpoints")) == ["step-00000010"]
 
 
 RECIPE_INIT = 0.5  # the recovery recipe's initial threshold (also scripts/check_recovery.py)

@@ -242,11 +242,14 @@ def _yaml(v: Any) -> str:
     return str(v)
 
 
-def check_keys(doc: dict, allowed: dict | set, where: str, prefix: str = "") -> None:
-    """Fail on the first key of ``doc`` not in ``allowed``, suggesting a close spelling."""
+def check_keys(doc: dict, allowed: dict | set, where: str, prefix: str = "", retired: dict | None = None) -> None:
+    """Fail on the first key of ``doc`` not in ``allowed``, suggesting a close spelling, or saying
+    what replaced it (``retired``: key -> what to do instead)."""
     unknown = [k for k in doc if k not in allowed]
     if unknown:
         bad = str(unknown[0])
+        if retired and bad in retired:
+            raise ConfigError(f"{where}: key '{prefix}{bad}' was removed: {retired[bad]} (config/README.md).")
         close = [k for k in allowed if k.replace("_", "") == bad.replace("_", "").lower()]
         close = close or difflib.get_close_matches(bad.lower(), list(allowed), n=1, cutoff=0.7)
         hint = f" Did you mean '{prefix}{close[0]}'?" if close else ""

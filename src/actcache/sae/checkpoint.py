@@ -267,12 +267,17 @@ def load(run_dir: str, step: int, sae, optimizer, objective) -> tuple[dict, dict
         sae.load_state_dict(tensors)
         state = torch.load(os.path.join(d, STATE_FILE), map_location=device, weights_only=True)
         optimizer.load_state_dict(state["optimizer"])
-        objective.load_state_dict(state["objective"])
+        why = objective.incompatible(state["objective"])
+        if why is None:
+            objective.load_state_dict(state["objective"])
     except Exception as err:  # noqa: BLE001 - SafetensorError, UnpicklingError, EOFError, ...: one message
         text = " ".join(str(err).split())
         raise TrainError(
             f"{d}: cannot load checkpoint ({type(err).__name__}: {text}); move it away to resume from an older one."
         ) from None
+    if why is not None:
+        raise IncompatibleCheckpoint(f"{d}: {why}; delete {os.path.join(run_dir, CKPT_DIR)} to train the SAE again with "
+                                     "the current recipe.")
     return read_position(run_dir, step), state.get("extra", {})
 
 

@@ -135,9 +135,12 @@ class RunConfig:
     )
     preact_coeff: float = _objective(0.0, "jumprelu: pre-activation penalty reviving latents that never fire", ge=0,
                                      le=MAX_COEFF)  # fmt: skip
-    revive_coeff: float = _objective(
-        0.0, "jumprelu: pre-activation penalty on the latents that fire on no example of a batch, in fractions of "
-        "variance per threshold unit (0: off)", ge=0, le=MAX_COEFF, example=0.01,
+    jumprelu_aux_coeff: float = _objective(
+        1.0, "jumprelu: AuxK coefficient on the latents quiet for jumprelu_aux_tokens tokens, in fractions of "
+        "variance (0: off)", ge=0, le=MAX_COEFF, example=1.0,
+    )
+    jumprelu_aux_tokens: int = _objective(
+        8192, "jumprelu: a latent joins the AuxK term after this many tokens without firing", ge=1, example=8192
     )
     matryoshka_weights: tuple[float, ...] | None = _objective(
         None, "matryoshka: relative weight of each prefix's MSE (null: equal)", ge=0, le=MAX_COEFF, example=(1.0, 1.0, 1.0)
@@ -297,7 +300,8 @@ class RunConfig:
         if self.activation == "relu":
             kw["l1_coeff"] = self.l1_coeff
         elif self.activation == "jumprelu":
-            kw.update(l0_coeff=self.l0_coeff, preact_coeff=self.preact_coeff, revive_coeff=self.revive_coeff)
+            kw.update(l0_coeff=self.l0_coeff, preact_coeff=self.preact_coeff, aux_coeff=self.jumprelu_aux_coeff,
+                      aux_tokens=self.jumprelu_aux_tokens)
         else:
             kw["aux_coeff"] = self.aux_coeff
             if self.k_aux is not None:
@@ -348,7 +352,7 @@ def _sweep(doc: Any, where: str) -> dict[str, list]:
         return {}
     if not isinstance(doc, dict):
         raise ConfigError(f"{where}: must be a mapping of key -> list of values, got {type(doc).__name__}.")
-    check_keys(doc, TRAIN_KEYS, where)
+    check_keys(doc, TRAIN_KEYS, where, retired=RETIRED_KEYS)
     out = {}
     for name, vals in doc.items():
         if not isinstance(vals, list) or not vals:
@@ -407,8 +411,12 @@ def _model(d: dict, given: set, where: str) -> None:
         raise ConfigError(f"{where}: key 'k' = {d['k']} is larger than the width {d['width']}; need k <= width.")
 
 
-JUMPRELU_KEYS = ("jumprelu_bandwidth", "jumprelu_init_threshold", "l0_coeff", "preact_coeff", "revive_coeff",
-                 "l0_warmup_steps")
+RETIRED_KEYS = {  # keys a release dropped: what to write instead
+    "revive_coeff": "jumprelu's quiet latents now get an AuxK term, on by default (jumprelu_aux_coeff, "
+    "jumprelu_aux_tokens); delete the key",
+}
+JUMPRELU_KEYS = ("jumprelu_bandwidth", "jumprelu_init_threshold", "l0_coeff", "preact_coeff", "jumprelu_aux_coeff",
+                 "jumprelu_aux_tokens", "l0_warmup_steps")
 MATRYOSHKA_KEYS = ("matryoshka_prefixes", "matryoshka_weights")
 
 
@@ -486,7 +494,7 @@ def expand_train_section(
         where = f"{where}: train"
     if not isinstance(train, dict):
         raise ConfigError(f"{where}: must be a mapping, got {type(train).__name__}.")
-    check_keys(train, {*TRAIN_KEYS, *SECTION_ONLY}, where)
+    check_keys(train, {*TRAIN_KEYS, *SECTION_ONLY}, where, retired=RETIRED_KEYS)
     defaults = _values(train, where, SECTION_ONLY)
     section_sweep = _sweep(train.get("sweep"), f"{where}.sweep")
     entries = train.get("saes")
@@ -500,7 +508,7 @@ def expand_train_section(
         ew = f"{where}.saes[{i}]" if "saes" in train else where
         if not isinstance(entry, dict):
             raise ConfigError(f"{ew}: must be a mapping of keys, got {entry!r}.")
-        check_keys(entry, {*TRAIN_KEYS, "sweep"}, ew)
+        check_keys(entry, {*TRAIN_KEYS, "sweep"}, ew, retired=RETIRED_KEYS)
         fixed = _values(entry, ew, ("sweep",))
         own_sweep = _sweep(entry.get("sweep"), f"{ew}.sweep")
         for a, b, name in (

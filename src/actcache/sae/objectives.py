@@ -226,6 +226,10 @@ class Objective(abc.ABC):
     def load_state_dict(self, state: dict) -> None:
         self.stats.load_state_dict(state["stats"])
 
+    def incompatible(self, state: dict) -> str | None:
+        """Why a checkpoint's objective state (from an older recipe) cannot be continued exactly, or None."""
+        return None
+
 
 class ReLUObjective(Objective):
     """loss = MSE + l1_coeff * sparsity_scale * mean_b sum_s f_bs ||W_dec[s]||."""
@@ -321,7 +325,7 @@ class _ExtrasMixin:
 
 
 class JumpReLUObjective(_ExtrasMixin, Objective):
-    """loss = MSE + l0_coeff * sparsity_scale * var(x) * L0 + preact_coeff * P + revive_coeff * R.
+    """loss = MSE + l0_coeff * sparsity_scale * var(x) * L0 + preact_coeff * P + aux_coeff * var(x) * AuxK.
 
     L0 is the mean number of latents with pre > theta, differentiated wrt theta by the
     straight-through estimator (:class:`~actcache.sae.modeling.HeavisideStep`); scaled by the
@@ -330,45 +334,55 @@ class JumpReLUObjective(_ExtrasMixin, Objective):
     (Anthropic's variant, off by default): mean_b sum_s relu(theta_s - pre_bs) * ||W_dec[s]||,
     which raises the pre-activations of latents below threshold so that ones that never fire
     get a gradient again; it is in the units of the ReLU objective's L1 term.
-    R, the revival term: P over the latents that fire on no example of the batch only (they get
-    no other gradient), times var(x) / the SAE's threshold unit, so that ``revive_coeff`` is
-    free of the data's scale like ``l0_coeff``; latents that fire are left alone.
-    Extras: ``l0_penalty`` (the L0 term as added to the loss), ``preact`` (P), ``revive`` (R; 0 when off),
-    ``threshold_mean``.
+    AuxK (:func:`auxk_loss`, as for TopK) over the latents quiet for the last ``aux_tokens``
+    tokens: a latent whose pre-activations all sit below its threshold gets no other gradient
+    (closed gate; the straight-through estimator sees only pre-activations within half a
+    bandwidth), so it would stay dead; AuxK turns its encoder and decoder towards what the SAE
+    fails to reconstruct until it fires, without changing the forward pass.
+    Extras: ``l0_penalty`` (the L0 term as added to the loss), ``preact`` (P), ``threshold_mean``.
     """
 
-    extra_metrics = ("l0_penalty", "preact", "revive", "threshold_mean")
+    extra_metrics = ("l0_penalty", "preact", "threshold_mean")
     needs_f = True
 
-    def __init__(self, sae: SAE, l0_coeff: float, preact_coeff: float = 0.0, revive_coeff: float = 0.0, **kw):
+    def __init__(self, sae: SAE, l0_coeff: float, preact_coeff: float = 0.0, aux_coeff: float = 1.0,
+                 aux_tokens: int = 8192, **kw):  # fmt: skip
         if sae.cfg.activation != "jumprelu":
             raise ConfigError(f"JumpReLUObjective needs a jumprelu SAE, got activation {sae.cfg.activation!r}")
         self.l0_coeff = _number("l0_coeff", l0_coeff)
         self.preact_coeff = _number("preact_coeff", preact_coeff)
-        self.revive_coeff = _number("revive_coeff", revive_coeff)
+        self.aux_coeff = _number("aux_coeff", aux_coeff)
+        if isinstance(aux_tokens, bool) or not isinstance(aux_tokens, int) or aux_tokens < 1:
+            raise ConfigError(f"aux_tokens must be an integer >= 1, got {aux_tokens!r}")
+        self.aux_tokens = aux_tokens
+        self.k_aux = max(1, sae.cfg.d_vit // 2)
         super().__init__(sae, **kw)
 
     def _extra(self, sae, x_BD, x_hat_BD, f_BS, pre_BS, mse, var_x, l1, sparsity_scale):
         theta_S = sae.jumprelu_threshold()
         l0 = HeavisideStep.apply(pre_BS, theta_S, sae.jumprelu_bandwidth()).sum(1).mean()
         penalty = (self.l0_coeff * sparsity_scale) * var_x * l0
-        norm_S = sae.W_dec.norm(dim=1)
         with torch.set_grad_enabled(self.preact_coeff > 0 and torch.is_grad_enabled()):
-            preact = (torch.relu(theta_S - pre_BS) @ norm_S).mean()
+            preact = (torch.relu(theta_S - pre_BS) @ sae.W_dec.norm(dim=1)).mean()
         extra = penalty + self.preact_coeff * preact if self.preact_coeff > 0 else penalty
-        revive = torch.zeros((), device=mse.device)  # off (the default): not computed on the hot path
-        if self.revive_coeff > 0:
-            revive = self._revive(sae, f_BS, pre_BS, theta_S, norm_S, var_x)
-            extra = extra + self.revive_coeff * revive
-        self._extras = {"l0_penalty": penalty.detach(), "preact": preact.detach(), "revive": revive.detach(),
-                        "threshold_mean": theta_S.detach().mean()}  # fmt: skip
-        return extra, torch.zeros((), device=mse.device)
+        aux = torch.zeros((), dtype=mse.dtype, device=mse.device)
+        if self.aux_coeff > 0:
+            quiet_S = self.stats.tokens_since_fired_S >= self.aux_tokens
+            # a lagged host read (CUDA) only bounds the count: picks beyond the quiet latents add 0
+            n_quiet = self.k_aux if self.stats.lag_host_reads else None
+            aux = auxk_loss(sae, x_BD, x_hat_BD, pre_BS, quiet_S, self.k_aux, n_dead=n_quiet)
+            extra = extra + self.aux_coeff * var_x * aux
+        self._extras = {"l0_penalty": penalty.detach(), "preact": preact.detach(), "threshold_mean": theta_S.detach().mean()}
+        return extra, aux
 
-    def _revive(self, sae, f_BS, pre_BS, theta_S, norm_S, var_x) -> torch.Tensor:
-        quiet_S = (f_BS.detach() == 0).all(0)
-        unit = sae.threshold_scale.detach() if sae.cfg.jumprelu_param == "direct" else 1.0
-        gap_BQ = torch.relu(theta_S[quiet_S] - pre_BS[:, quiet_S])
-        return (gap_BQ @ norm_S[quiet_S]).mean() * var_x / unit
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "aux_tokens": self.aux_tokens}
+
+    def incompatible(self, state: dict) -> str | None:
+        if self.aux_coeff > 0 and "aux_tokens" not in state:
+            return ("this JumpReLU checkpoint was trained without the AuxK term on quiet latents (jumprelu_aux_coeff, "
+                    "added later) and cannot be continued exactly")
+        return None
 
 
 class MatryoshkaObjective(_ExtrasMixin, AuxKObjective):
@@ -420,10 +434,10 @@ def make_objective(
     **kw,
 ) -> Objective:
     """ReLUObjective for ``relu`` SAEs (``l1_coeff`` required), JumpReLUObjective for ``jumprelu``
-    (``l0_coeff`` required, ``preact_coeff``, ``revive_coeff``), MatryoshkaObjective for ``matryoshka``
-    (``prefix_weights``), AuxKObjective otherwise.
+    (``l0_coeff`` required, ``preact_coeff``, ``aux_coeff``, ``aux_tokens``), MatryoshkaObjective for
+    ``matryoshka`` (``prefix_weights``), AuxKObjective otherwise.
 
-    Keyword arguments: dead_tokens_threshold, dense_frac; aux_coeff, k_aux (TopK variants).
+    Keyword arguments: dead_tokens_threshold, dense_frac; aux_coeff (TopK variants and JumpReLU), k_aux (TopK variants).
     """
     act = sae.cfg.activation
     if act != "jumprelu" and (l0_coeff is not None or preact_coeff):
