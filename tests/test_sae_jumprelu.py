@@ -90,6 +90,9 @@ def test_auxk_reaches_only_latents_quiet_for_aux_tokens_and_leaves_the_forward_a
     fired_S = (sae(x)[1] != 0).any(0)
     assert bool(fired_S[:8].all()) and not bool(fired_S[8:].any())
     assert 0 < float(out.aux) <= 1.5  # a normalised MSE of the residual
+    lagged = make_objective(sae, l0_coeff=0.0, aux_tokens=512)
+    lagged.stats.lag_host_reads = True  # as on CUDA: no host read of the quiet count
+    assert [float(lagged(sae, x).aux) for _ in range(2)] == [0.0, pytest.approx(float(out.aux), rel=1e-6)]
     out.loss.backward()
     assert float(sae.W_enc.grad[:, 8:].abs().sum()) > 0 and float(sae.W_dec.grad[8:].abs().sum()) > 0
     # the firing latents get the reconstruction's gradient only, and the loss is the MSE plus the term

@@ -368,9 +368,11 @@ class JumpReLUObjective(_ExtrasMixin, Objective):
         aux = torch.zeros((), dtype=mse.dtype, device=mse.device)
         if self.aux_coeff > 0:
             quiet_S = self.stats.tokens_since_fired_S >= self.aux_tokens
-            # a lagged host read (CUDA) only bounds the count: picks beyond the quiet latents add 0
-            n_quiet = self.k_aux if self.stats.lag_host_reads else None
-            aux = auxk_loss(sae, x_BD, x_hat_BD, pre_BS, quiet_S, self.k_aux, n_dead=n_quiet)
+            if self.stats.lag_host_reads:  # no host read (CUDA): k_aux bounds the count, picks beyond it add 0,
+                aux = auxk_loss(sae, x_BD, x_hat_BD, pre_BS, quiet_S, self.k_aux, n_dead=self.k_aux)
+                aux = aux * quiet_S.any()  # and with none quiet the term reads 0, as on the CPU
+            else:
+                aux = auxk_loss(sae, x_BD, x_hat_BD, pre_BS, quiet_S, self.k_aux)
             extra = extra + self.aux_coeff * var_x * aux
         self._extras = {"l0_penalty": penalty.detach(), "preact": preact.detach(), "threshold_mean": theta_S.detach().mean()}
         return extra, aux
