@@ -81,14 +81,15 @@ def render(args) -> None:
             at = bq.fvu_at_l0(peer, a["l0"])  # as bench_quality.py judges it
             ref = s["fvu"] if at is None else at
             ratio = a["fvu"] / ref
-            matched.append({"d": d, "regime": regime, "actcache l0_coeff": a["coeff"], "L0": a["l0"], "FVU": a["fvu"],
+            matched.append({"cell": f"d={d} {regime}", "seeds": f"{a['seeds']} / {s['seeds']}",
+                            "actcache l0_coeff": a["coeff"], "L0": a["l0"], "FVU": a["fvu"],
                             "SAELens l0_coefficient": s["coeff"], "SAELens L0": s["l0"], "SAELens FVU": s["fvu"],
                             "SAELens FVU at actcache's L0": "-" if at is None else at, "FVU ratio": ratio})  # fmt: skip
             where = f"{s['fvu']:.3f} at L0 {s['l0']:.2f}" if at is None else f"{at:.3f} interpolated to that L0"
             conclusions.append(f"d={d}, {regime}: actcache FVU {a['fvu']:.3f} at L0 {a['l0']:.2f} against SAELens "
                                f"{where} ({ratio:.3f} x; target <= 1.05 x)")  # fmt: skip
     setup = [
-        "Data, trainers, metrics: scripts/bench_quality.py (d=64, 512 true directions with Zipf 0.8 frequencies, "
+        "Data, trainers, metrics: scripts/bench_quality.py (d=64 or 256, 8 d true directions with Zipf 0.8 frequencies, "
         "U[0.5, 1.5] magnitudes, mean offset of norm 2, noise 1% of the variance; width 8 d; batch 4096; Adam lr "
         "2e-3; held-out 16,384 examples); JumpReLU at each library's defaults apart from lr, width and the "
         "swept coefficient.",
@@ -97,7 +98,8 @@ def render(args) -> None:
         "(dead: latents that never fire on the held-out 16,384; FVU spread: max - min over seeds).",
         f"Matched L0: per (d, regime, library) the coefficient whose mean L0 is nearest k = {bq.K_TRUE}, among "
         f"those run with at least {args.min_seeds} seeds; SAELens's FVU is interpolated (linear in L0) to "
-        "actcache's L0 between its two coefficients that bracket it (bench_quality.py's verdict).",
+        "actcache's L0 between its two coefficients that bracket it, else taken at its own point (bench_quality.py's "
+        "verdict); seeds: actcache / SAELens.",
     ]
     tables = [benchlib.table(matched)] if matched else []
     tables.append(benchlib.table(sweep))
