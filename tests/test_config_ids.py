@@ -123,7 +123,7 @@ def test_every_resolved_value_is_unchanged():
     later = {"jumprelu_bandwidth", "jumprelu_init_threshold", "matryoshka_prefixes", "l0_coeff", "preact_coeff",
              "matryoshka_weights", "l0_warmup_steps", "precision", "decode",
              "keep_checkpoints", "batch_saes", "verify_reads", "enc_init", "dec_init_frac", "jumprelu_aux_coeff",
-             "jumprelu_aux_tokens"}  # fmt: skip
+             "aux_tokens"}  # fmt: skip
     assert all(getattr(r, k) == RUN_KEYS[k].default for r in runs for k in later)
     blob = json.dumps([{k: v for k, v in r.to_dict().items() if k not in later} for r in runs], sort_keys=True).encode()
     assert hashlib.sha256(blob).hexdigest() == "b40696bd67a874e921384d7ffb40177c877122e75a9872d9bc805dfb56b1b443"
@@ -171,21 +171,25 @@ def test_dec_init_frac_enters_ids_only_when_set_and_only_for_topk_variants():
         expand_train_section({"steps": 10, "dec_init_frac": 2}, "x.yaml")
 
 
-def test_jumprelu_auxk_keys_enter_ids_only_when_set_and_only_for_jumprelu():
+def test_auxk_keys_enter_ids_only_when_set_and_only_where_there_is_an_auxk_term():
     jr = {"steps": 10, "activation": "jumprelu", "l0_coeff": 1e-2}
     (default,) = expand_train_section(jr, "x.yaml")
-    (same,) = expand_train_section({**jr, "jumprelu_aux_coeff": 1.0, "jumprelu_aux_tokens": 8192}, "x.yaml")
+    (same,) = expand_train_section({**jr, "jumprelu_aux_coeff": 1.0}, "x.yaml")
     (off,) = expand_train_section({**jr, "jumprelu_aux_coeff": 0}, "x.yaml")
-    (wide,) = expand_train_section({**jr, "jumprelu_aux_tokens": 65536}, "x.yaml")
+    (wide,) = expand_train_section({**jr, "aux_tokens": 65536}, "x.yaml")
     assert default.sae_id == same.sae_id == RunConfig(**jr, k=None).sae_id  # ids issued before the keys stay
     assert len({default.sae_id, off.sae_id, wide.sae_id}) == 3
     kw = default.objective_kwargs()
-    assert (kw["aux_coeff"], kw["aux_tokens"]) == (1.0, 8192) and off.objective_kwargs()["aux_coeff"] == 0
-    for name, value in (("jumprelu_aux_coeff", 0.5), ("jumprelu_aux_tokens", 100)):
-        with pytest.raises(ConfigError, match=rf"x\.yaml.*key '{name}' is only for .*jumprelu"):
-            expand_train_section({"steps": 10, name: value}, "x.yaml")
-    with pytest.raises(ConfigError, match=r"jumprelu_aux_tokens"):
-        expand_train_section({**jr, "jumprelu_aux_tokens": 0}, "x.yaml")
+    assert (kw["aux_coeff"], kw["aux_tokens"]) == (1.0, None) and off.objective_kwargs()["aux_coeff"] == 0
+    (topk,) = expand_train_section({"steps": 10}, "x.yaml")
+    (topk_w,) = expand_train_section({"steps": 10, "aux_tokens": 4096}, "x.yaml")
+    assert topk.sae_id == RunConfig(steps=10).sae_id != topk_w.sae_id and topk_w.objective_kwargs()["aux_tokens"] == 4096
+    with pytest.raises(ConfigError, match=r"x\.yaml.*key 'jumprelu_aux_coeff' is only for .*jumprelu"):
+        expand_train_section({"steps": 10, "jumprelu_aux_coeff": 0.5}, "x.yaml")
+    with pytest.raises(ConfigError, match=r"x\.yaml.*key 'aux_tokens' is only for .*AuxK.*not relu"):
+        expand_train_section({"steps": 10, "activation": "relu", "l1_coeff": 1e-3, "aux_tokens": 100}, "x.yaml")
+    with pytest.raises(ConfigError, match=r"aux_tokens"):
+        expand_train_section({**jr, "aux_tokens": 0}, "x.yaml")
 
 
 def test_a_removed_key_says_what_replaced_it():

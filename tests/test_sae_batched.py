@@ -38,7 +38,7 @@ def _build(activation: str, decode: str, kws: list[dict], dtype: str, precision:
         cfg = SAEConfig(d_vit=16, width=64, activation=activation, k=k, seed=seed, dtype=dtype, **extra)
         sae = SAE(cfg).set_compute(decode, precision)
         saes.append(sae)
-        objs.append(make_objective(sae, dead_tokens_threshold=100, **kw))
+        objs.append(make_objective(sae, dead_tokens_threshold=100, aux_tokens=100, **kw))
         opts.append(make_optimizer(sae, lr=1e-2))
     return saes, objs, opts
 

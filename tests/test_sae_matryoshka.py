@@ -61,7 +61,7 @@ def test_matryoshka_recovers_dictionary_and_infers_with_threshold():
     width = 2 * N_TRUE
     sae = mat(width=width, d=D, k=K_TRUE, prefixes=(width // 4, width // 2, width), seed=0)
     sae.init_b_dec(x[:2048])
-    obj = make_objective(sae, dead_tokens_threshold=100_000)  # AuxK revives latents left unused
+    obj = make_objective(sae, dead_tokens_threshold=100_000, aux_tokens=100_000)  # AuxK revives latents left unused
     opt = make_optimizer(sae, 1e-2)
     steps = 700
     sched = LRSchedule(lr=1e-2, warmup_steps=50, total_steps=steps, decay="linear", final_frac=0.1)
@@ -183,7 +183,7 @@ def best_cosine(rows_SD: torch.Tensor, dirs_PD: torch.Tensor) -> float:
 
 def train_toy(sae: SAE, x_ND: torch.Tensor, **objective_kw) -> SAE:
     sae.init_b_dec(x_ND[:2048])
-    obj, opt = make_objective(sae, dead_tokens_threshold=2048, **objective_kw), make_optimizer(sae, 1e-2)
+    obj, opt = make_objective(sae, dead_tokens_threshold=2048, aux_tokens=2048, **objective_kw), make_optimizer(sae, 1e-2)
     sched = LRSchedule(lr=1e-2, warmup_steps=20, total_steps=1000, decay="linear", final_frac=0.1)
     g = torch.Generator().manual_seed(1)
     for step in range(1000):

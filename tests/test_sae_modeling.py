@@ -271,7 +271,7 @@ def test_auxk_is_zero_without_dead_latents_and_positive_with():
     assert float(out.aux) == 0.0 and float(out.n_dead) == 0
     assert float(out.loss.detach()) == pytest.approx(float(out.mse))
 
-    eager = make_objective(sae, dead_tokens_threshold=1)  # not firing in this batch = dead
+    eager = make_objective(sae, dead_tokens_threshold=1, aux_tokens=1)  # not firing in this batch = dead
     out = eager(sae, x)
     n_dead = int(out.n_dead)
     assert n_dead >= 64 - 8 * 2
@@ -286,6 +286,24 @@ def test_auxk_is_zero_without_dead_latents_and_positive_with():
     assert (row_grad[~dead] == 0).all() and (row_grad[dead] > 0).any()
 
 
+def test_auxk_takes_the_latents_quiet_for_aux_tokens_not_the_dead_window():
+    sae = small("topk", k=2, width=64)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    out = make_objective(sae, dead_tokens_threshold=10**7, aux_tokens=8)(sae, x)
+    assert float(out.n_dead) == 0 and float(out.aux) > 0  # quiet for 8 tokens: in AuxK, not yet dead
+    # the defaults: topk the dead window; batchtopk, matryoshka 80 x width; jumprelu 16 x width
+    assert make_objective(sae, dead_tokens_threshold=1000).stats.quiet_tokens == 1000
+    assert make_objective(small("batchtopk", k=2, width=64)).stats.quiet_tokens == 80 * 64
+    jr = SAE(SAEConfig(d_vit=16, width=64, activation="jumprelu"))
+    assert make_objective(jr, l0_coeff=1e-2).stats.quiet_tokens == 16 * 64
+    # a checkpoint from before the window: continued where AuxK is as it was (topk at its default)
+    old = {"stats": make_objective(sae).stats.state_dict()}
+    assert make_objective(sae).incompatible(old) is None
+    assert "before AuxK's window" in make_objective(sae, aux_tokens=8).incompatible(old)
+    assert "before AuxK's window" in make_objective(small("batchtopk", k=2, width=64)).incompatible(old)
+    assert make_objective(small("batchtopk", k=2, width=64), aux_coeff=0.0).incompatible(old) is None
+
+
 def test_auxk_revives_dead_latents():
     # Half the latents start with 20x smaller encoder columns: they never win a top-k slot, so they
     # die after the 4096-token window. With AuxK they learn to model the residual and fire again.
@@ -296,7 +314,7 @@ def test_auxk_revives_dead_latents():
         sae.init_b_dec(x[:2048])
         with torch.no_grad():
             sae.W_enc[:, N_TRUE:] *= 0.05
-        obj = make_objective(sae, aux_coeff=coeff, dead_tokens_threshold=4096)
+        obj = make_objective(sae, aux_coeff=coeff, dead_tokens_threshold=4096, aux_tokens=4096)
         opt = make_optimizer(sae, lr=1e-2)
         g = torch.Generator().manual_seed(1)
         for _ in range(150):
@@ -343,7 +361,7 @@ def test_dense_latents_are_counted():
     with torch.no_grad():
         sae.b_enc.fill_(-100.0)
         sae.b_enc[:3] = 100.0  # three latents always fire
-    obj = make_objective(sae, l1_coeff=0.0, dead_tokens_threshold=100)
+    obj = make_objective(sae, l1_coeff=0.0, dead_tokens_threshold=100, aux_tokens=100)
     for _ in range(3):
         out = obj(sae, torch.randn(64, 16))
     assert int(out.n_dense) == 3 and int(out.n_dead) == 29

@@ -50,7 +50,7 @@ def test_bad_precision_names_the_key():
 
 def step_once(precision: str, decode: str = "dense"):
     sae = SAE(SAEConfig(d_vit=32, width=256, activation="topk", k=8)).set_compute(decode, precision)
-    obj, opt = make_objective(sae, dead_tokens_threshold=64), make_optimizer(sae, lr=1e-3)
+    obj, opt = make_objective(sae, dead_tokens_threshold=64, aux_tokens=64), make_optimizer(sae, lr=1e-3)
     x_BD = torch.randn(128, 32, generator=torch.Generator().manual_seed(0))
     sae.init_b_dec(x_BD)
     outs = [train_step(sae, obj, opt, x_BD, max_grad_norm=1.0) for _ in range(3)]

@@ -23,7 +23,7 @@ def loss_and_grads(activation: str, dtype: str, decode: str, dead_every: int | N
     sae = SAE(cfg).set_compute(decode=decode)
     x_BD = torch.randn(96, 48, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(cfg.torch_dtype)
     sae.init_b_dec(x_BD)
-    obj = make_objective(sae, dead_tokens_threshold=10**6)
+    obj = make_objective(sae, dead_tokens_threshold=10**6, aux_tokens=10**6)
     if dead_every is not None:  # some latents dead: the AuxK term is active
         obj.stats.tokens_since_fired_S[::dead_every] = 10**6
     out = obj(sae, x_BD)
@@ -83,7 +83,7 @@ def test_sparse_training_follows_dense_training():
     saes = []
     for decode in ("dense", "sparse"):
         sae = SAE(SAEConfig(d_vit=32, width=256, activation="topk", k=8)).set_compute(decode=decode)
-        obj, opt = make_objective(sae, dead_tokens_threshold=300), make_optimizer(sae, lr=1e-3)
+        obj, opt = make_objective(sae, dead_tokens_threshold=300, aux_tokens=300), make_optimizer(sae, lr=1e-3)
         sae.init_b_dec(x_BD)
         for _ in range(20):
             out = train_step(sae, obj, opt, x_BD, max_grad_norm=1.0)

@@ -127,7 +127,11 @@ class RunConfig:
                                   example=0.001)  # fmt: skip
     aux_coeff: float = _sae(1 / 32, "topk variants: AuxK coefficient", ge=0, le=MAX_COEFF)
     k_aux: int | None = _sae(None, "topk variants: AuxK latents (null: d_vit // 2)", ge=1, example=512)
-    dead_tokens: int = _sae(10_000_000, "a latent is dead after this many tokens without firing", ge=1)
+    dead_tokens: int = _sae(10_000_000, "a latent is dead after this many tokens without firing (metrics)", ge=1)
+    aux_tokens: int | None = _sae(
+        None, "topk variants, jumprelu: a latent joins the AuxK term after this many tokens without firing "
+        "(null: batchtopk, matryoshka 80 x width; jumprelu 16 x width; topk dead_tokens)", ge=1, late=True, example=40960,
+    )
     dense_frac: float = _sae(0.1, "a latent is dense when it fires on more than this fraction", gt=0, lt=1)
     l0_coeff: float | None = _objective(
         None, "jumprelu only (required): L0 coefficient, in fractions of variance per latent", ge=0, le=MAX_COEFF,
@@ -136,11 +140,8 @@ class RunConfig:
     preact_coeff: float = _objective(0.0, "jumprelu: pre-activation penalty reviving latents that never fire", ge=0,
                                      le=MAX_COEFF)  # fmt: skip
     jumprelu_aux_coeff: float = _objective(
-        1.0, "jumprelu: AuxK coefficient on the latents quiet for jumprelu_aux_tokens tokens, in fractions of "
+        1.0, "jumprelu: AuxK coefficient on the latents quiet for aux_tokens tokens, in fractions of "
         "variance (0: off)", ge=0, le=MAX_COEFF, example=1.0,
-    )
-    jumprelu_aux_tokens: int = _objective(
-        8192, "jumprelu: a latent joins the AuxK term after this many tokens without firing", ge=1, example=8192
     )
     matryoshka_weights: tuple[float, ...] | None = _objective(
         None, "matryoshka: relative weight of each prefix's MSE (null: equal)", ge=0, le=MAX_COEFF, example=(1.0, 1.0, 1.0)
@@ -301,9 +302,9 @@ class RunConfig:
             kw["l1_coeff"] = self.l1_coeff
         elif self.activation == "jumprelu":
             kw.update(l0_coeff=self.l0_coeff, preact_coeff=self.preact_coeff, aux_coeff=self.jumprelu_aux_coeff,
-                      aux_tokens=self.jumprelu_aux_tokens)
+                      aux_tokens=self.aux_tokens)
         else:
-            kw["aux_coeff"] = self.aux_coeff
+            kw.update(aux_coeff=self.aux_coeff, aux_tokens=self.aux_tokens)
             if self.k_aux is not None:
                 kw["k_aux"] = self.k_aux
             if self.matryoshka_weights is not None:
@@ -413,10 +414,10 @@ def _model(d: dict, given: set, where: str) -> None:
 
 RETIRED_KEYS = {  # keys a release dropped: what to write instead
     "revive_coeff": "jumprelu's quiet latents now get an AuxK term, on by default (jumprelu_aux_coeff, "
-    "jumprelu_aux_tokens); delete the key",
+    "aux_tokens); delete the key",
 }
 JUMPRELU_KEYS = ("jumprelu_bandwidth", "jumprelu_init_threshold", "l0_coeff", "preact_coeff", "jumprelu_aux_coeff",
-                 "jumprelu_aux_tokens", "l0_warmup_steps")
+                 "l0_warmup_steps")
 MATRYOSHKA_KEYS = ("matryoshka_prefixes", "matryoshka_weights")
 
 
@@ -430,6 +431,9 @@ def _objective_keys(d: dict, where: str) -> None:
                     raise ConfigError(f"{where}: key '{name}' is only for activation {owner}, not {act}; remove it.")
     if act == "jumprelu" and d["l0_coeff"] is None:
         raise ConfigError(f"{where}: activation jumprelu needs 'l0_coeff' (the L0 sparsity coefficient).")
+    if act == "relu" and d["aux_tokens"] is not None:
+        raise ConfigError(f"{where}: key 'aux_tokens' is only for the activations with an AuxK term (topk, batchtopk, "
+                          "matryoshka, jumprelu), not relu; remove it.")
     if act != "matryoshka":
         return
     p, w = d["matryoshka_prefixes"], d["matryoshka_weights"]

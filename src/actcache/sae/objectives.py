@@ -9,7 +9,8 @@
 
 An objective is stateful: it counts, for each latent, the tokens seen since the latent last fired
 (``FiringStats``), which defines dead latents (no firing within the last ``dead_tokens_threshold``
-tokens) for the metrics and for AuxK. Save ``obj.state_dict()`` with a checkpoint to resume.
+tokens) for the metrics, and the quiet latents (none within the last ``aux_tokens``) for AuxK.
+Save ``obj.state_dict()`` with a checkpoint to resume.
 
 Definitions (B batch, D d_vit, S latents):
 - mse: mean over batch and dimensions of (x_hat - x)^2.
@@ -21,9 +22,10 @@ Definitions (B batch, D d_vit, S latents):
   ``dense_frac`` (10%).
 - aux: the AuxK term (Gao et al. 2024) before its coefficient: the normalized MSE
   ||e_hat - e||^2 / ||e||^2 of reconstructing the (detached) residual e = x - x_hat from the top
-  ``k_aux`` dead latents. As in the paper's nMSE + alpha * aux, it is added to the loss scaled by
-  the batch variance of x (a detached constant), so the loss stays in MSE units:
-  loss = mse + aux_coeff * var(x) * aux.  Zero when no latent is dead.
+  ``k_aux`` quiet latents (not fired within the last ``aux_tokens`` tokens; default
+  AUX_TOKENS_PER_LATENT x the width, or the dead window for TopK). As in the paper's nMSE + alpha * aux, it is added to the
+  loss scaled by the batch variance of x (a detached constant), so the loss stays in MSE units:
+  loss = mse + aux_coeff * var(x) * aux.  Zero when no latent is quiet.
 JumpReLU and Matryoshka objectives add metrics of their own in ``LossOut.extras`` (their classes
 say which).
 """
@@ -37,6 +39,14 @@ import torch
 
 from actcache.errors import ConfigError, TrainError
 from actcache.sae.modeling import SAE, Codes, HeavisideStep
+
+# AuxK's window by default, in tokens per latent, so that it grows with the mean interval between
+# a latent's firings (width / L0 tokens): 80 x the width for BatchTopK and Matryoshka (40,960
+# tokens at width 512, 1.3M at 16,384), whose batch-level choice left 40% of the latents dead with
+# Gao et al.'s 10M tokens, a window runs of a few million tokens never reach; 16 x for JumpReLU,
+# whose latents, once below threshold, get no other gradient. TopK keeps the dead window
+# (``dead_tokens_threshold``): a shorter one left more latents dead. Measured in config/README.md.
+AUX_TOKENS_PER_LATENT = {"jumprelu": 16, "batchtopk": 80, "matryoshka": 80}
 
 
 @dataclasses.dataclass
@@ -61,9 +71,11 @@ class LossOut:
 
 
 class FiringStats:
-    """Per-latent counters: tokens since the latent last fired, and an EMA of its firing rate."""
+    """Per-latent counters: tokens since the latent last fired, and an EMA of its firing rate.
+    Dead: not fired within ``dead_tokens_threshold`` tokens (metrics); quiet: within ``quiet_tokens``
+    (AuxK's latents; default ``dead_tokens_threshold``)."""
 
-    def __init__(self, width: int, dead_tokens_threshold: int, dense_frac: float = 0.1):
+    def __init__(self, width: int, dead_tokens_threshold: int, dense_frac: float = 0.1, quiet_tokens: int | None = None):
         if (
             not isinstance(dead_tokens_threshold, int)
             or isinstance(dead_tokens_threshold, bool)
@@ -72,16 +84,20 @@ class FiringStats:
             raise ConfigError(f"dead_tokens_threshold must be an integer >= 1, got {dead_tokens_threshold!r}")
         if not 0.0 < dense_frac < 1.0:
             raise ConfigError(f"dense_frac must be in (0, 1), got {dense_frac!r}")
+        quiet_tokens = dead_tokens_threshold if quiet_tokens is None else quiet_tokens
+        if not isinstance(quiet_tokens, int) or isinstance(quiet_tokens, bool) or quiet_tokens < 1:
+            raise ConfigError(f"aux_tokens must be an integer >= 1, got {quiet_tokens!r}")
         self.width = width
         self.dead_tokens_threshold = dead_tokens_threshold
+        self.quiet_tokens = quiet_tokens
         self.dense_frac = dense_frac
         self.tokens_since_fired_S = torch.zeros(width, dtype=torch.int64)
         self.freq_S = torch.zeros(width, dtype=torch.float32)
         self.n_tokens = 0
-        # lag_host_reads (the trainer sets it on CUDA): n_dead_before is read from a copy made
+        # lag_host_reads (the trainer sets it on CUDA): n_quiet_before is read from a copy made
         # without waiting at the end of the previous update, so no step waits for the device.
         self.lag_host_reads = False
-        self.n_dead_before: int | None = None  # dead latents before the latest update (lagged mode)
+        self.n_quiet_before: int | None = None  # quiet latents before the latest update (lagged mode)
         self._host_copy = None  # (pinned int64 tensor, event or None) of the previous update
 
     @torch.no_grad()
@@ -102,7 +118,7 @@ class FiringStats:
             self.tokens_since_fired_S = self.tokens_since_fired_S.to(fired_S.device)
             self.freq_S = self.freq_S.to(fired_S.device)
         if self.lag_host_reads:
-            self.n_dead_before = self._read_host_copy()
+            self.n_quiet_before = self._read_host_copy()
         self.tokens_since_fired_S += b
         self.tokens_since_fired_S.masked_fill_(fired_S, 0)
         # EMA with a horizon of ~dead_tokens_threshold tokens (the full mean while fewer were seen).
@@ -118,7 +134,7 @@ class FiringStats:
         if self._host_copy is None:
             self._host_copy = (torch.zeros((), dtype=torch.int64, pin_memory=cuda), None)
         host = self._host_copy[0]
-        host.copy_(self.n_dead(), non_blocking=cuda)
+        host.copy_(self.quiet_mask().sum(), non_blocking=cuda)
         event = torch.cuda.Event() if cuda else None
         if event is not None:
             event.record()
@@ -126,7 +142,7 @@ class FiringStats:
 
     def _read_host_copy(self) -> int:
         if self._host_copy is None:  # first update (or after a resume): one read of the device
-            return int(self.n_dead())
+            return int(self.quiet_mask().sum())
         host, event = self._host_copy
         if event is not None:
             event.synchronize()  # recorded a whole step ago: done by now
@@ -137,6 +153,9 @@ class FiringStats:
 
     def n_dead(self) -> torch.Tensor:
         return self.dead_mask().sum()
+
+    def quiet_mask(self) -> torch.Tensor:
+        return self.tokens_since_fired_S >= self.quiet_tokens
 
     def n_dense(self) -> torch.Tensor:
         return (self.freq_S > self.dense_frac).sum()
@@ -184,9 +203,16 @@ class Objective(abc.ABC):
 
     extra_metrics: tuple[str, ...] = ()
     needs_f = False  # True: _extra reads the dense f_BS, so a sparse forward must build it
+    aux_coeff = 0.0  # > 0: an AuxK term over the quiet latents (FiringStats.quiet_mask)
+    auxk_took_dead_window = False  # checkpoints before aux_tokens: AuxK over the dead latents (TopK family)
 
-    def __init__(self, sae: SAE, dead_tokens_threshold: int = 10_000_000, dense_frac: float = 0.1):
-        self.stats = FiringStats(sae.cfg.width, dead_tokens_threshold, dense_frac)
+    def __init__(self, sae: SAE, dead_tokens_threshold: int = 10_000_000, dense_frac: float = 0.1,
+                 aux_tokens: int | None = None):  # fmt: skip
+        """``aux_tokens``: AuxK's window (objectives with an AuxK term); null: AUX_TOKENS_PER_LATENT x width,
+        or ``dead_tokens_threshold`` for the other activations."""
+        if aux_tokens is None and sae.cfg.activation in AUX_TOKENS_PER_LATENT:
+            aux_tokens = AUX_TOKENS_PER_LATENT[sae.cfg.activation] * sae.cfg.width
+        self.stats = FiringStats(sae.cfg.width, dead_tokens_threshold, dense_frac, quiet_tokens=aux_tokens)
 
     def __call__(self, sae: SAE, x_BD: torch.Tensor, *, sparsity_scale: float = 1.0, fwd=None) -> LossOut:
         """``fwd``: the SAE's forward output (x_hat_BD, f_BS, aux) when the caller computed it (the
@@ -221,14 +247,21 @@ class Objective(abc.ABC):
         raise NotImplementedError
 
     def state_dict(self) -> dict:
-        return {"stats": self.stats.state_dict()}
+        return {"stats": self.stats.state_dict(), "aux_tokens": self.stats.quiet_tokens}
 
     def load_state_dict(self, state: dict) -> None:
         self.stats.load_state_dict(state["stats"])
 
     def incompatible(self, state: dict) -> str | None:
-        """Why a checkpoint's objective state (from an older recipe) cannot be continued exactly, or None."""
-        return None
+        """Why a checkpoint's objective state (from an older recipe) cannot be continued exactly, or None:
+        one written before AuxK's window existed (AuxK then took the dead window; JumpReLU had none),
+        when this objective's AuxK term differs from that."""
+        if self.aux_coeff == 0 or "aux_tokens" in state:
+            return None
+        if self.auxk_took_dead_window and self.stats.quiet_tokens == self.stats.dead_tokens_threshold:
+            return None
+        return ("this checkpoint was written before AuxK's window (aux_tokens; and JumpReLU's AuxK term) and "
+                "cannot be continued exactly")
 
 
 class ReLUObjective(Objective):
@@ -250,6 +283,8 @@ class AuxKObjective(Objective):
     ``k_aux`` defaults to d_vit // 2 and is capped at the number of dead latents.
     """
 
+    auxk_took_dead_window = True
+
     def __init__(self, sae: SAE, aux_coeff: float = 1 / 32, k_aux: int | None = None, **kw):
         if isinstance(aux_coeff, bool) or not isinstance(aux_coeff, int | float) or aux_coeff < 0:
             raise ConfigError(f"aux_coeff must be a number >= 0, got {aux_coeff!r}")
@@ -263,8 +298,8 @@ class AuxKObjective(Objective):
 
     def _extra(self, sae, x_BD, x_hat_BD, f_BS, pre_BS, mse, var_x, l1, sparsity_scale):
         stats = self.stats
-        n_dead = stats.n_dead_before if stats.lag_host_reads else None
-        aux = auxk_loss(sae, x_BD, x_hat_BD, pre_BS, stats.dead_mask(), self.k_aux, n_dead=n_dead, fwd=self.fwd_aux)
+        n_quiet = stats.n_quiet_before if stats.lag_host_reads else None
+        aux = auxk_loss(sae, x_BD, x_hat_BD, pre_BS, stats.quiet_mask(), self.k_aux, n_dead=n_quiet, fwd=self.fwd_aux)
         return self.aux_coeff * var_x * aux, aux
 
 
@@ -334,8 +369,8 @@ class JumpReLUObjective(_ExtrasMixin, Objective):
     (Anthropic's variant, off by default): mean_b sum_s relu(theta_s - pre_bs) * ||W_dec[s]||,
     which raises the pre-activations of latents below threshold so that ones that never fire
     get a gradient again; it is in the units of the ReLU objective's L1 term.
-    AuxK (:func:`auxk_loss`, as for TopK) over the latents quiet for the last ``aux_tokens``
-    tokens: a latent whose pre-activations all sit below its threshold gets no other gradient
+    AuxK (:func:`auxk_loss`, as for TopK) over the quiet latents (none within ``aux_tokens``): a
+    latent whose pre-activations all sit below its threshold gets no other gradient
     (closed gate; the straight-through estimator sees only pre-activations within half a
     bandwidth), so it would stay dead; AuxK turns its encoder and decoder towards what the SAE
     fails to reconstruct until it fires, without changing the forward pass.
@@ -345,16 +380,12 @@ class JumpReLUObjective(_ExtrasMixin, Objective):
     extra_metrics = ("l0_penalty", "preact", "threshold_mean")
     needs_f = True
 
-    def __init__(self, sae: SAE, l0_coeff: float, preact_coeff: float = 0.0, aux_coeff: float = 1.0,
-                 aux_tokens: int = 8192, **kw):  # fmt: skip
+    def __init__(self, sae: SAE, l0_coeff: float, preact_coeff: float = 0.0, aux_coeff: float = 1.0, **kw):
         if sae.cfg.activation != "jumprelu":
             raise ConfigError(f"JumpReLUObjective needs a jumprelu SAE, got activation {sae.cfg.activation!r}")
         self.l0_coeff = _number("l0_coeff", l0_coeff)
         self.preact_coeff = _number("preact_coeff", preact_coeff)
         self.aux_coeff = _number("aux_coeff", aux_coeff)
-        if isinstance(aux_tokens, bool) or not isinstance(aux_tokens, int) or aux_tokens < 1:
-            raise ConfigError(f"aux_tokens must be an integer >= 1, got {aux_tokens!r}")
-        self.aux_tokens = aux_tokens
         self.k_aux = max(1, sae.cfg.d_vit // 2)
         super().__init__(sae, **kw)
 
@@ -367,24 +398,13 @@ class JumpReLUObjective(_ExtrasMixin, Objective):
         extra = penalty + self.preact_coeff * preact if self.preact_coeff > 0 else penalty
         aux = torch.zeros((), dtype=mse.dtype, device=mse.device)
         if self.aux_coeff > 0:
-            quiet_S = self.stats.tokens_since_fired_S >= self.aux_tokens
-            if self.stats.lag_host_reads:  # no host read (CUDA): k_aux bounds the count, picks beyond it add 0,
-                aux = auxk_loss(sae, x_BD, x_hat_BD, pre_BS, quiet_S, self.k_aux, n_dead=self.k_aux)
-                aux = aux * quiet_S.any()  # and with none quiet the term reads 0, as on the CPU
-            else:
-                aux = auxk_loss(sae, x_BD, x_hat_BD, pre_BS, quiet_S, self.k_aux)
+            stats = self.stats
+            n_quiet = stats.n_quiet_before if stats.lag_host_reads else None
+            aux = auxk_loss(sae, x_BD, x_hat_BD, pre_BS, stats.quiet_mask(), self.k_aux, n_dead=n_quiet)
             extra = extra + self.aux_coeff * var_x * aux
         self._extras = {"l0_penalty": penalty.detach(), "preact": preact.detach(), "threshold_mean": theta_S.detach().mean()}
         return extra, aux
 
-    def state_dict(self) -> dict:
-        return {**super().state_dict(), "aux_tokens": self.aux_tokens}
-
-    def incompatible(self, state: dict) -> str | None:
-        if self.aux_coeff > 0 and "aux_tokens" not in state:
-            return ("this JumpReLU checkpoint was trained without the AuxK term on quiet latents (jumprelu_aux_coeff, "
-                    "added later) and cannot be continued exactly")
-        return None
 
 
 class MatryoshkaObjective(_ExtrasMixin, AuxKObjective):
@@ -436,10 +456,11 @@ def make_objective(
     **kw,
 ) -> Objective:
     """ReLUObjective for ``relu`` SAEs (``l1_coeff`` required), JumpReLUObjective for ``jumprelu``
-    (``l0_coeff`` required, ``preact_coeff``, ``aux_coeff``, ``aux_tokens``), MatryoshkaObjective for
-    ``matryoshka`` (``prefix_weights``), AuxKObjective otherwise.
+    (``l0_coeff`` required, ``preact_coeff``, ``aux_coeff``), MatryoshkaObjective for ``matryoshka``
+    (``prefix_weights``), AuxKObjective otherwise.
 
-    Keyword arguments: dead_tokens_threshold, dense_frac; aux_coeff (TopK variants and JumpReLU), k_aux (TopK variants).
+    Keyword arguments: dead_tokens_threshold, dense_frac; aux_coeff, aux_tokens (TopK variants and
+    JumpReLU), k_aux (TopK variants).
     """
     act = sae.cfg.activation
     if act != "jumprelu" and (l0_coeff is not None or preact_coeff):
