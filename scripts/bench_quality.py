@@ -398,7 +398,7 @@ def judge(agg: list[dict], rows: list[dict] | None = None) -> list[dict]:
                 matched = all(abs(r["l0"] / K_TRUE - 1) <= L0_MATCH for r in (ours, *peers))
                 v["fvu_ok"] = ours["fvu"] <= 1.05 * best_fvu if matched else None
         speed_peer = {"topk": "sparsify", "batchtopk": "saelens"}.get(key[0])
-        if speed_peer in libs:
+        if speed_peer in libs and not math.isnan(ours["steps_per_s"]):  # NaN: trained apart from its peers
             v["speed"] = ours["steps_per_s"] / libs[speed_peer]["steps_per_s"]
             v["speed_vs"] = speed_peer
         verdicts.append(v)
@@ -609,7 +609,7 @@ def main() -> None:
         "dead: fires on none of the held-out examples; recovery: mean best decoder cosine per true direction; "
         f"steps/s: lockstep rounds on {'/'.join(sorted({r.get('device', 'cpu') for r in rows}))}, "
         f"{_span(rows, 'threads')} torch CPU thread(s), 1-min load "
-        f"{_span(rows, 'load')} when the cells started",
+        f"{_span(rows, 'load')} when the cells started (\"-\": trained apart from its peers)",
         f"jumprelu: coefficients run: actcache l0_coeff {_grid(rows, 'actcache')}, SAELens l0_coefficient "
         f"{_grid(rows, 'saelens')}; the point with held-out L0 nearest {K_TRUE} (in ratio) is shown; the verdict "
         "compares actcache's FVU with the peer's interpolated (linear in L0) to actcache's L0 between the peer's "
