@@ -512,14 +512,16 @@ def _grid(rows: list[dict], lib: str) -> str:
 
 
 def _cells_run(rows: list[dict]) -> str:
-    """e.g. "topk d=64 short seeds 0,1,2; batchtopk d=64 short seed 0": what the table holds."""
+    """e.g. "seeds 0,1,2: topk d=64 short, batchtopk d=64 short; seed 0: topk d=256 short": what the table holds."""
     seeds: dict[tuple, set] = {}
     for r in rows:
         seeds.setdefault(_cell_key(r), set()).add(r["seed"])
     logged = {_cell_key(r) for r in rows if r.get("from_log")}  # a run stopped before writing its rows
-    parts = [f"{o} d={d} {g} seed{'s' if len(v) > 1 else ''} {','.join(map(str, sorted(v)))}"
-             + (" (rows read from its log)" if (o, d, g) in logged else "")
-             for (o, d, g), v in seeds.items()]  # fmt: skip
+    groups: dict[tuple, list[str]] = {}
+    for (o, d, g), v in seeds.items():
+        groups.setdefault((tuple(sorted(v)), (o, d, g) in logged), []).append(f"{o} d={d} {g}")
+    parts = [f"seed{'s' if len(v) > 1 else ''} {','.join(map(str, v))}{' (rows read from a log)' if log else ''}: "
+             + ", ".join(cells) for (v, log), cells in sorted(groups.items(), key=lambda kv: (-len(kv[0][0]), kv[0]))]  # fmt: skip
     return "; ".join(parts) + "; nothing else"
 
 

@@ -22,10 +22,11 @@ Definitions (B batch, D d_vit, S latents):
   ``dense_frac`` (10%).
 - aux: the AuxK term (Gao et al. 2024) before its coefficient: the normalized MSE
   ||e_hat - e||^2 / ||e||^2 of reconstructing the (detached) residual e = x - x_hat from the top
-  ``k_aux`` quiet latents (not fired within the last ``aux_tokens`` tokens; default
-  AUX_TOKENS_PER_LATENT x the width, or the dead window for TopK). As in the paper's nMSE + alpha * aux, it is added to the
-  loss scaled by the batch variance of x (a detached constant), so the loss stays in MSE units:
-  loss = mse + aux_coeff * var(x) * aux.  Zero when no latent is quiet.
+  ``k_aux`` quiet latents (not fired within the last ``aux_tokens`` tokens; by default
+  AUX_TOKENS_PER_LATENT x the width, or the dead window for TopK). As in the paper's
+  nMSE + alpha * aux, it is added to the loss scaled by the batch variance of x (a detached
+  constant), so the loss stays in MSE units: loss = mse + aux_coeff * var(x) * aux.  Zero when no
+  latent is quiet.
 JumpReLU and Matryoshka objectives add metrics of their own in ``LossOut.extras`` (their classes
 say which).
 """
@@ -280,7 +281,7 @@ class ReLUObjective(Objective):
 class AuxKObjective(Objective):
     """loss = MSE + aux_coeff * var(x) * AuxK (see the module docstring).
 
-    ``k_aux`` defaults to d_vit // 2 and is capped at the number of dead latents.
+    ``k_aux`` defaults to d_vit // 2 and is capped at the number of quiet latents.
     """
 
     auxk_took_dead_window = True
