@@ -253,6 +253,12 @@ class Objective(abc.ABC):
     def load_state_dict(self, state: dict) -> None:
         self.stats.load_state_dict(state["stats"])
 
+    def _auxk(self, sae, x_BD, x_hat_BD, pre_BS, fwd=None) -> torch.Tensor:
+        """:func:`auxk_loss` over the quiet latents (their count read a step late where host reads lag)."""
+        stats = self.stats
+        n_quiet = stats.n_quiet_before if stats.lag_host_reads else None
+        return auxk_loss(sae, x_BD, x_hat_BD, pre_BS, stats.quiet_mask(), self.k_aux, n_dead=n_quiet, fwd=fwd)
+
     def incompatible(self, state: dict) -> str | None:
         """Why a checkpoint's objective state (from an older recipe) cannot be continued exactly, or None:
         one written before AuxK's window existed (AuxK then took the dead window; JumpReLU had none),
@@ -298,9 +304,7 @@ class AuxKObjective(Objective):
         self.k_aux = k_aux
 
     def _extra(self, sae, x_BD, x_hat_BD, f_BS, pre_BS, mse, var_x, l1, sparsity_scale):
-        stats = self.stats
-        n_quiet = stats.n_quiet_before if stats.lag_host_reads else None
-        aux = auxk_loss(sae, x_BD, x_hat_BD, pre_BS, stats.quiet_mask(), self.k_aux, n_dead=n_quiet, fwd=self.fwd_aux)
+        aux = self._auxk(sae, x_BD, x_hat_BD, pre_BS, fwd=self.fwd_aux)
         return self.aux_coeff * var_x * aux, aux
 
 
@@ -399,9 +403,7 @@ class JumpReLUObjective(_ExtrasMixin, Objective):
         extra = penalty + self.preact_coeff * preact if self.preact_coeff > 0 else penalty
         aux = torch.zeros((), dtype=mse.dtype, device=mse.device)
         if self.aux_coeff > 0:
-            stats = self.stats
-            n_quiet = stats.n_quiet_before if stats.lag_host_reads else None
-            aux = auxk_loss(sae, x_BD, x_hat_BD, pre_BS, stats.quiet_mask(), self.k_aux, n_dead=n_quiet)
+            aux = self._auxk(sae, x_BD, x_hat_BD, pre_BS)
             extra = extra + self.aux_coeff * var_x * aux
         self._extras = {"l0_penalty": penalty.detach(), "preact": preact.detach(), "threshold_mean": theta_S.detach().mean()}
         return extra, aux
